@@ -1,0 +1,55 @@
+"""rlflow's wire contract: every message, tensor framing, encode and decode.
+
+Depends on msgspec and numpy only (torch lazily, for `Tensor.torch`). See
+SPEC.md beside this file for the format in plain language.
+"""
+
+from .batch import Response, SampleView, build_batch, concat, samples, stamp, validate
+from .codec import Codec, decode, encode
+from .errors import (
+    FrameCountMismatch,
+    FrameSizeMismatch,
+    MalformedMessage,
+    ProtocolError,
+    SchemaVersionMismatch,
+    TruncatedMessage,
+    UnknownMessageType,
+    UnsupportedDType,
+)
+from .messages import (
+    MESSAGE_TYPES,
+    SCHEMA_VERSION,
+    AnyMessage,
+    Bye,
+    ControlMessage,
+    Credits,
+    DataMessage,
+    ErrorReport,
+    Expired,
+    FinishReason,
+    GroupInfo,
+    Heartbeat,
+    Hello,
+    Message,
+    ParamSpec,
+    Pause,
+    PromptGroup,
+    Ready,
+    Resume,
+    Role,
+    SampleBatch,
+    SampleFailure,
+    Shutdown,
+    Stage,
+    StepDone,
+    UpdateWeights,
+    WeightsLoaded,
+    WeightsMessage,
+    WeightsPayload,
+    WeightsReady,
+    WeightsRequest,
+    Welcome,
+)
+from .tensors import DTYPE_SIZES, Tensor
+
+__all__ = [name for name in dir() if not name.startswith("_")]

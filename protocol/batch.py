@@ -1,0 +1,266 @@
+"""Build columnar `SampleBatch`es from per-sample responses, and read them back.
+
+Producers (rollout engines) hand in one `Response` per sample; consumers see
+one `SampleView` per row. Both sides work on numpy arrays; the batch itself
+holds `Tensor`s, so it travels as a handful of frames however many samples it
+carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+
+from .messages import GroupInfo, PromptGroup, SampleBatch, SampleFailure, Stage
+from .tensors import Tensor
+
+N_STAGES = len(Stage)
+
+
+@dataclass
+class Response:
+    """One generated sample, as an engine produces it."""
+
+    token_ids: np.ndarray
+    """int32 [t]"""
+    logprobs: np.ndarray
+    """float32 [t]: behaviour log-probability of each token."""
+    versions: np.ndarray
+    """int32 [t]: policy version of each token."""
+    finish_reason: int
+    stamps: np.ndarray = field(default_factory=lambda: np.full(N_STAGES, np.nan))
+    """float64 [S]"""
+
+    def __post_init__(self) -> None:
+        t = len(self.token_ids)
+        if len(self.logprobs) != t or len(self.versions) != t:
+            raise ValueError(
+                f"response has {t} tokens but {len(self.logprobs)} log-probs and {len(self.versions)} versions"
+            )
+
+
+def build_batch(groups: Sequence[tuple[PromptGroup, Sequence[Response]]]) -> SampleBatch:
+    """One batch holding every group's responses, in order."""
+    infos, prompts, prompt_lens, rows = [], [], [], []
+    for group, responses in groups:
+        infos.append(
+            GroupInfo(
+                group_id=group.group_id,
+                size=len(responses),
+                n=group.n,
+                reference=group.reference,
+                task=group.task,
+                meta=group.meta,
+            )
+        )
+        prompts.append(np.asarray(group.prompt_ids, dtype=np.int32))
+        prompt_lens.append(len(group.prompt_ids))
+        rows.extend((i, r) for i, r in enumerate(responses))
+    lens = [len(r.token_ids) for _, r in rows]
+    return SampleBatch(
+        groups=infos,
+        prompt_ids=Tensor.from_numpy(_cat(prompts, np.int32)),
+        prompt_offsets=Tensor.from_numpy(_offsets(prompt_lens)),
+        sample_index=Tensor.of([i for i, _ in rows], "int32"),
+        response_ids=Tensor.from_numpy(_cat([r.token_ids for _, r in rows], np.int32)),
+        response_offsets=Tensor.from_numpy(_offsets(lens)),
+        logprobs=Tensor.from_numpy(_cat([r.logprobs for _, r in rows], np.float32)),
+        versions=Tensor.from_numpy(_cat([r.versions for _, r in rows], np.int32)),
+        finish_reason=Tensor.of([r.finish_reason for _, r in rows], "uint8"),
+        stamps=Tensor.from_numpy(
+            np.stack([np.asarray(r.stamps, dtype=np.float64) for _, r in rows])
+            if rows
+            else np.zeros((0, N_STAGES))
+        ),
+    )
+
+
+def stamp(batch: SampleBatch, stage: Stage, when: float, rows: np.ndarray | None = None) -> SampleBatch:
+    """A copy of `batch` with `stage` set to `when` (for every row, or `rows`)."""
+    stamps = batch.stamps.numpy()
+    if stamps.shape[1] <= stage:
+        wide = np.full((stamps.shape[0], N_STAGES), np.nan)
+        wide[:, : stamps.shape[1]] = stamps
+        stamps = wide
+    else:
+        stamps = stamps.copy()
+    if rows is None:
+        stamps[:, stage] = when
+    else:
+        stamps[rows, stage] = when
+    return msgspec.structs.replace(batch, stamps=Tensor.from_numpy(stamps))
+
+
+def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
+    """One batch with the rows of all `batches`, in order.
+
+    Optional per-token and per-sample columns (rewards, teacher log-probs,
+    reward details) are kept only if every batch has them.
+    """
+    if len(batches) == 1:
+        return batches[0]
+
+    def col(name: str) -> list[np.ndarray]:
+        return [getattr(b, name).numpy() for b in batches]
+
+    def opt(name: str) -> Tensor | None:
+        values = [getattr(b, name) for b in batches]
+        if any(v is None for v in values):
+            return None
+        return Tensor.from_numpy(np.concatenate([v.numpy() for v in values]))
+
+    detail_keys = set.intersection(*(set(b.reward_details) for b in batches)) if batches else set()
+    failures, row0 = [], 0
+    for b in batches:
+        failures += [msgspec.structs.replace(f, index=f.index + row0) for f in b.failures]
+        row0 += b.n_samples
+    width = max((b.stamps.shape[1] for b in batches), default=N_STAGES)
+    stamps = []
+    for s in col("stamps"):
+        if s.shape[1] < width:
+            s = np.concatenate([s, np.full((s.shape[0], width - s.shape[1]), np.nan)], axis=1)
+        stamps.append(s)
+    return SampleBatch(
+        groups=[g for b in batches for g in b.groups],
+        prompt_ids=Tensor.from_numpy(_cat(col("prompt_ids"), np.int32)),
+        prompt_offsets=Tensor.from_numpy(_offsets([b.prompt_ids.numel for b in batches], col("prompt_offsets"))),
+        sample_index=Tensor.from_numpy(_cat(col("sample_index"), np.int32)),
+        response_ids=Tensor.from_numpy(_cat(col("response_ids"), np.int32)),
+        response_offsets=Tensor.from_numpy(
+            _offsets([b.response_ids.numel for b in batches], col("response_offsets"))
+        ),
+        logprobs=Tensor.from_numpy(_cat(col("logprobs"), np.float32)),
+        versions=Tensor.from_numpy(_cat(col("versions"), np.int32)),
+        finish_reason=Tensor.from_numpy(_cat(col("finish_reason"), np.uint8)),
+        stamps=Tensor.from_numpy(np.concatenate(stamps) if stamps else np.zeros((0, width))),
+        rewards=opt("rewards"),
+        reward_details={
+            k: Tensor.from_numpy(np.concatenate([b.reward_details[k].numpy() for b in batches]))
+            for k in sorted(detail_keys)
+        },
+        teacher_logprobs=opt("teacher_logprobs"),
+        ref_logprobs=opt("ref_logprobs"),
+        failures=failures,
+    )
+
+
+@dataclass(frozen=True)
+class SampleView:
+    """Row `row` of a batch, as numpy views (no copies)."""
+
+    row: int
+    group: GroupInfo
+    index: int
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: int
+    reward: float | None
+    teacher_logprobs: np.ndarray | None
+    ref_logprobs: np.ndarray | None
+
+
+def samples(batch: SampleBatch) -> Iterator[SampleView]:
+    """Every row of `batch`, with its group."""
+    p_off = batch.prompt_offsets.numpy()
+    r_off = batch.response_offsets.numpy()
+    prompt_ids = batch.prompt_ids.numpy()
+    resp, lp, ver = batch.response_ids.numpy(), batch.logprobs.numpy(), batch.versions.numpy()
+    idx, fin = batch.sample_index.numpy(), batch.finish_reason.numpy()
+    rewards = batch.rewards.numpy() if batch.rewards is not None else None
+    teacher = batch.teacher_logprobs.numpy() if batch.teacher_logprobs is not None else None
+    ref = batch.ref_logprobs.numpy() if batch.ref_logprobs is not None else None
+    row = 0
+    for g, info in enumerate(batch.groups):
+        prompt = prompt_ids[p_off[g] : p_off[g + 1]]
+        for _ in range(info.size):
+            a, b = r_off[row], r_off[row + 1]
+            yield SampleView(
+                row=row,
+                group=info,
+                index=int(idx[row]),
+                prompt_ids=prompt,
+                response_ids=resp[a:b],
+                logprobs=lp[a:b],
+                versions=ver[a:b],
+                finish_reason=int(fin[row]),
+                reward=None if rewards is None else float(rewards[row]),
+                teacher_logprobs=None if teacher is None else teacher[a:b],
+                ref_logprobs=None if ref is None else ref[a:b],
+            )
+            row += 1
+
+
+def validate(batch: SampleBatch) -> None:
+    """Check that the columns of `batch` agree with each other.
+
+    The codec checks each tensor against its frame; this checks the batch's
+    own invariants (offsets monotone and in range, lengths consistent), so
+    that a consumer can index it without further checks. Raises ValueError.
+    """
+    n = batch.n_samples
+    g = len(batch.groups)
+    t = batch.response_ids.numel
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            raise ValueError(f"invalid SampleBatch: {what}")
+
+    for name, dtype in (
+        ("prompt_ids", "int32"),
+        ("prompt_offsets", "int64"),
+        ("sample_index", "int32"),
+        ("response_ids", "int32"),
+        ("response_offsets", "int64"),
+        ("logprobs", "float32"),
+        ("versions", "int32"),
+        ("finish_reason", "uint8"),
+        ("stamps", "float64"),
+    ):
+        tensor = getattr(batch, name)
+        need(tensor.dtype == dtype, f"{name} is {tensor.dtype}, expected {dtype}")
+        need(len(tensor.shape) == (2 if name == "stamps" else 1), f"{name} has shape {list(tensor.shape)}")
+    need(sum(info.size for info in batch.groups) == n, "group sizes do not add up to the sample count")
+    need(batch.prompt_offsets.numel == g + 1, f"prompt_offsets has {batch.prompt_offsets.numel} entries for {g} groups")
+    need(batch.response_offsets.numel == n + 1, f"response_offsets has {batch.response_offsets.numel} entries for {n} samples")
+    for name, off, total in (
+        ("prompt_offsets", batch.prompt_offsets.numpy(), batch.prompt_ids.numel),
+        ("response_offsets", batch.response_offsets.numpy(), t),
+    ):
+        need(off[0] == 0 and off[-1] == total, f"{name} must run from 0 to {total}")
+        need(bool(np.all(np.diff(off) >= 0)), f"{name} must not decrease")
+    for name in ("logprobs", "versions"):
+        need(getattr(batch, name).numel == t, f"{name} has {getattr(batch, name).numel} entries for {t} tokens")
+    for name in ("teacher_logprobs", "ref_logprobs"):
+        tensor = getattr(batch, name)
+        need(tensor is None or (tensor.numel == t and tensor.dtype == "float32"), f"{name} must be float32 [{t}]")
+    need(batch.finish_reason.numel == n and batch.sample_index.numel == n, "per-sample columns must have n entries")
+    need(batch.stamps.shape[0] == n, "stamps must have one row per sample")
+    if batch.rewards is not None:
+        need(batch.rewards.numel == n and batch.rewards.dtype == "float32", f"rewards must be float32 [{n}]")
+    for key, tensor in batch.reward_details.items():
+        need(tensor.numel == n, f"reward_details[{key!r}] must have {n} entries")
+    need(all(f.index < n for f in batch.failures), "a failure names a row past the end")
+
+
+def _cat(arrays: Sequence[np.ndarray], dtype: type) -> np.ndarray:
+    if not arrays:
+        return np.zeros(0, dtype=dtype)
+    return np.concatenate([np.asarray(a, dtype=dtype) for a in arrays])
+
+
+def _offsets(lengths: Sequence[int], parts: Sequence[np.ndarray] | None = None) -> np.ndarray:
+    """Offsets from lengths, or (with `parts`) the join of several offset arrays."""
+    if parts is None:
+        out = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=out[1:])
+        return out
+    pieces, base = [np.zeros(1, dtype=np.int64)], 0
+    for total, off in zip(lengths, parts):
+        pieces.append(np.asarray(off[1:], dtype=np.int64) + base)
+        base += total
+    return np.concatenate(pieces)

@@ -1,0 +1,407 @@
+"""Every message that crosses a process boundary in rlflow.
+
+Messages are frozen msgspec Structs encoded as msgpack arrays whose first
+element is an integer tag. Bulk arrays are `Tensor` fields, which travel as
+raw frames beside the header (see `tensors.py` and SPEC.md).
+
+Three channels, one union each:
+
+* data plane (`DataMessage`): prompt groups and columnar sample batches,
+  streamed PUSH -> PULL from role to role;
+* control plane (`ControlMessage`): between each service (DEALER) and the
+  controller (ROUTER);
+* weights (`WeightsMessage`): a weight payload served by the trainer when
+  the weight transport is ZeroMQ.
+
+Schema evolution (see SPEC.md): fields are only ever appended, always with a
+default; a field never changes type; a tag is never reused. Breaking any of
+these bumps `SCHEMA_VERSION`, and peers of different versions refuse each
+other's messages.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Union
+
+import msgspec
+from msgspec import Meta
+
+from .tensors import Tensor
+
+#: Incompatible changes bump this; compatible ones (appended fields with
+#: defaults, new tags) do not.
+SCHEMA_VERSION = 1
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+NonNegFloat = Annotated[float, Meta(ge=0)]
+
+
+class Role(enum.IntEnum):
+    """Who speaks. The value is what goes on the wire."""
+
+    CONTROLLER = 0
+    ROLLOUT = 1
+    REWARD = 2
+    TEACHER = 3
+    TRAINER = 4
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class FinishReason(enum.IntEnum):
+    """Why a response ended."""
+
+    STOP = 0  #: a stop token or string
+    LENGTH = 1  #: the length cap
+    ABORT = 2  #: aborted (e.g. too stale to be trained on)
+    ERROR = 3  #: the engine failed on this request
+
+
+class Stage(enum.IntEnum):
+    """Columns of `SampleBatch.stamps`: when a sample passed each stage.
+
+    Times are seconds since the Unix epoch (float64); NaN means the sample
+    has not passed that stage. New stages are appended; a reader treats a
+    column it does not have as NaN.
+    """
+
+    ISSUED = 0  #: the controller granted the group
+    ROLLOUT_START = 1  #: the engine admitted the request
+    ROLLOUT_END = 2  #: the last token was generated
+    REWARD_END = 3  #: the reward was computed
+    TEACHER_END = 4  #: teacher / reference log-probabilities were computed
+    TRAINER_RECEIVED = 5  #: the trainer took the sample off its stream
+
+
+class Message(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
+    """Base of every wire message (never sent itself)."""
+
+
+class Record(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
+    """Base of structs embedded in messages (no tag of their own)."""
+
+
+# ---------------------------------------------------------------------------
+# Data plane
+# ---------------------------------------------------------------------------
+
+
+class PromptGroup(Message, tag=1):
+    """One prompt to be answered `n` times (a GRPO group)."""
+
+    group_id: NonNegInt
+    """Unique id for the whole run; the unit of credit, acknowledgement and reissue."""
+    prompt_ids: list[int]
+    """Token ids of the prompt."""
+    n: Annotated[int, Meta(ge=1)]
+    """Samples to generate for this prompt."""
+    reference: str = ""
+    """What a verifier checks the answers against (e.g. the correct answer)."""
+    task: str = ""
+    """Name of the task the prompt comes from; selects the reward function."""
+    meta: dict[str, str] = {}
+    """Free-form per-prompt data for later roles."""
+    min_version: NonNegInt = 0
+    """Generation must not start on weights older than this policy version."""
+
+
+class GroupInfo(Record):
+    """Per-group part of a `SampleBatch`: the group's samples are contiguous."""
+
+    group_id: NonNegInt
+    size: NonNegInt
+    """Samples of this group in this batch (<= n after failures are dropped)."""
+    n: NonNegInt = 0
+    """Samples asked for this group."""
+    reference: str = ""
+    task: str = ""
+    meta: dict[str, str] = {}
+
+
+class SampleFailure(Record):
+    """A per-sample failure, carried in-band instead of a made-up value."""
+
+    index: NonNegInt
+    """Row of the failed sample in the batch."""
+    stage: Stage
+    """Stage at which it failed."""
+    kind: str
+    """Short class of failure, e.g. ``timeout`` or ``exception``."""
+    message: str = ""
+
+
+class SampleBatch(Message, tag=2):
+    """Samples of one or more groups, stored column by column.
+
+    Let ``n`` be the number of samples, ``G = len(groups)`` and ``T`` the total
+    number of response tokens. Token data of all samples is concatenated;
+    sample ``i``'s response tokens are ``response_ids[response_offsets[i]:
+    response_offsets[i+1]]``. The samples of ``groups[g]`` are the next
+    ``groups[g].size`` rows, in order; group ``g``'s prompt is
+    ``prompt_ids[prompt_offsets[g]:prompt_offsets[g+1]]``.
+    """
+
+    groups: list[GroupInfo]
+    prompt_ids: Tensor
+    """int32 [P]: prompt tokens of every group, concatenated."""
+    prompt_offsets: Tensor
+    """int64 [G+1]."""
+    sample_index: Tensor
+    """int32 [n]: index of each sample inside its group (0..n-1)."""
+    response_ids: Tensor
+    """int32 [T]: response tokens of every sample, concatenated."""
+    response_offsets: Tensor
+    """int64 [n+1]."""
+    logprobs: Tensor
+    """float32 [T]: behaviour log-probability of each sampled token."""
+    versions: Tensor
+    """int32 [T]: policy version that generated each token."""
+    finish_reason: Tensor
+    """uint8 [n]: `FinishReason` of each sample."""
+    stamps: Tensor
+    """float64 [n, S]: time each sample passed each `Stage` (NaN: not yet)."""
+    rewards: Tensor | None = None
+    """float32 [n]: scalar reward, filled in by the reward role."""
+    reward_details: dict[str, Tensor] = {}
+    """Named float32 [n] components of the reward (e.g. ``correct``, ``format``)."""
+    teacher_logprobs: Tensor | None = None
+    """float32 [T]: a teacher's log-probability of each response token."""
+    ref_logprobs: Tensor | None = None
+    """float32 [T]: a frozen reference policy's log-probability of each token."""
+    failures: list[SampleFailure] = []
+    """Samples that failed at some stage; their other fields are not to be trusted."""
+
+    @property
+    def n_samples(self) -> int:
+        return self.finish_reason.numel
+
+    @property
+    def n_tokens(self) -> int:
+        return self.response_ids.numel
+
+    @property
+    def group_ids(self) -> list[int]:
+        return [g.group_id for g in self.groups]
+
+
+# ---------------------------------------------------------------------------
+# Control plane
+# ---------------------------------------------------------------------------
+
+
+class Hello(Message, tag=10):
+    """A service's first message to the controller, sent once its endpoints are bound."""
+
+    role: Role
+    rank: NonNegInt
+    """Replica index within the role."""
+    replicas: Annotated[int, Meta(ge=1)]
+    """Replicas of the role."""
+    schema_version: int
+    endpoints: dict[str, str] = {}
+    """Name -> ZeroMQ address of each socket this service binds (e.g. ``in``)."""
+    pid: int = 0
+    host: str = ""
+    incarnation: NonNegInt = 0
+    """How many times this replica has been restarted."""
+    info: dict[str, str] = {}
+
+
+class Welcome(Message, tag=11):
+    """The controller's answer to `Hello`: who to stream to, and the clock."""
+
+    schema_version: int
+    run_id: str
+    peers: dict[str, list[str]] = {}
+    """Output name -> addresses of every downstream replica to connect to."""
+    version: NonNegInt = 0
+    """The current policy version."""
+    heartbeat_s: float = 1.0
+    """Seconds between heartbeats."""
+    info: dict[str, str] = {}
+
+
+class Ready(Message, tag=12):
+    """The service has connected to its peers and can take work."""
+
+    version: NonNegInt = 0
+    """Policy version of the weights it holds."""
+
+
+class Heartbeat(Message, tag=13):
+    """Periodic liveness and metrics. Times are cumulative seconds since start."""
+
+    seq: NonNegInt
+    version: NonNegInt
+    busy_s: NonNegFloat = 0.0
+    starved_s: NonNegFloat = 0.0
+    """Waiting for input."""
+    blocked_s: NonNegFloat = 0.0
+    """Waiting for the downstream role to take output."""
+    loading_s: NonNegFloat = 0.0
+    """Receiving or applying weights."""
+    queues: dict[str, int] = {}
+    """Name -> items waiting there now."""
+    counters: dict[str, float] = {}
+    """Monotonic counters (samples, tokens, rejected messages, ...)."""
+
+
+class Credits(Message, tag=14):
+    """Permission to start prompt groups. ``group_ids[i]`` may not start on
+    weights older than ``min_versions[i]``."""
+
+    group_ids: list[NonNegInt]
+    min_versions: list[NonNegInt]
+
+
+class StepDone(Message, tag=15):
+    """The trainer finished an optimizer step; this acknowledges the groups it used."""
+
+    step: NonNegInt
+    version: NonNegInt
+    """Policy version produced by this step."""
+    acked: list[NonNegInt]
+    """Group ids trained on in this step: never to be issued again."""
+    metrics: dict[str, float] = {}
+
+
+class Expired(Message, tag=16):
+    """Groups a role dropped without using (e.g. too stale); to be reissued."""
+
+    group_ids: list[NonNegInt]
+    reason: str = ""
+
+
+class WeightsReady(Message, tag=17):
+    """The trainer has a new policy version to publish."""
+
+    version: NonNegInt
+    nbytes: NonNegInt = 0
+    info: dict[str, str] = {}
+    """Transport details the receivers need (addresses, group layout)."""
+
+
+class UpdateWeights(Message, tag=18):
+    """Load policy `version` (controller -> rollout / teacher, and -> trainer to send it)."""
+
+    version: NonNegInt
+    info: dict[str, str] = {}
+
+
+class WeightsLoaded(Message, tag=19):
+    """A replica now generates with `version`."""
+
+    version: NonNegInt
+    seconds: NonNegFloat = 0.0
+    """Time from the update command to generation resumed."""
+
+
+class Pause(Message, tag=20):
+    """Stop starting new work; keep what is in flight."""
+
+    reason: str = ""
+
+
+class Resume(Message, tag=21):
+    """Undo `Pause`."""
+
+
+class Shutdown(Message, tag=22):
+    """Stop, release resources and exit."""
+
+    reason: str = ""
+
+
+class ErrorReport(Message, tag=23):
+    """Something went wrong in a service. `fatal` means the service is exiting."""
+
+    fatal: bool
+    kind: str
+    message: str
+
+
+class Bye(Message, tag=24):
+    """The service exits cleanly."""
+
+    reason: str = ""
+
+
+# ---------------------------------------------------------------------------
+# Weights over ZeroMQ
+# ---------------------------------------------------------------------------
+
+
+class ParamSpec(Record):
+    """Where one parameter lies in a flat weight buffer."""
+
+    name: str
+    dtype: str
+    shape: list[NonNegInt]
+    offset: NonNegInt
+    """Byte offset in the flat buffer."""
+
+
+class WeightsRequest(Message, tag=40):
+    """Ask a weight server for a policy version."""
+
+    version: NonNegInt
+
+
+class WeightsPayload(Message, tag=41):
+    """All parameters of one policy version, packed in one flat byte buffer."""
+
+    version: NonNegInt
+    params: list[ParamSpec]
+    data: Tensor
+    """uint8 [total bytes]."""
+
+
+DataMessage = Union[PromptGroup, SampleBatch]
+ControlMessage = Union[
+    Hello,
+    Welcome,
+    Ready,
+    Heartbeat,
+    Credits,
+    StepDone,
+    Expired,
+    WeightsReady,
+    UpdateWeights,
+    WeightsLoaded,
+    Pause,
+    Resume,
+    Shutdown,
+    ErrorReport,
+    Bye,
+]
+WeightsMessage = Union[WeightsRequest, WeightsPayload]
+AnyMessage = Union[DataMessage, ControlMessage, WeightsMessage]
+
+#: Every message class, by tag.
+MESSAGE_TYPES: dict[int, type[Message]] = {
+    cls.__struct_config__.tag: cls  # type: ignore[misc]
+    for cls in (
+        PromptGroup,
+        SampleBatch,
+        Hello,
+        Welcome,
+        Ready,
+        Heartbeat,
+        Credits,
+        StepDone,
+        Expired,
+        WeightsReady,
+        UpdateWeights,
+        WeightsLoaded,
+        Pause,
+        Resume,
+        Shutdown,
+        ErrorReport,
+        Bye,
+        WeightsRequest,
+        WeightsPayload,
+    )
+}

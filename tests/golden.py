@@ -1,0 +1,157 @@
+"""One fixed example of every message kind, and their saved wire bytes.
+
+`tests/data/wire/v<schema>/<Message>.bin` holds the frames of each example
+as a msgpack array of byte strings, written when the message kind was added.
+A test decodes each saved file and compares it with the example built here,
+so a change that would break peers still sending the old bytes fails.
+
+Add the bytes of a new message kind with `python tests/golden.py --write`
+(existing files are never overwritten).
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+
+import msgspec
+import numpy as np
+
+from rlflow.protocol import (
+    SCHEMA_VERSION,
+    Bye,
+    Codec,
+    Credits,
+    ErrorReport,
+    Expired,
+    FinishReason,
+    Heartbeat,
+    Hello,
+    ParamSpec,
+    Pause,
+    PromptGroup,
+    Ready,
+    Response,
+    Resume,
+    Role,
+    Shutdown,
+    Stage,
+    StepDone,
+    Tensor,
+    UpdateWeights,
+    WeightsLoaded,
+    WeightsPayload,
+    WeightsReady,
+    WeightsRequest,
+    Welcome,
+    build_batch,
+)
+
+DATA = pathlib.Path(__file__).parent / "data" / "wire" / f"v{SCHEMA_VERSION}"
+
+
+def _batch():
+    group = PromptGroup(group_id=41, prompt_ids=[1, 7, 7, 2], n=2, reference="14", task="add", min_version=3)
+    stamps = np.full(len(Stage), np.nan)
+    stamps[Stage.ISSUED] = 1_700_000_000.25
+    responses = [
+        Response(
+            token_ids=np.array([5, 6, 3], np.int32),
+            logprobs=np.array([-0.5, -0.25, -1.0], np.float32),
+            versions=np.array([3, 3, 4], np.int32),
+            finish_reason=FinishReason.STOP,
+            stamps=stamps,
+        ),
+        Response(
+            token_ids=np.array([9], np.int32),
+            logprobs=np.array([-2.0], np.float32),
+            versions=np.array([4], np.int32),
+            finish_reason=FinishReason.LENGTH,
+            stamps=stamps,
+        ),
+    ]
+    batch = build_batch([(group, responses)])
+    return msgspec.structs.replace(
+        batch,
+        rewards=Tensor.of([1.0, 0.0], "float32"),
+        reward_details={"correct": Tensor.of([1.0, 0.0], "float32")},
+        teacher_logprobs=Tensor.of([-0.4, -0.3, -0.9, -1.5], "float32"),
+    )
+
+
+def examples() -> dict[str, object]:
+    weights = np.arange(24, dtype=np.uint8)
+    return {
+        "PromptGroup": PromptGroup(group_id=7, prompt_ids=[1, 2, 3], n=8, reference="6", task="add", meta={"k": "v"}),
+        "SampleBatch": _batch(),
+        "Hello": Hello(
+            role=Role.ROLLOUT,
+            rank=1,
+            replicas=2,
+            schema_version=SCHEMA_VERSION,
+            endpoints={"in": "tcp://127.0.0.1:5000"},
+            pid=1234,
+            host="node-a",
+            incarnation=1,
+        ),
+        "Welcome": Welcome(
+            schema_version=SCHEMA_VERSION,
+            run_id="run-1",
+            peers={"out": ["tcp://127.0.0.1:5001", "tcp://127.0.0.1:5002"]},
+            version=3,
+            heartbeat_s=0.5,
+        ),
+        "Ready": Ready(version=3),
+        "Heartbeat": Heartbeat(
+            seq=9,
+            version=3,
+            busy_s=1.5,
+            starved_s=0.25,
+            blocked_s=0.125,
+            loading_s=0.0625,
+            queues={"in": 2},
+            counters={"samples": 64.0},
+        ),
+        "Credits": Credits(group_ids=[10, 11, 12], min_versions=[1, 1, 2]),
+        "StepDone": StepDone(step=4, version=5, acked=[10, 11], metrics={"loss": 0.5}),
+        "Expired": Expired(group_ids=[3], reason="stale"),
+        "WeightsReady": WeightsReady(version=5, nbytes=1 << 20, info={"backend": "zmq"}),
+        "UpdateWeights": UpdateWeights(version=5, info={"address": "tcp://127.0.0.1:5003"}),
+        "WeightsLoaded": WeightsLoaded(version=5, seconds=0.02),
+        "Pause": Pause(reason="checkpoint"),
+        "Resume": Resume(),
+        "Shutdown": Shutdown(reason="done"),
+        "ErrorReport": ErrorReport(fatal=True, kind="RuntimeError", message="engine died"),
+        "Bye": Bye(reason="done"),
+        "WeightsRequest": WeightsRequest(version=5),
+        "WeightsPayload": WeightsPayload(
+            version=5,
+            params=[
+                ParamSpec(name="a.weight", dtype="float32", shape=[2, 2], offset=0),
+                ParamSpec(name="b.bias", dtype="bfloat16", shape=[4], offset=16),
+            ],
+            data=Tensor.from_numpy(weights),
+        ),
+    }
+
+
+def load(name: str) -> list[bytes]:
+    return msgspec.msgpack.decode((DATA / f"{name}.bin").read_bytes(), type=list[bytes])
+
+
+def write_missing() -> list[str]:
+    DATA.mkdir(parents=True, exist_ok=True)
+    codec, written = Codec(), []
+    for name, msg in examples().items():
+        path = DATA / f"{name}.bin"
+        if not path.exists():
+            frames = [bytes(memoryview(f).cast("B")) for f in codec.encode(msg)]
+            path.write_bytes(msgspec.msgpack.encode(frames))
+            written.append(name)
+    return written
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--write"]:
+        sys.exit("usage: python tests/golden.py --write   (writes files for new message kinds only)")
+    print("wrote:", ", ".join(write_missing()) or "nothing")

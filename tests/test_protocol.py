@@ -1,0 +1,297 @@
+"""The wire contract: round trips, saved bytes, hostile input."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import pytest
+from golden import examples, load
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import messages, tensors
+
+import rlflow.protocol as P
+from rlflow.protocol import (
+    MESSAGE_TYPES,
+    SCHEMA_VERSION,
+    Codec,
+    FrameCountMismatch,
+    FrameSizeMismatch,
+    Hello,
+    MalformedMessage,
+    ProtocolError,
+    Role,
+    SampleBatch,
+    SchemaVersionMismatch,
+    Tensor,
+    TruncatedMessage,
+    UnknownMessageType,
+    UnsupportedDType,
+    WeightsPayload,
+)
+
+
+def wire(frames) -> list[bytes]:
+    """What a peer receives: each frame as its own bytes."""
+    return [bytes(memoryview(f).cast("B")) for f in frames]
+
+
+def header(*items) -> bytes:
+    return msgspec.msgpack.encode(list(items))
+
+
+# -- round trips --------------------------------------------------------------
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(messages())
+def test_every_message_round_trips(msg):
+    codec = Codec()
+    frames = wire(codec.encode(msg))
+    back = codec.decode(frames)
+    assert type(back) is type(msg)
+    assert back == msg
+    assert wire(codec.encode(back)) == frames
+
+
+def test_every_message_kind_has_a_saved_example():
+    assert set(examples()) == {cls.__name__ for cls in MESSAGE_TYPES.values()}
+
+
+@pytest.mark.parametrize("name", sorted(examples()))
+def test_saved_bytes_still_decode(name):
+    decoded = Codec().decode(load(name))
+    assert decoded == examples()[name]
+
+
+@settings(max_examples=200)
+@given(tensors(max_numel=256))
+def test_tensor_views_are_bit_exact(tensor):
+    back = Codec().decode(wire(Codec().encode(WeightsPayload(version=0, params=[], data=tensor))))
+    assert back.data.dtype == tensor.dtype and back.data.shape == tensor.shape
+    got = back.data.torch()
+    assert tuple(got.shape) == tensor.shape
+    assert got.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes() == bytes(
+        memoryview(tensor.data).cast("B")
+    )
+
+
+def test_torch_and_numpy_views_share_the_received_frame():
+    import torch
+
+    source = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    frames = wire(Codec().encode(WeightsPayload(version=1, params=[], data=Tensor.from_torch(source))))
+    got = Codec().decode(frames).data.torch()
+    assert torch.equal(got, source)
+    ints = Codec().decode(wire(Codec().encode(WeightsPayload(version=1, params=[], data=Tensor.of([1, 2], "int64")))))
+    view = ints.data.numpy()
+    assert not view.flags.writeable  # received buffers are read-only
+    assert view.base is not None  # a view, not a copy
+
+
+def test_sample_batch_is_a_handful_of_frames_for_a_thousand_samples():
+    rng = np.random.default_rng(0)
+    groups = []
+    for g in range(125):
+        group = P.PromptGroup(group_id=g, prompt_ids=list(range(10)), n=8)
+        responses = []
+        for _ in range(8):
+            t = int(rng.integers(1, 50))
+            responses.append(
+                P.Response(
+                    token_ids=rng.integers(0, 100, t).astype(np.int32),
+                    logprobs=-rng.random(t).astype(np.float32),
+                    versions=np.zeros(t, np.int32),
+                    finish_reason=P.FinishReason.STOP,
+                )
+            )
+        groups.append((group, responses))
+    batch = P.build_batch(groups)
+    assert batch.n_samples == 1000
+    frames = Codec().encode(batch)
+    assert len(frames) == 10
+    back = Codec().decode(wire(frames))
+    P.validate(back)
+    rows = list(P.samples(back))
+    assert [len(r.response_ids) for r in rows] == [len(r.token_ids) for _, rs in groups for r in rs]
+    assert rows[17].group.group_id == 2 and rows[17].index == 1
+
+
+def test_concat_keeps_rows_columns_and_failures():
+    batch = examples()["SampleBatch"]
+    failed = msgspec.structs.replace(
+        batch, failures=[P.SampleFailure(index=1, stage=P.Stage.REWARD_END, kind="timeout")]
+    )
+    both = P.concat([batch, failed])
+    P.validate(both)
+    assert both.n_samples == 4 and both.group_ids == [41, 41]
+    assert both.failures == [P.SampleFailure(index=3, stage=P.Stage.REWARD_END, kind="timeout")]
+    assert both.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert both.response_offsets.tolist() == [0, 3, 4, 7, 8]
+    assert list(both.reward_details) == ["correct"]
+
+
+def test_validate_rejects_inconsistent_offsets():
+    batch = examples()["SampleBatch"]
+    bad = msgspec.structs.replace(batch, response_offsets=Tensor.of([0, 3, 9], "int64"))
+    with pytest.raises(ValueError, match="response_offsets"):
+        P.validate(bad)
+
+
+# -- hostile input -------------------------------------------------------------
+
+HELLO = Hello(role=Role.TRAINER, rank=0, replicas=1, schema_version=SCHEMA_VERSION)
+
+
+def payload(n: int = 16) -> WeightsPayload:
+    return WeightsPayload(version=1, params=[], data=Tensor.from_numpy(np.arange(n, dtype=np.uint8)))
+
+
+def test_garbage_is_malformed():
+    with pytest.raises(MalformedMessage, match="not valid msgpack"):
+        Codec().decode([b"\xc1\xc1\xc1"])
+
+
+def test_truncated_header_is_rejected():
+    frames = wire(Codec().encode(HELLO))
+    with pytest.raises(TruncatedMessage, match="truncated"):
+        Codec().decode([frames[0][:-3]])
+
+
+def test_header_that_is_not_an_envelope_is_malformed():
+    with pytest.raises(MalformedMessage, match="schema_version"):
+        Codec().decode([header("hello")])
+
+
+def test_unknown_tag_is_rejected():
+    with pytest.raises(UnknownMessageType, match="unknown message tag 99"):
+        Codec().decode([msgspec.msgpack.encode([SCHEMA_VERSION, [99, 1, 2]])])
+
+
+def test_message_of_another_channel_is_rejected():
+    frames = wire(Codec().encode(HELLO))
+    with pytest.raises(UnknownMessageType, match="not accepted on this channel"):
+        Codec(P.DataMessage).decode(frames)
+
+
+def test_wrong_schema_version_is_rejected():
+    frames = wire(Codec(schema_version=SCHEMA_VERSION + 1).encode(HELLO))
+    with pytest.raises(SchemaVersionMismatch, match=f"version {SCHEMA_VERSION + 1}"):
+        Codec().decode(frames)
+
+
+def test_field_out_of_bounds_is_malformed():
+    body = [10, int(Role.TRAINER), -1, 1, SCHEMA_VERSION]  # rank < 0
+    with pytest.raises(MalformedMessage, match="invalid Hello"):
+        Codec().decode([msgspec.msgpack.encode([SCHEMA_VERSION, body])])
+
+
+def test_missing_tensor_frame_is_rejected():
+    frames = wire(Codec().encode(payload()))
+    with pytest.raises(FrameCountMismatch, match="frames 1..0"):
+        Codec().decode(frames[:1])
+
+
+def test_extra_frame_is_rejected():
+    frames = wire(Codec().encode(payload()))
+    with pytest.raises(FrameCountMismatch, match="names 1 tensor frames but 2 arrived"):
+        Codec().decode([*frames, b"extra"])
+
+
+def test_frame_named_twice_is_rejected():
+    # A sample batch whose prompt_offsets point at prompt_ids' frame.
+    good = wire(Codec().encode(examples()["SampleBatch"]))
+    raw = msgspec.msgpack.decode(good[0])
+    raw[1][3][2] = raw[1][2][2]
+    with pytest.raises(FrameCountMismatch, match="named by two tensors"):
+        Codec().decode([msgspec.msgpack.encode(raw), *good[1:]])
+
+
+def test_hand_written_header_decodes():
+    body = [10, int(Role.TRAINER), 0, 1, SCHEMA_VERSION]
+    assert Codec().decode([msgspec.msgpack.encode([SCHEMA_VERSION, body])]) == HELLO
+
+
+def test_declared_size_must_match_the_frame():
+    body = [41, 1, [], ["float32", [4], 1]]
+    with pytest.raises(FrameSizeMismatch, match="declares 16 bytes, frame 1 has 15"):
+        Codec().decode([msgspec.msgpack.encode([SCHEMA_VERSION, body]), b"x" * 15])
+
+
+def test_huge_declared_shape_allocates_nothing():
+    # 2**62 * 2**62 elements: checked against the 8 bytes received, never allocated.
+    body = [41, 1, [], ["float64", [2**62, 2**62], 1]]
+    with pytest.raises(FrameSizeMismatch, match="frame 1 has 8"):
+        Codec().decode([msgspec.msgpack.encode([SCHEMA_VERSION, body]), b"x" * 8])
+
+
+@pytest.mark.parametrize(
+    ("tensor", "error", "match"),
+    [
+        (["complex64", [1], 1], UnsupportedDType, "complex64"),
+        (["uint8", [-1], 1], MalformedMessage, "invalid dimension"),
+        (["uint8", [1] * 40, 1], MalformedMessage, "at most 32"),
+        (["uint8", "4", 1], MalformedMessage, "shape must be an array"),
+        (["uint8", [1]], MalformedMessage, "must be \\[dtype, shape, frame\\]"),
+        (["uint8", [1], 7], FrameCountMismatch, "frame 7"),
+        (["uint8", [1], 0], FrameCountMismatch, "frame 0"),
+    ],
+)
+def test_bad_tensor_descriptions_are_rejected(tensor, error, match):
+    body = [41, 1, [], tensor]
+    with pytest.raises(error, match=match):
+        Codec().decode([msgspec.msgpack.encode([SCHEMA_VERSION, body]), b"x"])
+
+
+def test_empty_message_is_rejected():
+    with pytest.raises(FrameCountMismatch, match="no header"):
+        Codec().decode([])
+
+
+@settings(max_examples=500)
+@given(st.lists(st.binary(max_size=64), min_size=1, max_size=4))
+def test_random_bytes_raise_only_protocol_errors(frames):
+    try:
+        Codec().decode(frames)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(messages(), st.data())
+def test_corrupted_messages_raise_only_protocol_errors(msg, data):
+    frames = wire(Codec().encode(msg))
+    head = bytearray(frames[0])
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(head) - 1))
+        head[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(1, len(head)))
+    try:
+        Codec().decode([bytes(head[:cut]), *frames[1:]])
+    except ProtocolError:
+        pass
+
+
+def test_a_codec_recovers_after_a_rejection():
+    codec = Codec()
+    with pytest.raises(FrameSizeMismatch):
+        codec.decode([msgspec.msgpack.encode([SCHEMA_VERSION, [41, 1, [], ["uint8", [2], 1]]]), b"x"])
+    assert codec.decode(wire(codec.encode(payload(4)))) == payload(4)
+
+
+def test_tensor_constructor_checks_its_buffer():
+    with pytest.raises(FrameSizeMismatch, match="needs 8 bytes"):
+        Tensor("float32", (2,), b"x" * 7)
+    with pytest.raises(UnsupportedDType):
+        Tensor.from_numpy(np.zeros(2, np.complex64))
+
+
+def test_expected_nbytes_is_exact_for_large_shapes():
+    assert P.tensors.expected_nbytes("bfloat16", (2**40, 3)) == 2 * 3 * 2**40
+    assert math.prod((2**40, 3)) * 2 == P.tensors.expected_nbytes("float16", (2**40, 3))
+
+
+def test_sample_batch_is_exported():
+    assert SampleBatch.__struct_config__.tag == 2
