@@ -1,0 +1,81 @@
+"""Peers that tests run in separate processes (multiprocessing, spawn).
+
+Each is a plain function that runs one trio program and exits; the test that
+starts it also stops it (see `spawned`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+from collections.abc import Iterator
+
+import numpy as np
+import trio
+
+from rlflow import transport
+from rlflow.protocol import Codec, Tensor, WeightsMessage, WeightsPayload
+
+
+def echo(inbox: str, outbox: str, count: int) -> None:
+    """Receive `count` weight messages on `inbox` and send each back on `outbox`."""
+
+    async def main() -> None:
+        async with (
+            transport.open_pull(connect=inbox, codec=Codec(WeightsMessage)) as pull,
+            # Closing waits (up to 60 s) until the last replies have left.
+            transport.open_push(connect=outbox, linger_ms=60_000, codec=Codec(WeightsMessage)) as push,
+        ):
+            for _ in range(count):
+                await push.send(await pull.recv())
+
+    trio.run(main)
+
+
+def late_consumer(address: str, go: mp.Event, result: mp.Queue) -> None:
+    """Connect to `address`, take nothing until `go` is set, then drain and
+    report the version numbers received, in order."""
+
+    async def main() -> None:
+        async with transport.open_pull(connect=address, hwm=4, codec=Codec(WeightsMessage)) as pull:
+            await trio.to_thread.run_sync(go.wait)
+            got = []
+            while True:
+                with trio.move_on_after(2.0) as idle:
+                    got.append((await pull.recv()).version)
+                if idle.cancelled_caught:
+                    break
+            result.put(got)
+
+    trio.run(main)
+
+
+@contextlib.contextmanager
+def spawned(target, *args) -> Iterator[mp.Process]:
+    """Run `target(*args)` in a fresh process; kill it on the way out."""
+    proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
+    proc.start()
+    try:
+        yield proc
+    except BaseException:
+        proc.kill()
+        proc.join()
+        raise
+    proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        raise AssertionError(f"{target.__name__} did not exit within 30 s")
+
+
+def send_and_exit(address: str, count: int, size: int) -> None:
+    """Send `count` zero-copy messages of fresh `size`-byte buffers, then exit
+    at once: the process's exit must still let them leave."""
+
+    async def main() -> None:
+        async with transport.open_push(connect=address, linger_ms=60_000, codec=Codec(WeightsMessage)) as push:
+            for version in range(count):
+                data = np.full(size, version, dtype=np.uint8)
+                await push.send(WeightsPayload(version=version, params=[], data=Tensor.from_numpy(data)))
+
+    trio.run(main)
