@@ -112,13 +112,17 @@ class GroupInfo(Record):
     """Per-group part of a `SampleBatch`: the group's samples are contiguous."""
 
     group_id: NonNegInt
+    """The group's id (see `PromptGroup.group_id`)."""
     size: NonNegInt
     """Samples of this group in this batch (<= n after failures are dropped)."""
     n: NonNegInt = 0
     """Samples asked for this group."""
     reference: str = ""
+    """Copied from the `PromptGroup`."""
     task: str = ""
+    """Copied from the `PromptGroup`."""
     meta: dict[str, str] = {}
+    """Copied from the `PromptGroup`."""
 
 
 class SampleFailure(Record):
@@ -131,6 +135,7 @@ class SampleFailure(Record):
     kind: str
     """Short class of failure, e.g. ``timeout`` or ``exception``."""
     message: str = ""
+    """What happened, for a person."""
 
 
 class SampleBatch(Message, tag=2):
@@ -145,6 +150,7 @@ class SampleBatch(Message, tag=2):
     """
 
     groups: list[GroupInfo]
+    """The groups whose samples this batch holds, in row order."""
     prompt_ids: Tensor
     """int32 [P]: prompt tokens of every group, concatenated."""
     prompt_offsets: Tensor
@@ -187,6 +193,19 @@ class SampleBatch(Message, tag=2):
         return [g.group_id for g in self.groups]
 
 
+class ParamSpec(Record):
+    """Where one parameter lies in a flat weight buffer."""
+
+    name: str
+    """Parameter name, as in the model's state dict."""
+    dtype: str
+    """Wire dtype name."""
+    shape: list[NonNegInt]
+    """Dimensions."""
+    offset: NonNegInt
+    """Byte offset in the flat buffer."""
+
+
 # ---------------------------------------------------------------------------
 # Control plane
 # ---------------------------------------------------------------------------
@@ -196,25 +215,32 @@ class Hello(Message, tag=10):
     """A service's first message to the controller, sent once its endpoints are bound."""
 
     role: Role
+    """The role this service plays."""
     rank: NonNegInt
     """Replica index within the role."""
     replicas: Annotated[int, Meta(ge=1)]
     """Replicas of the role."""
     schema_version: int
+    """The sender's `SCHEMA_VERSION`; the controller refuses a mismatch."""
     endpoints: dict[str, str] = {}
     """Name -> ZeroMQ address of each socket this service binds (e.g. ``in``)."""
     pid: int = 0
+    """Process id, for diagnostics."""
     host: str = ""
+    """Host name or address, for diagnostics."""
     incarnation: NonNegInt = 0
     """How many times this replica has been restarted."""
     info: dict[str, str] = {}
+    """Role-specific details (e.g. the model it serves)."""
 
 
 class Welcome(Message, tag=11):
     """The controller's answer to `Hello`: who to stream to, and the clock."""
 
     schema_version: int
+    """The controller's `SCHEMA_VERSION`."""
     run_id: str
+    """Name of the run."""
     peers: dict[str, list[str]] = {}
     """Output name -> addresses of every downstream replica to connect to."""
     version: NonNegInt = 0
@@ -222,6 +248,7 @@ class Welcome(Message, tag=11):
     heartbeat_s: float = 1.0
     """Seconds between heartbeats."""
     info: dict[str, str] = {}
+    """Role-specific settings (e.g. the weight transport)."""
 
 
 class Ready(Message, tag=12):
@@ -235,8 +262,11 @@ class Heartbeat(Message, tag=13):
     """Periodic liveness and metrics. Times are cumulative seconds since start."""
 
     seq: NonNegInt
+    """Counts heartbeats from 0."""
     version: NonNegInt
+    """Policy version of the weights the service holds."""
     busy_s: NonNegFloat = 0.0
+    """Doing its work."""
     starved_s: NonNegFloat = 0.0
     """Waiting for input."""
     blocked_s: NonNegFloat = 0.0
@@ -254,47 +284,62 @@ class Credits(Message, tag=14):
     weights older than ``min_versions[i]``."""
 
     group_ids: list[NonNegInt]
+    """Groups that may start."""
     min_versions: list[NonNegInt]
+    """Oldest policy version each group may start on."""
 
 
 class StepDone(Message, tag=15):
     """The trainer finished an optimizer step; this acknowledges the groups it used."""
 
     step: NonNegInt
+    """Optimizer steps done before this one."""
     version: NonNegInt
     """Policy version produced by this step."""
     acked: list[NonNegInt]
     """Group ids trained on in this step: never to be issued again."""
     metrics: dict[str, float] = {}
+    """The step's loss, reward, staleness and other statistics."""
 
 
 class Expired(Message, tag=16):
     """Groups a role dropped without using (e.g. too stale); to be reissued."""
 
     group_ids: list[NonNegInt]
+    """Groups to issue again."""
     reason: str = ""
+    """Why they were dropped."""
 
 
 class WeightsReady(Message, tag=17):
     """The trainer has a new policy version to publish."""
 
     version: NonNegInt
+    """The new policy version."""
     nbytes: NonNegInt = 0
+    """Size of the weights in bytes."""
     info: dict[str, str] = {}
-    """Transport details the receivers need (addresses, group layout)."""
+    """Transport details the receivers need (addresses, rendezvous)."""
+    params: list[ParamSpec] = []
+    """Layout of the flat buffer a collective transport broadcasts."""
 
 
 class UpdateWeights(Message, tag=18):
     """Load policy `version` (controller -> rollout / teacher, and -> trainer to send it)."""
 
     version: NonNegInt
+    """The policy version to load."""
     info: dict[str, str] = {}
+    """Transport details (addresses, rendezvous), from `WeightsReady`."""
+    params: list[ParamSpec] = []
+    """Layout of the flat buffer, from `WeightsReady`."""
 
 
 class WeightsLoaded(Message, tag=19):
     """A replica now generates with `version`."""
 
     version: NonNegInt
+    """The policy version now in use."""
     seconds: NonNegFloat = 0.0
     """Time from the update command to generation resumed."""
 
@@ -303,6 +348,7 @@ class Pause(Message, tag=20):
     """Stop starting new work; keep what is in flight."""
 
     reason: str = ""
+    """Why, for the log."""
 
 
 class Resume(Message, tag=21):
@@ -313,20 +359,25 @@ class Shutdown(Message, tag=22):
     """Stop, release resources and exit."""
 
     reason: str = ""
+    """Why, for the log."""
 
 
 class ErrorReport(Message, tag=23):
     """Something went wrong in a service. `fatal` means the service is exiting."""
 
     fatal: bool
+    """The service is exiting because of it."""
     kind: str
+    """Short class of error (e.g. the exception's type)."""
     message: str
+    """What happened, for a person."""
 
 
 class Bye(Message, tag=24):
     """The service exits cleanly."""
 
     reason: str = ""
+    """Why, for the log."""
 
 
 # ---------------------------------------------------------------------------
@@ -334,29 +385,22 @@ class Bye(Message, tag=24):
 # ---------------------------------------------------------------------------
 
 
-class ParamSpec(Record):
-    """Where one parameter lies in a flat weight buffer."""
-
-    name: str
-    dtype: str
-    shape: list[NonNegInt]
-    offset: NonNegInt
-    """Byte offset in the flat buffer."""
-
-
 class WeightsRequest(Message, tag=40):
     """Ask a weight server for a policy version."""
 
     version: NonNegInt
+    """The version wanted."""
 
 
 class WeightsPayload(Message, tag=41):
-    """All parameters of one policy version, packed in one flat byte buffer."""
+    """Parameters of one policy version, one tensor (and frame) each."""
 
     version: NonNegInt
-    params: list[ParamSpec]
-    data: Tensor
-    """uint8 [total bytes]."""
+    """Policy version of these weights."""
+    names: list[str]
+    """Parameter names, as in the model's state dict."""
+    tensors: list[Tensor]
+    """The parameters, in the order of `names`."""
 
 
 DataMessage = Union[PromptGroup, SampleBatch]

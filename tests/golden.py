@@ -115,7 +115,15 @@ def examples() -> dict[str, object]:
         "Credits": Credits(group_ids=[10, 11, 12], min_versions=[1, 1, 2]),
         "StepDone": StepDone(step=4, version=5, acked=[10, 11], metrics={"loss": 0.5}),
         "Expired": Expired(group_ids=[3], reason="stale"),
-        "WeightsReady": WeightsReady(version=5, nbytes=1 << 20, info={"backend": "zmq"}),
+        "WeightsReady": WeightsReady(
+            version=5,
+            nbytes=24,
+            info={"backend": "gloo"},
+            params=[
+                ParamSpec(name="a.weight", dtype="float32", shape=[2, 2], offset=0),
+                ParamSpec(name="b.bias", dtype="bfloat16", shape=[4], offset=16),
+            ],
+        ),
         "UpdateWeights": UpdateWeights(version=5, info={"address": "tcp://127.0.0.1:5003"}),
         "WeightsLoaded": WeightsLoaded(version=5, seconds=0.02),
         "Pause": Pause(reason="checkpoint"),
@@ -126,11 +134,8 @@ def examples() -> dict[str, object]:
         "WeightsRequest": WeightsRequest(version=5),
         "WeightsPayload": WeightsPayload(
             version=5,
-            params=[
-                ParamSpec(name="a.weight", dtype="float32", shape=[2, 2], offset=0),
-                ParamSpec(name="b.bias", dtype="bfloat16", shape=[4], offset=16),
-            ],
-            data=Tensor.from_numpy(weights),
+            names=["a.weight", "b.bias"],
+            tensors=[Tensor("float32", (2, 2), weights[:16]), Tensor("bfloat16", (4,), weights[16:])],
         ),
     }
 

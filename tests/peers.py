@@ -76,6 +76,6 @@ def send_and_exit(address: str, count: int, size: int) -> None:
         async with transport.open_push(connect=address, linger_ms=60_000, codec=Codec(WeightsMessage)) as push:
             for version in range(count):
                 data = np.full(size, version, dtype=np.uint8)
-                await push.send(WeightsPayload(version=version, params=[], data=Tensor.from_numpy(data)))
+                await push.send(WeightsPayload(version=version, names=["t"], tensors=[Tensor.from_numpy(data)]))
 
     trio.run(main)

@@ -69,9 +69,9 @@ def test_saved_bytes_still_decode(name):
 @settings(max_examples=200)
 @given(tensors(max_numel=256))
 def test_tensor_views_are_bit_exact(tensor):
-    back = Codec().decode(wire(Codec().encode(WeightsPayload(version=0, params=[], data=tensor))))
-    assert back.data.dtype == tensor.dtype and back.data.shape == tensor.shape
-    got = back.data.torch()
+    back = Codec().decode(wire(Codec().encode(WeightsPayload(version=0, names=["t"], tensors=[tensor]))))
+    assert back.tensors[0].dtype == tensor.dtype and back.tensors[0].shape == tensor.shape
+    got = back.tensors[0].torch()
     assert tuple(got.shape) == tensor.shape
     assert got.contiguous().view(-1).view(__import__("torch").uint8).numpy().tobytes() == bytes(
         memoryview(tensor.data).cast("B")
@@ -82,11 +82,11 @@ def test_torch_and_numpy_views_share_the_received_frame():
     import torch
 
     source = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
-    frames = wire(Codec().encode(WeightsPayload(version=1, params=[], data=Tensor.from_torch(source))))
-    got = Codec().decode(frames).data.torch()
+    frames = wire(Codec().encode(WeightsPayload(version=1, names=["t"], tensors=[Tensor.from_torch(source)])))
+    got = Codec().decode(frames).tensors[0].torch()
     assert torch.equal(got, source)
-    ints = Codec().decode(wire(Codec().encode(WeightsPayload(version=1, params=[], data=Tensor.of([1, 2], "int64")))))
-    view = ints.data.numpy()
+    ints = Codec().decode(wire(Codec().encode(WeightsPayload(version=1, names=["t"], tensors=[Tensor.of([1, 2], "int64")]))))
+    view = ints.tensors[0].numpy()
     assert not view.flags.writeable  # received buffers are read-only
     assert view.base is not None  # a view, not a copy
 
@@ -146,7 +146,7 @@ HELLO = Hello(role=Role.TRAINER, rank=0, replicas=1, schema_version=SCHEMA_VERSI
 
 
 def payload(n: int = 16) -> WeightsPayload:
-    return WeightsPayload(version=1, params=[], data=Tensor.from_numpy(np.arange(n, dtype=np.uint8)))
+    return WeightsPayload(version=1, names=["t"], tensors=[Tensor.from_numpy(np.arange(n, dtype=np.uint8))])
 
 
 def test_garbage_is_malformed():
@@ -215,14 +215,14 @@ def test_hand_written_header_decodes():
 
 
 def test_declared_size_must_match_the_frame():
-    body = [41, 1, [], ["float32", [4], 1]]
+    body = [41, 1, ["t"], [["float32", [4], 1]]]
     with pytest.raises(FrameSizeMismatch, match="declares 16 bytes, frame 1 has 15"):
         Codec().decode([msgspec.msgpack.encode([SCHEMA_VERSION, body]), b"x" * 15])
 
 
 def test_huge_declared_shape_allocates_nothing():
     # 2**62 * 2**62 elements: checked against the 8 bytes received, never allocated.
-    body = [41, 1, [], ["float64", [2**62, 2**62], 1]]
+    body = [41, 1, ["t"], [["float64", [2**62, 2**62], 1]]]
     with pytest.raises(FrameSizeMismatch, match="frame 1 has 8"):
         Codec().decode([msgspec.msgpack.encode([SCHEMA_VERSION, body]), b"x" * 8])
 
@@ -240,7 +240,7 @@ def test_huge_declared_shape_allocates_nothing():
     ],
 )
 def test_bad_tensor_descriptions_are_rejected(tensor, error, match):
-    body = [41, 1, [], tensor]
+    body = [41, 1, ["t"], [tensor]]
     with pytest.raises(error, match=match):
         Codec().decode([msgspec.msgpack.encode([SCHEMA_VERSION, body]), b"x"])
 
@@ -277,7 +277,7 @@ def test_corrupted_messages_raise_only_protocol_errors(msg, data):
 def test_a_codec_recovers_after_a_rejection():
     codec = Codec()
     with pytest.raises(FrameSizeMismatch):
-        codec.decode([msgspec.msgpack.encode([SCHEMA_VERSION, [41, 1, [], ["uint8", [2], 1]]]), b"x"])
+        codec.decode([msgspec.msgpack.encode([SCHEMA_VERSION, [41, 1, ["t"], [["uint8", [2], 1]]]]), b"x"])
     assert codec.decode(wire(codec.encode(payload(4)))) == payload(4)
 
 
@@ -295,3 +295,13 @@ def test_expected_nbytes_is_exact_for_large_shapes():
 
 def test_sample_batch_is_exported():
     assert SampleBatch.__struct_config__.tag == 2
+
+
+def test_spec_tables_match_the_code():
+    import pathlib
+
+    from rlflow.protocol import spec
+
+    text = (pathlib.Path(P.__file__).parent / "SPEC.md").read_text()
+    start, end = text.index(spec.BEGIN), text.index(spec.END) + len(spec.END)
+    assert text[start:end] == spec.generate(), "regenerate SPEC.md's tables: python -m rlflow.protocol.spec"

@@ -45,7 +45,7 @@ def random_tensor(dtype: str, shape: tuple[int, ...], seed: int) -> Tensor:
 
 
 def weights(version: int, tensor: Tensor) -> WeightsPayload:
-    return WeightsPayload(version=version, params=[], data=tensor)
+    return WeightsPayload(version=version, names=["t"], tensors=[tensor])
 
 
 @pytest.mark.parametrize("kind", ["ipc", "tcp"])
@@ -67,8 +67,8 @@ async def test_every_dtype_crosses_a_process_bit_exact(kind, ipc_dir):
                 for i, tensor in enumerate(sent):
                     back = await pull.recv()
                     assert back.version == i
-                    assert back.data == tensor, f"{tensor.dtype} changed in transit"
-                    assert back.data.torch().dtype.__repr__().endswith(tensor.dtype)
+                    assert back.tensors[0] == tensor, f"{tensor.dtype} changed in transit"
+                    assert back.tensors[0].torch().dtype.__repr__().endswith(tensor.dtype)
 
 
 async def test_a_stalled_consumer_blocks_the_producer_with_bounded_memory():
@@ -118,7 +118,7 @@ async def test_messages_queued_by_an_exiting_process_are_delivered(ipc_dir):
                 for version in range(count):
                     msg = await pull.recv()
                     assert msg.version == version
-                    data = msg.data.numpy()
+                    data = msg.tensors[0].numpy()
                     assert data.size == size and data.min() == data.max() == version
 
 
@@ -167,8 +167,8 @@ async def test_bad_messages_are_counted_and_the_loop_goes_on(ipc_dir):
         [msgspec.msgpack.encode([SCHEMA_VERSION + 7, [40, 1]])],  # wrong version
         [good[0]],  # tensor frame missing
         [*good, b"spare"],  # one frame too many
-        [envelope([41, 1, [], ["int64", [2**40], 1]]), b"12345678"],  # declared size != frame
-        [envelope([41, 1, [], ["complex128", [1], 1]]), b"x" * 16],  # unknown dtype
+        [envelope([41, 1, ["t"], [["int64", [2**40], 1]]]), b"12345678"],  # declared size != frame
+        [envelope([41, 1, ["t"], [["complex128", [1], 1]]]), b"x" * 16],  # unknown dtype
     ]
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.PUSH)

@@ -1,0 +1,127 @@
+"""Write the message-layout tables of SPEC.md from the Structs themselves.
+
+`python -m rlflow.protocol.spec` prints them, `--write` replaces them in
+SPEC.md; a test checks that SPEC.md holds exactly this text between its
+markers, so the document cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import inspect
+import pathlib
+import sys
+import textwrap
+
+import msgspec
+
+from .messages import MESSAGE_TYPES, FinishReason, Record, Role, Stage
+from .tensors import DTYPE_SIZES, Tensor
+
+BEGIN = "<!-- BEGIN GENERATED: python -m rlflow.protocol.spec -->"
+END = "<!-- END GENERATED -->"
+
+
+def _type_name(t: msgspec.inspect.Type) -> str:
+    insp = msgspec.inspect
+    if isinstance(t, insp.IntType):
+        bounds = [f">= {t.ge}"] if t.ge is not None else []
+        return "int" + (f" ({', '.join(bounds)})" if bounds else "")
+    if isinstance(t, insp.FloatType):
+        return "float64" + (f" (>= {t.ge})" if t.ge is not None else "")
+    if isinstance(t, insp.StrType):
+        return "str"
+    if isinstance(t, insp.BoolType):
+        return "bool"
+    if isinstance(t, insp.NoneType):
+        return "nil"
+    if isinstance(t, insp.EnumType):
+        return f"int ({t.cls.__name__})"
+    if isinstance(t, (insp.ListType, insp.VarTupleType)):
+        return f"array of {_type_name(t.item_type)}"
+    if isinstance(t, insp.DictType):
+        return f"map {_type_name(t.key_type)} -> {_type_name(t.value_type)}"
+    if isinstance(t, insp.UnionType):
+        return " or ".join(_type_name(m) for m in t.types)
+    if isinstance(t, insp.CustomType) and t.cls is Tensor:
+        return "tensor"
+    if isinstance(t, insp.StructType):
+        return t.cls.__name__
+    raise NotImplementedError(repr(t))
+
+
+def _default(field: msgspec.inspect.Field) -> str:
+    if field.required:
+        return "required"
+    if field.default_factory is not msgspec.NODEFAULT:
+        return f"`{field.default_factory()!r}`"
+    value = field.default
+    if isinstance(value, enum.Enum):
+        value = value.value
+    return "`nil`" if value is None else f"`{value!r}`"
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring written under each field in the class body."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for stmt, following in zip(body, body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+            and isinstance(following.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(following.value.value.split())
+    return docs
+
+
+def _table(cls: type) -> list[str]:
+    info = msgspec.inspect.type_info(cls)
+    docs = _field_docs(cls)
+    lines = ["| # | field | type | default | meaning |", "| --- | --- | --- | --- | --- |"]
+    first = 0
+    if info.tag is not None:
+        lines.append(f"| 0 | (tag) | int | `{info.tag}` | |")
+        first = 1
+    for i, field in enumerate(info.fields, start=first):
+        meaning = docs.get(field.name, "").replace("|", "\\|")
+        lines.append(f"| {i} | `{field.name}` | {_type_name(field.type)} | {_default(field)} | {meaning} |")
+    return lines
+
+
+def generate() -> str:
+    """The generated part of SPEC.md."""
+    out = [BEGIN, "", "### Messages", ""]
+    for tag, cls in sorted(MESSAGE_TYPES.items()):
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        out += [f"#### {cls.__name__} (tag {tag})", "", doc, "", *_table(cls), ""]
+    out += ["### Embedded records (no tag)", ""]
+    for cls in sorted(Record.__subclasses__(), key=lambda c: c.__name__):
+        doc = (cls.__doc__ or "").strip().splitlines()[0]
+        out += [f"#### {cls.__name__}", "", doc, "", *_table(cls), ""]
+    out += ["### Enumerations", ""]
+    for enum_cls in (Role, FinishReason, Stage):
+        members = ", ".join(f"{m.name} = {m.value}" for m in enum_cls)
+        out += [f"- `{enum_cls.__name__}`: {members}"]
+    out += ["", "### Tensor dtypes", "", "| name | bytes per element |", "| --- | --- |"]
+    out += [f"| `{name}` | {size} |" for name, size in DTYPE_SIZES.items()]
+    out += ["", END]
+    return "\n".join(out)
+
+
+def write(path: pathlib.Path) -> None:
+    """Replace the generated part of the document at `path`."""
+    text = path.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    path.write_text(text[:start] + generate() + text[end:])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        write(pathlib.Path(__file__).with_name("SPEC.md"))
+    else:
+        print(generate())

@@ -1,0 +1,70 @@
+"""The package installs and imports both editable and from a wheel; the CLI answers."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import rlflow
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+IMPORTS = "import rlflow, rlflow.protocol, rlflow.services, rlflow.transport; "
+
+
+def run(*args: str, cwd: pathlib.Path, env: dict | None = None) -> str:
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
+    return done.stdout
+
+
+def test_editable_install_maps_the_top_level_folders(tmp_path):
+    out = run(
+        sys.executable,
+        "-c",
+        IMPORTS + "print(rlflow.__file__); print(rlflow.protocol.__file__); print(rlflow.services.__file__)",
+        cwd=tmp_path,
+    )
+    assert out.split() == [
+        str(ROOT / "rlflow" / "__init__.py"),
+        str(ROOT / "protocol" / "__init__.py"),
+        str(ROOT / "services" / "__init__.py"),
+    ]
+
+
+def test_a_wheel_installs_and_imports_all_three(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "runs", "results"),
+    )
+    run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src), cwd=tmp_path)
+    (wheel,) = (tmp_path / "dist").glob("rlflow-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "rlflow/protocol/SPEC.md" in names
+    assert not any(n.startswith(("protocol/", "services/", "tests/", "bench/")) for n in names), "generic top-level names leaked"
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "rlflow = rlflow.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+    target = tmp_path / "site"
+    run(sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel), cwd=tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = run(
+        sys.executable,
+        "-c",
+        IMPORTS + "print(rlflow.__file__); print(rlflow.protocol.__file__); print(rlflow.services.__file__)",
+        cwd=tmp_path,
+        env=env,
+    )
+    for path in out.split():
+        assert path.startswith(str(target)), f"{path} was not imported from the wheel"
+
+
+def test_version_and_help():
+    rlflow_cli = pathlib.Path(sys.executable).parent / "rlflow"
+    assert run(str(rlflow_cli), "--version", cwd=ROOT).strip() == f"rlflow {rlflow.__version__}"
+    assert "usage: rlflow" in run(str(rlflow_cli), "--help", cwd=ROOT)
