@@ -4,7 +4,7 @@ Depends on msgspec and numpy only (torch lazily, for `Tensor.torch`). See
 SPEC.md beside this file for the format in plain language.
 """
 
-from .batch import Response, SampleView, build_batch, concat, samples, stamp, validate
+from .batch import Response, SampleView, build_batch, concat, samples, split, stamp, take, validate
 from .codec import Codec, decode, encode
 from .errors import (
     FrameCountMismatch,
@@ -18,6 +18,7 @@ from .errors import (
 )
 from .messages import (
     MESSAGE_TYPES,
+    Ack,
     SCHEMA_VERSION,
     AnyMessage,
     Bye,

@@ -147,6 +147,71 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
     )
 
 
+def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
+    """A batch of the given rows of `batch`, in the order given (rows of one
+    group must be contiguous); groups left with no rows are dropped."""
+    rows = np.asarray(rows, dtype=np.int64)
+    r_off = batch.response_offsets.numpy()
+    p_off = batch.prompt_offsets.numpy()
+    group_of = np.repeat(np.arange(len(batch.groups)), [g.size for g in batch.groups])
+    token_idx = (
+        np.concatenate([np.arange(r_off[r], r_off[r + 1]) for r in rows]) if len(rows) else np.zeros(0, np.int64)
+    )
+    groups, prompts, prompt_lens = [], [], []
+    for g, count in _runs(group_of[rows]):
+        info = batch.groups[g]
+        groups.append(msgspec.structs.replace(info, size=count))
+        prompts.append(batch.prompt_ids.numpy()[p_off[g] : p_off[g + 1]])
+        prompt_lens.append(p_off[g + 1] - p_off[g])
+    new_index = {int(old): new for new, old in enumerate(rows)}
+
+    def tok(t: Tensor | None) -> Tensor | None:
+        return None if t is None else Tensor.from_numpy(t.numpy()[token_idx])
+
+    def per_row(t: Tensor | None) -> Tensor | None:
+        return None if t is None else Tensor.from_numpy(t.numpy()[rows])
+
+    return SampleBatch(
+        groups=groups,
+        prompt_ids=Tensor.from_numpy(_cat(prompts, np.int32)),
+        prompt_offsets=Tensor.from_numpy(_offsets(prompt_lens)),
+        sample_index=per_row(batch.sample_index),
+        response_ids=tok(batch.response_ids),
+        response_offsets=Tensor.from_numpy(_offsets(np.diff(r_off)[rows])),
+        logprobs=tok(batch.logprobs),
+        versions=tok(batch.versions),
+        finish_reason=per_row(batch.finish_reason),
+        stamps=per_row(batch.stamps),
+        rewards=per_row(batch.rewards),
+        reward_details={k: per_row(v) for k, v in batch.reward_details.items()},
+        teacher_logprobs=tok(batch.teacher_logprobs),
+        ref_logprobs=tok(batch.ref_logprobs),
+        failures=[
+            msgspec.structs.replace(f, index=new_index[f.index]) for f in batch.failures if f.index in new_index
+        ],
+    )
+
+
+def split(batch: SampleBatch) -> list[SampleBatch]:
+    """One batch per group."""
+    out, row = [], 0
+    for info in batch.groups:
+        out.append(take(batch, np.arange(row, row + info.size)))
+        row += info.size
+    return out
+
+
+def _runs(values: np.ndarray) -> list[tuple[int, int]]:
+    """(value, run length) of each run of equal values."""
+    out: list[tuple[int, int]] = []
+    for v in values.tolist():
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1] + 1)
+        else:
+            out.append((v, 1))
+    return out
+
+
 @dataclass(frozen=True)
 class SampleView:
     """Row `row` of a batch, as numpy views (no copies)."""

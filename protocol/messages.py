@@ -403,6 +403,16 @@ class WeightsPayload(Message, tag=41):
     """The parameters, in the order of `names`."""
 
 
+class Ack(Message, tag=25):
+    """These groups have passed `stage` at the sending replica (e.g. a rollout
+    replica has finished generating them and sent them on)."""
+
+    stage: Stage
+    """The stage they passed."""
+    group_ids: list[NonNegInt]
+    """The groups."""
+
+
 DataMessage = Union[PromptGroup, SampleBatch]
 ControlMessage = Union[
     Hello,
@@ -420,6 +430,7 @@ ControlMessage = Union[
     Shutdown,
     ErrorReport,
     Bye,
+    Ack,
 ]
 WeightsMessage = Union[WeightsRequest, WeightsPayload]
 AnyMessage = Union[DataMessage, ControlMessage, WeightsMessage]
@@ -445,6 +456,7 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         Shutdown,
         ErrorReport,
         Bye,
+        Ack,
         WeightsRequest,
         WeightsPayload,
     )

@@ -62,7 +62,7 @@ def _default(field: msgspec.inspect.Field) -> str:
     return "`nil`" if value is None else f"`{value!r}`"
 
 
-def _field_docs(cls: type) -> dict[str, str]:
+def field_docs(cls: type) -> dict[str, str]:
     """The docstring written under each field in the class body."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
@@ -81,7 +81,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 def _table(cls: type) -> list[str]:
     info = msgspec.inspect.type_info(cls)
-    docs = _field_docs(cls)
+    docs = field_docs(cls)
     lines = ["| # | field | type | default | meaning |", "| --- | --- | --- | --- | --- |"]
     first = 0
     if info.tag is not None:

@@ -1,11 +1,24 @@
-"""The `rlflow` command."""
+"""The `rlflow` command: up, status, down.
+
+Exit status: 0 done, 1 the run failed, 2 bad configuration or a cluster that
+cannot hold it (one line, no traceback), 130 interrupted.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import pathlib
+import signal
+import subprocess
 import sys
+import time
+from typing import Any
 
 from rlflow import __version__
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,7 +27,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous RL post-training for language models on Ray resource pools.",
     )
     parser.add_argument("--version", action="version", version=f"rlflow {__version__}")
-    parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    up = sub.add_parser("up", help="start a run (in the foreground unless --detach)")
+    up.add_argument("--config", type=pathlib.Path, help="TOML config (default: the embedded default)")
+    up.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                    help="override one config value (repeatable)")
+    up.add_argument("--steps", type=int, help="optimizer steps (same as --set run.steps=N)")
+    up.add_argument("--run-dir", type=pathlib.Path, help="where the run writes its files")
+    up.add_argument("--detach", action="store_true", help="return once the run is up; see `status` and `down`")
+    up.add_argument("--no-display", action="store_true", help="no live table (log lines only)")
+
+    status = sub.add_parser("status", help="live table of a run's roles")
+    status.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
+    status.add_argument("--once", action="store_true", help="print the table once and exit")
+
+    down = sub.add_parser("down", help="stop a detached run")
+    down.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
+    down.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a clean stop")
     return parser
 
 
@@ -24,6 +54,199 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    return {"up": cmd_up, "status": cmd_status, "down": cmd_down}[args.command](args)
+
+
+# ------------------------------------------------------------------------- up
+
+
+def _load_config(args: argparse.Namespace):
+    from rlflow.config import load
+
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"run.steps={args.steps}")
+    path = args.config or default_config_path()
+    return load(path, overrides)
+
+
+def default_config_path() -> pathlib.Path:
+    return pathlib.Path(__file__).resolve().parent / "defaults" / "default.toml"
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from rlflow.config import ConfigError, resolve_run_dir
+
+    try:
+        config = _load_config(args)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    run_dir = resolve_run_dir(config, str(args.run_dir) if args.run_dir else None)
+    if args.detach:
+        return _detach(args, run_dir)
+    return _foreground(config, run_dir, display=not args.no_display)
+
+
+def _foreground(config, run_dir: pathlib.Path, *, display: bool) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from rlflow.controller import RunFailed
+    from rlflow.display import render
+    from rlflow.placement import PlacementError
+    from rlflow.run import run
+
+    console = Console(stderr=True)
+    live = Live(console=console, refresh_per_second=4, transient=False) if display and console.is_terminal else None
+
+    def on_status(status: dict[str, Any]) -> None:
+        if live is not None:
+            live.update(render(status))
+
+    print(f"[rlflow] run dir {run_dir}", file=sys.stderr)
+    try:
+        if live is not None:
+            live.start()
+        summary = run(config, run_dir, on_status=on_status)
+    except PlacementError as exc:
+        print(f"placement error: {exc}", file=sys.stderr)
+        return 2
+    except RunFailed as exc:
+        print(f"run failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("[rlflow] interrupted; every service was stopped", file=sys.stderr)
+        return 130
+    finally:
+        if live is not None:
+            live.stop()
+    print(
+        f"[rlflow] {summary['steps']} steps, {summary['samples']:.0f} samples, {summary['tokens']:.0f} tokens "
+        f"in {summary['wall_time_s']:.1f} s; staleness max {summary['staleness_max']:g}; "
+        f"controller {summary['controller']['messages_per_s']:.0f} msg/s, "
+        f"{100 * summary['controller']['cpu_share']:.2f}% CPU",
+        file=sys.stderr,
+    )
+    return 0 if summary["state"] == "stopped" else 1
+
+
+def _detach(args: argparse.Namespace, run_dir: pathlib.Path) -> int:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "rlflow.cli", "up", "--run-dir", str(run_dir), "--no-display"]
+    if args.config:
+        argv += ["--config", str(args.config)]
+    for item in args.overrides:
+        argv += ["--set", item]
+    if args.steps is not None:
+        argv += ["--steps", str(args.steps)]
+    log = open(run_dir / "run.log", "ab")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    (run_dir / "run.pid").write_text(str(proc.pid))
+    status_path = run_dir / "status.json"
+    while True:
+        if proc.poll() is not None:
+            print(f"the run exited with status {proc.returncode}; its log ({run_dir / 'run.log'}) ends:", file=sys.stderr)
+            print("".join((run_dir / "run.log").read_text().splitlines(True)[-20:]), file=sys.stderr)
+            return 1
+        status = _read_status(status_path)
+        if status and status.get("state") in ("running", "stopped"):
+            break
+        time.sleep(0.2)
+    print(f"[rlflow] run {run_dir} is up (pid {proc.pid}); `rlflow status {run_dir}` shows it, "
+          f"`rlflow down {run_dir}` stops it", file=sys.stderr)
+    return 0
+
+
+# --------------------------------------------------------------- status, down
+
+
+def _read_status(path: pathlib.Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _find_run(run_dir: pathlib.Path | None) -> pathlib.Path | None:
+    if run_dir is not None:
+        return run_dir
+    runs = sorted(pathlib.Path("runs").glob("*/status.json"), key=lambda p: p.stat().st_mtime)
+    return runs[-1].parent if runs else None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from rlflow.display import render
+
+    run_dir = _find_run(args.run_dir)
+    status = _read_status(run_dir / "status.json") if run_dir else None
+    if status is None:
+        print(f"no run status in {run_dir or 'runs/'}", file=sys.stderr)
+        return 1
+    console = Console()
+    if args.once or not console.is_terminal:
+        console.print(render(status))
+        return 0
+    try:
+        with Live(render(status), console=console, refresh_per_second=2) as live:
+            while status.get("state") in ("starting", "running"):
+                time.sleep(0.5)
+                status = _read_status(run_dir / "status.json") or status
+                live.update(render(status))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie nobody has reaped yet does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    import trio
+
+    from rlflow import transport
+    from rlflow.protocol import Shutdown
+
+    run_dir = _find_run(args.run_dir)
+    if run_dir is None or not (run_dir / "controller.json").exists():
+        print(f"no running controller in {run_dir or 'runs/'}", file=sys.stderr)
+        return 1
+    info = json.loads((run_dir / "controller.json").read_text())
+    pid = int((run_dir / "run.pid").read_text()) if (run_dir / "run.pid").exists() else info["pid"]
+
+    async def ask() -> None:
+        async with transport.open_dealer(connect=info["address"], identity=b"rlflow-down", name="down") as dealer:
+            await dealer.send(Shutdown(reason="rlflow down"))
+            await trio.sleep(0.2)
+
+    if _alive(pid):
+        trio.run(ask)
+    deadline = time.monotonic() + args.timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(pid):
+        print(f"the run did not stop within {args.timeout:g} s; sending SIGTERM to {pid}", file=sys.stderr)
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(5)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    status = _read_status(run_dir / "status.json") or {}
+    print(f"[rlflow] run {run_dir} {status.get('state', 'stopped')}", file=sys.stderr)
     return 0
 
 

@@ -14,3 +14,36 @@ from hypothesis import settings  # noqa: E402
 # property tests flaky without testing anything about correctness.
 settings.register_profile("rlflow", deadline=None)
 settings.load_profile("rlflow")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray for the whole session, with its dashboard so that tests
+    can ask Ray's state API what is left. Yields its address."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=True, namespace="rlflow", log_to_driver=False, configure_logging=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def leftovers(run_id: str = "") -> tuple[list[str], list[str]]:
+    """rlflow actors and placement groups Ray's state API still reports."""
+    from ray.util.state import list_actors, list_placement_groups
+
+    prefix = f"rlflow:{run_id}"
+    actors = [
+        a.name
+        for a in list_actors(filters=[("state", "!=", "DEAD")], limit=10_000, raise_on_missing_output=False)
+        if (a.name or "").startswith(prefix)
+    ]
+    groups = [
+        g.name
+        for g in list_placement_groups(limit=10_000, raise_on_missing_output=False)
+        if (g.name or "").startswith(prefix) and g.state != "REMOVED"
+    ]
+    return actors, groups

@@ -19,6 +19,7 @@ import numpy as np
 
 from rlflow.protocol import (
     SCHEMA_VERSION,
+    Ack,
     Bye,
     Codec,
     Credits,
@@ -131,6 +132,7 @@ def examples() -> dict[str, object]:
         "Shutdown": Shutdown(reason="done"),
         "ErrorReport": ErrorReport(fatal=True, kind="RuntimeError", message="engine died"),
         "Bye": Bye(reason="done"),
+        "Ack": Ack(stage=Stage.ROLLOUT_END, group_ids=[10, 12]),
         "WeightsRequest": WeightsRequest(version=5),
         "WeightsPayload": WeightsPayload(
             version=5,

@@ -305,3 +305,17 @@ def test_spec_tables_match_the_code():
     text = (pathlib.Path(P.__file__).parent / "SPEC.md").read_text()
     start, end = text.index(spec.BEGIN), text.index(spec.END) + len(spec.END)
     assert text[start:end] == spec.generate(), "regenerate SPEC.md's tables: python -m rlflow.protocol.spec"
+
+
+def test_take_and_split_keep_rows_and_renumber_failures():
+    batch = P.concat([examples()["SampleBatch"], examples()["SampleBatch"]])
+    batch = msgspec.structs.replace(batch, failures=[P.SampleFailure(index=3, stage=P.Stage.REWARD_END, kind="timeout")])
+    parts = P.split(batch)
+    assert [p.n_samples for p in parts] == [2, 2]
+    assert parts[1].failures == [P.SampleFailure(index=1, stage=P.Stage.REWARD_END, kind="timeout")]
+    kept = P.take(batch, [0, 2])
+    P.validate(kept)
+    assert kept.response_ids.tolist() == [5, 6, 3, 5, 6, 3]
+    assert [g.size for g in kept.groups] == [1, 1]
+    assert kept.teacher_logprobs.numel == 6 and kept.rewards.tolist() == [1.0, 1.0]
+    assert P.take(batch, []).n_samples == 0

@@ -1,0 +1,196 @@
+"""The trainer service: consumes groups, takes optimizer steps, publishes weights.
+
+Its loop: pull groups until a step's worth (`run.batch_size`) has arrived,
+dropping duplicates (a reissued group that arrives twice), failed samples
+and groups too stale to train on (those are reported as `Expired` so that
+the controller reissues them); train; publish policy version v+1 and tell
+the controller (`WeightsReady`), then acknowledge the step's groups
+(`StepDone`). It never waits for the rollout to load the new weights.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import numpy as np
+import trio
+
+from rlflow import transport
+from rlflow.config import SimTrainer
+from rlflow.protocol import (
+    Codec,
+    Expired,
+    SampleBatch,
+    Shutdown,
+    Stage,
+    StepDone,
+    Tensor,
+    WeightsMessage,
+    WeightsPayload,
+    WeightsReady,
+    WeightsRequest,
+    concat,
+    split,
+    take,
+    validate,
+)
+from rlflow.service import Control, Service, bind_address
+
+#: Largest tensor of a simulated weight payload (a model's layer).
+SIM_TENSOR_BYTES = 4 << 20
+
+
+class TrainerService(Service):
+    """Trains on what the stream brings, within the staleness bound."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.step = 0
+        self.acked: set[int] = set()
+        self.buffer: list[SampleBatch] = []
+        self.latest: WeightsPayload | None = None
+        self._published = trio.Event()
+        self.engine = make_engine(self)
+
+    def queues(self) -> dict[str, int]:
+        return {"groups": len(self.buffer)}
+
+    async def main(self, control: Control) -> None:
+        async with (
+            transport.open_pull(bind=bind_address(self.spec), name=f"{self.spec.name}/in") as inbox,
+            transport.open_router(bind=bind_address(self.spec), codec=Codec(WeightsMessage), name="weights") as weights,
+        ):
+            self.weights_address = transport.bound_address(weights)
+            welcome = await control.hello(endpoints={"in": transport.bound_address(inbox), "weights": self.weights_address})
+            self.say("up, engine %s", type(self.engine).__name__)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
+                nursery.start_soon(self.serve_weights, weights)
+                nursery.start_soon(self.train, inbox, control)
+                await control.ready(self.version)
+                async for msg in control:
+                    if isinstance(msg, Shutdown):
+                        self.say("shutting down (%s)", msg.reason)
+                        break
+                nursery.cancel_scope.cancel()
+
+    async def train(self, inbox: transport.Pull, control: Control) -> None:
+        run = self.config.run
+        while self.step < run.steps:
+            groups = await self.collect(inbox, control, run.batch_size // self.spec.replicas)
+            batch = concat(groups)
+            staleness = self.version - batch.versions.numpy()
+            with self.clock.state("busy"):
+                started = time.monotonic()
+                metrics = await self.engine.train(batch)
+                train_s = time.monotonic() - started
+            self.step += 1
+            self.version = self.step
+            with self.clock.state("loading"):
+                self.latest = self.engine.weights(self.version)
+                self._published.set()
+            await control.send(
+                WeightsReady(
+                    version=self.version,
+                    nbytes=sum(t.nbytes for t in self.latest.tensors),
+                    info={"address": self.weights_address},
+                )
+            )
+            rewards = batch.rewards.numpy() if batch.rewards is not None else np.zeros(0)
+            ids = batch.group_ids
+            self.acked.update(ids)
+            metrics.update(
+                samples=float(batch.n_samples),
+                tokens=float(batch.n_tokens),
+                reward_mean=float(np.nanmean(rewards)) if rewards.size else float("nan"),
+                staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
+                staleness_max=float(staleness.max()) if staleness.size else 0.0,
+                train_s=train_s,
+            )
+            self.counters["samples"] += batch.n_samples
+            self.counters["tokens"] += batch.n_tokens
+            await control.send(StepDone(step=self.step - 1, version=self.version, acked=ids, metrics=metrics))
+        self.clock.set("idle")
+
+    async def collect(self, inbox: transport.Pull, control: Control, want: int) -> list[SampleBatch]:
+        """The next `want` groups fit to train on."""
+        k = self.config.run.staleness
+        while len(self.buffer) < want:
+            with self.clock.state("starved"):
+                msg = await inbox.recv()
+            if not isinstance(msg, SampleBatch):
+                self.counters["unexpected_messages"] += 1
+                continue
+            try:
+                validate(msg)
+            except ValueError as exc:
+                self.counters["rejected_batches"] += 1
+                self.log.warning("[%s] dropped an inconsistent batch: %s", self.spec.name, exc)
+                continue
+            now = time.time()
+            expired: list[int] = []
+            for group in split(msg):
+                group_id = group.groups[0].group_id
+                if group_id in self.acked or any(b.groups[0].group_id == group_id for b in self.buffer):
+                    self.counters["duplicates"] += 1
+                    continue
+                failed = {f.index for f in group.failures}
+                if failed:
+                    self.counters["failed_samples"] += len(failed)
+                    group = take(group, [i for i in range(group.n_samples) if i not in failed])
+                if group.n_samples == 0:
+                    expired.append(group_id)
+                    continue
+                oldest = int(group.versions.numpy().min()) if group.n_tokens else self.version
+                if self.version - oldest > k:
+                    self.counters["stale_groups"] += 1
+                    expired.append(group_id)
+                    continue
+                stamps = group.stamps.numpy().copy()
+                stamps[:, Stage.TRAINER_RECEIVED] = now
+                self.buffer.append(msgspec.structs.replace(group, stamps=Tensor.from_numpy(stamps)))
+            if expired:
+                await control.send(Expired(group_ids=expired, reason="stale or failed"))
+        taken, self.buffer = self.buffer[:want], self.buffer[want:]
+        return taken
+
+    async def serve_weights(self, sock: transport.Router) -> None:
+        """Answer each weight request with the newest version."""
+        while True:
+            identity, msg = await sock.recv()
+            if not isinstance(msg, WeightsRequest):
+                continue
+            while self.latest is None or self.latest.version < msg.version:
+                self._published = trio.Event()
+                await self._published.wait()
+            await sock.send(identity, self.latest)
+
+
+def make_engine(service: TrainerService):
+    match service.config.roles.trainer.engine:
+        case SimTrainer() as cfg:
+            return SimTrainerEngine(cfg, service.config.run.seed)
+    raise ValueError(f"unknown trainer engine {service.config.roles.trainer.engine!r}")
+
+
+class SimTrainerEngine:
+    """Trains for `s_per_token` per token; its weights are `weights_bytes` of
+    fixed random bytes, in tensors of at most 4 MiB, that really cross the wire."""
+
+    def __init__(self, cfg: SimTrainer, seed: int):
+        self.cfg = cfg
+        rng = np.random.default_rng((seed, 17))
+        data = rng.integers(0, 256, cfg.weights_bytes, dtype=np.uint8)
+        chunks = range(0, cfg.weights_bytes, SIM_TENSOR_BYTES)
+        self.names = [f"layers.{i}.weight" for i in range(len(chunks))]
+        self.tensors = [Tensor.from_numpy(data[a : a + SIM_TENSOR_BYTES]) for a in chunks]
+
+    async def train(self, batch: SampleBatch) -> dict[str, float]:
+        seconds = self.cfg.step_overhead_s + self.cfg.s_per_token * batch.n_tokens
+        if seconds > 0:
+            await trio.sleep(seconds)
+        return {"loss": 0.0}
+
+    def weights(self, version: int) -> WeightsPayload:
+        return WeightsPayload(version=version, names=self.names, tensors=self.tensors)

@@ -1,0 +1,166 @@
+"""The whole pipeline on a real local Ray with real sockets and simulated engines."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import leftovers
+
+from rlflow import config as C
+from rlflow.controller import RunFailed
+from rlflow.placement import PlacementError
+from rlflow.protocol import MESSAGE_TYPES
+from rlflow.run import run
+
+pytestmark = pytest.mark.ray
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SIM = ROOT / "examples" / "sim.toml"
+CONTROL_TYPES = {cls.__name__ for tag, cls in MESSAGE_TYPES.items() if 10 <= tag < 40}
+
+
+def sim_config(*overrides: str) -> C.Config:
+    return C.load(SIM, ["cluster.heartbeat_s=0.2", *overrides])
+
+
+def rows(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def clean(ray_cluster):
+    """Each test leaves no rlflow actor or placement group behind (checked
+    with Ray's state API, and cleaned up if it did, so others are unaffected)."""
+    yield ray_cluster
+    deadline = time.monotonic() + 30
+    while (left := leftovers()) != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    if left != ([], []):
+        import ray
+
+        for name in left[0]:
+            ray.kill(ray.get_actor(name, namespace="rlflow"))
+        pytest.fail(f"left behind: actors {left[0]}, placement groups {left[1]}")
+
+
+@pytest.mark.parametrize(("mode", "bound"), [("sync", 0), ("one_step", 1), ("async", 2)])
+def test_each_mode_runs_within_its_staleness_bound(mode, bound, clean, tmp_path):
+    overrides = [f"run.mode={mode}", "run.steps=4"]
+    if mode != "async":
+        overrides.append("run.max_staleness=" + str(bound))
+    config = sim_config(*overrides)
+    summary = run(config, tmp_path / "run")
+    assert summary["state"] == "stopped", summary["error"]
+    steps = rows(tmp_path / "run")
+    assert [r["step"] for r in steps] == [0, 1, 2, 3]
+    assert [r["version"] for r in steps] == [1, 2, 3, 4]
+    # Per token, from what the trainer consumed.
+    assert max(r["staleness_max"] for r in steps) <= bound
+    if mode == "sync":
+        assert all(r["staleness_max"] == 0 for r in steps)
+    assert all(r["samples"] == 64 for r in steps)
+    for role in ("rollout", "reward", "teacher", "trainer"):
+        assert sum(steps[-1][f"{role}.{k}"] for k in ("busy", "starved", "blocked", "loading")) == pytest.approx(1, abs=0.01)
+
+
+def test_the_controller_carries_no_sample_data(clean, tmp_path):
+    summary = run(sim_config("run.steps=3"), tmp_path / "run")
+    controller = summary["controller"]
+    assert set(controller["by_type"]) <= CONTROL_TYPES
+    assert controller["rejected"] == {}
+    # Control traffic only: a few hundred bytes per message, however large
+    # the samples that went from role to role.
+    assert controller["bytes_received"] / controller["messages_received"] < 600
+    assert summary["data_bytes"] > 200_000
+    assert controller["bytes_received"] < summary["data_bytes"] / 5
+
+
+def test_a_service_dying_midway_fails_the_run_and_leaves_nothing(clean, tmp_path):
+    import ray
+
+    run_dir = tmp_path / "run"
+    config = sim_config("run.steps=100000")
+    killed = []
+
+    def kill_reward_when_running() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                status = json.loads((run_dir / "status.json").read_text())
+            except (OSError, ValueError):
+                status = {}
+            if status.get("state") == "running" and status.get("step", 0) >= 2:
+                actor = ray.get_actor(f"rlflow:{status['run_id']}:reward:0", namespace="rlflow")
+                ray.kill(actor)
+                killed.append(status["run_id"])
+                return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_reward_when_running, daemon=True)
+    killer.start()
+    with pytest.raises(RunFailed, match="reward-0 died"):
+        run(config, run_dir)
+    killer.join()
+    assert killed
+    assert leftovers(killed[0]) == ([], [])
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["state"] == "failed" and "reward-0" in status["error"]
+
+
+def test_a_resource_shortfall_names_the_pool_and_the_numbers(clean, tmp_path):
+    config = sim_config("pools.train.cpus_per_bundle=64")
+    with pytest.raises(PlacementError, match=r"pool 'train' asks for 64 CPU \(1 bundles x 64\); the cluster has [\d.]+ CPU after generate, score took 1.5"):
+        run(config, tmp_path / "run")
+
+
+def test_cli_up_runs_twenty_steps(clean, tmp_path):
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "rlflow.cli", "up", "--config", str(SIM), "--steps", "20",
+         "--run-dir", str(run_dir), "--set", f"cluster.address={clean}", "--no-display"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    steps = rows(run_dir)
+    assert len(steps) == 20
+    assert max(r["staleness_max"] for r in steps) <= 2
+    assert (run_dir / "config.toml").exists() and (run_dir / "summary.json").exists()
+    assert C.load(run_dir / "config.toml").run.steps == 20
+
+
+def test_detach_status_and_down(clean, tmp_path):
+    run_dir = tmp_path / "run"
+    base = [sys.executable, "-m", "rlflow.cli"]
+    up = subprocess.run(
+        [*base, "up", "--detach", "--config", str(SIM), "--steps", "100000",
+         "--run-dir", str(run_dir), "--set", f"cluster.address={clean}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    pid = int((run_dir / "run.pid").read_text()) if (run_dir / "run.pid").exists() else None
+    try:
+        assert up.returncode == 0, up.stderr
+        assert "is up" in up.stderr
+        status = subprocess.run([*base, "status", str(run_dir), "--once"], capture_output=True, text=True, timeout=60)
+        assert status.returncode == 0
+        for role in ("rollout", "reward", "teacher", "trainer"):
+            assert role in status.stdout
+        run_id = json.loads((run_dir / "controller.json").read_text())["run_id"]
+        assert len(leftovers(run_id)[0]) == 4
+        down = subprocess.run([*base, "down", str(run_dir)], capture_output=True, text=True, timeout=180)
+        assert down.returncode == 0, down.stderr
+        assert json.loads((run_dir / "status.json").read_text())["state"] == "stopped"
+        assert leftovers(run_id) == ([], [])
+    finally:
+        if pid is not None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
