@@ -33,6 +33,7 @@ import trio
 
 from rlflow import transport
 from rlflow.config import Config
+from rlflow.metrics import Sink, open_sinks
 from rlflow.protocol import (
     SCHEMA_VERSION,
     Ack,
@@ -145,7 +146,7 @@ class Controller:
         self._all_ready = trio.Event()
         self.done = trio.Event()
         self._router: transport.Router | None = None
-        self._metrics = None
+        self._sinks: list[Sink] = []
         self._cpu0 = (time.thread_time(), psutil.Process().cpu_times())
 
     # ------------------------------------------------------------------ run
@@ -154,7 +155,7 @@ class Controller:
         """Start the services, run every step, shut them down; the summary."""
         host = self.config.cluster.host or "0.0.0.0"
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._metrics = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        self._sinks = open_sinks(self.run_dir)
         try:
             async with transport.open_router(bind=transport.tcp_address(host), name="controller") as router:
                 self._router = router
@@ -187,7 +188,8 @@ class Controller:
                             self.state = "stopped"
                         self._write_status()
         finally:
-            self._metrics.close()
+            for sink in self._sinks:
+                sink.close()
             summary = self.summary()
             _write_json(self.run_dir / "summary.json", summary)
         return summary
@@ -378,8 +380,8 @@ class Controller:
                 row[f"{role}.{key}"] = round(value, 4)
         row["controller.msgs"] = sum(self.received_by_type.values())
         self.last_metrics = row
-        assert self._metrics is not None
-        self._metrics.write(json.dumps(row) + "\n")
+        for sink in self._sinks:
+            sink.write(row)
         if self.steps_done >= self.steps:
             self.stop_reason = f"{self.steps} steps done"
             self.done.set()
@@ -464,6 +466,9 @@ class Controller:
                     queues.update(r.heartbeat.queues)
                     counters.update({k: v for k, v in r.heartbeat.counters.items()})
             roles[name] = {
+                "placed": [
+                    {"rank": r.rank, "host": r.hello.host, "pid": r.hello.pid, **r.hello.info} for r in replicas
+                ],
                 "replicas": cfg.replicas,
                 "up": sum(r.state == "ready" for r in replicas),
                 "states": {k: round(v, 3) for k, v in window[name].items()},

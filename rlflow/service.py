@@ -118,7 +118,7 @@ class Control:
             pid=os.getpid(),
             host=socket.gethostname(),
             incarnation=self.spec.incarnation,
-            info=info or {},
+            info={**_placement_info(), **(info or {})},
         )
         welcome = await self._dealer.request(
             hello,
@@ -159,6 +159,25 @@ class Control:
     @property
     def socket(self) -> transport.Dealer:
         return self._dealer
+
+
+def _placement_info() -> dict[str, str]:
+    """The CPUs this process may run on and its thread budget, as placed."""
+    info = {"threads": os.environ.get("OMP_NUM_THREADS", "")}
+    if hasattr(os, "sched_getaffinity"):
+        info["cpus"] = _ranges(sorted(os.sched_getaffinity(0)))
+    return info
+
+
+def _ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and runs[-1][1] == cpu - 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 @contextlib.asynccontextmanager

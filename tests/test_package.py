@@ -46,6 +46,7 @@ def test_a_wheel_installs_and_imports_all_three(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("rlflow-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "rlflow/protocol/SPEC.md" in names
+    assert "rlflow/defaults/default.toml" in names
     assert not any(n.startswith(("protocol/", "services/", "tests/", "bench/")) for n in names), "generic top-level names leaked"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "rlflow = rlflow.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

@@ -71,8 +71,15 @@ def test_each_mode_runs_within_its_staleness_bound(mode, bound, clean, tmp_path)
         assert sum(steps[-1][f"{role}.{k}"] for k in ("busy", "starved", "blocked", "loading")) == pytest.approx(1, abs=0.01)
 
 
-def test_the_controller_carries_no_sample_data(clean, tmp_path):
-    summary = run(sim_config("run.steps=3"), tmp_path / "run")
+@pytest.fixture(scope="module")
+def three_steps(ray_cluster, tmp_path_factory):
+    """One short async sim run shared by the tests that only read its output."""
+    run_dir = tmp_path_factory.mktemp("three") / "run"
+    return run_dir, run(sim_config("run.steps=3"), run_dir)
+
+
+def test_the_controller_carries_no_sample_data(three_steps, clean):
+    _, summary = three_steps
     controller = summary["controller"]
     assert set(controller["by_type"]) <= CONTROL_TYPES
     assert controller["rejected"] == {}
@@ -81,6 +88,32 @@ def test_the_controller_carries_no_sample_data(clean, tmp_path):
     assert controller["bytes_received"] / controller["messages_received"] < 600
     assert summary["data_bytes"] > 200_000
     assert controller["bytes_received"] < summary["data_bytes"] / 5
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to give pools their own")
+def test_pools_get_their_own_cores_and_thread_counts(three_steps, clean):
+    run_dir, _ = three_steps
+    roles = json.loads((run_dir / "status.json").read_text())["roles"]
+    placed = {role: info["placed"][0] for role, info in roles.items()}
+    # examples/sim.toml: generate = 1 CPU, score = 0.5, train = 0.5 (sharing the next core).
+    assert placed["rollout"]["cpus"] == "0"
+    assert placed["reward"]["cpus"] == placed["teacher"]["cpus"] == placed["trainer"]["cpus"] == "1"
+    assert all(p["threads"] == "1" for p in placed.values())
+
+
+def test_metrics_also_go_to_tensorboard(three_steps, clean):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, _ = three_steps
+    from tensorboard.util.tensor_util import make_ndarray
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["tensors"]  # scalars written as TensorBoard's v2 scalar summaries
+    assert {"reward_mean", "staleness_max", "trainer/busy", "rollout/starved"} <= set(tags)
+    assert [e.step for e in events.Tensors("staleness_max")] == [0, 1, 2]
+    samples = [float(make_ndarray(e.tensor_proto)) for e in events.Tensors("samples")]
+    assert samples == [r["samples"] for r in rows(run_dir)]
 
 
 def test_a_service_dying_midway_fails_the_run_and_leaves_nothing(clean, tmp_path):
