@@ -26,6 +26,8 @@ from .messages import (
     Credits,
     DataMessage,
     ErrorReport,
+    EvalDone,
+    Evaluate,
     Expired,
     FinishReason,
     GroupInfo,

@@ -413,6 +413,28 @@ class Ack(Message, tag=25):
     """The groups."""
 
 
+class Evaluate(Message, tag=26):
+    """Evaluate the task's held-out set with the weights held now (controller -> rollout)."""
+
+    version: NonNegInt
+    """The policy version the controller expects to be evaluated."""
+    temperature: NonNegFloat = 0.0
+    """0: greedy."""
+
+
+class EvalDone(Message, tag=27):
+    """Results of an `Evaluate` (rollout -> controller)."""
+
+    version: NonNegInt
+    """Policy version held when the evaluation started."""
+    metrics: dict[str, float] = {}
+    """``accuracy`` and its breakdown (e.g. ``accuracy.digits_3``)."""
+    seconds: NonNegFloat = 0.0
+    """How long it took."""
+    version_end: NonNegInt = 0
+    """Policy version held when it ended (weights may change while it runs)."""
+
+
 DataMessage = Union[PromptGroup, SampleBatch]
 ControlMessage = Union[
     Hello,
@@ -431,6 +453,8 @@ ControlMessage = Union[
     ErrorReport,
     Bye,
     Ack,
+    Evaluate,
+    EvalDone,
 ]
 WeightsMessage = Union[WeightsRequest, WeightsPayload]
 AnyMessage = Union[DataMessage, ControlMessage, WeightsMessage]
@@ -457,6 +481,8 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         ErrorReport,
         Bye,
         Ack,
+        Evaluate,
+        EvalDone,
         WeightsRequest,
         WeightsPayload,
     )

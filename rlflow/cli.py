@@ -35,12 +35,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="override one config value (repeatable)")
     up.add_argument("--steps", type=int, help="optimizer steps (same as --set run.steps=N)")
     up.add_argument("--run-dir", type=pathlib.Path, help="where the run writes its files")
+    up.add_argument("--resume", type=pathlib.Path, metavar="RUN_DIR",
+                    help="continue a run from its newest checkpoint (its config, plus --set / --steps)")
     up.add_argument("--detach", action="store_true", help="return once the run is up; see `status` and `down`")
     up.add_argument("--no-display", action="store_true", help="no live table (log lines only)")
 
     status = sub.add_parser("status", help="live table of a run's roles")
     status.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
     status.add_argument("--once", action="store_true", help="print the table once and exit")
+
+    model = sub.add_parser("model", help="the embedded default model")
+    model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    build = model_sub.add_parser("build", help="build and warm-start the default model (cached)")
+    build.add_argument("--force", action="store_true", help="rebuild even if it is cached")
+    model_sub.add_parser("path", help="print where the default model is cached")
 
     down = sub.add_parser("down", help="stop a detached run")
     down.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
@@ -54,20 +62,32 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return {"up": cmd_up, "status": cmd_status, "down": cmd_down}[args.command](args)
+    return {"up": cmd_up, "status": cmd_status, "down": cmd_down, "model": cmd_model}[args.command](args)
 
 
 # ------------------------------------------------------------------------- up
 
 
 def _load_config(args: argparse.Namespace):
-    from rlflow.config import load
+    from rlflow.config import ConfigError, load
 
     overrides = list(args.overrides)
     if args.steps is not None:
         overrides.append(f"run.steps={args.steps}")
+    if getattr(args, "resume", None) is not None:
+        checkpoint = latest_checkpoint(args.resume)
+        if checkpoint is None:
+            raise ConfigError("--resume", str(args.resume), "has no complete checkpoint under checkpoints/")
+        overrides.append(f'run.resume="{checkpoint}"')
+        return load(args.resume / "config.toml", overrides)
     path = args.config or default_config_path()
     return load(path, overrides)
+
+
+def latest_checkpoint(run_dir: pathlib.Path) -> pathlib.Path | None:
+    """The newest checkpoint of a run that both trainer and controller finished."""
+    done = sorted(p.parent for p in (run_dir / "checkpoints").glob("step-*/controller_state.json"))
+    return done[-1].resolve() if done else None
 
 
 def default_config_path() -> pathlib.Path:
@@ -82,7 +102,18 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    run_dir = resolve_run_dir(config, str(args.run_dir) if args.run_dir else None)
+    from rlflow.config import kind_of
+
+    needs_model = kind_of(config.roles.rollout.engine) != "sim" or kind_of(config.roles.trainer.engine) != "sim"
+    if needs_model and config.roles.rollout.model == "default" and not config.run.resume:
+        _build_default_model(force=False)
+    elif needs_model:
+        try:
+            config.model_path()
+        except FileNotFoundError as exc:
+            print(f"config error: roles.rollout.model = {config.roles.rollout.model!r}: {exc}", file=sys.stderr)
+            return 2
+    run_dir = args.resume or resolve_run_dir(config, str(args.run_dir) if args.run_dir else None)
     if args.detach:
         return _detach(args, run_dir)
     return _foreground(config, run_dir, display=not args.no_display)
@@ -155,6 +186,45 @@ def _detach(args: argparse.Namespace, run_dir: pathlib.Path) -> int:
         time.sleep(0.2)
     print(f"[rlflow] run {run_dir} is up (pid {proc.pid}); `rlflow status {run_dir}` shows it, "
           f"`rlflow down {run_dir}` stops it", file=sys.stderr)
+    return 0
+
+
+def _build_default_model(force: bool) -> pathlib.Path:
+    """The default model's directory; built first (with a progress bar) if needed."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rlflow.model import build_default, default_model_dir
+
+    path = default_model_dir()
+    if (path / "config.json").exists() and not force:
+        return path
+    print(f"[rlflow] building the default model into {path} (once; a few minutes)", file=sys.stderr)
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), transient=False
+    ) as progress:
+        task = progress.add_task("warm start", total=1.0)
+
+        def report(text: str, fraction: float) -> None:
+            progress.update(task, completed=fraction, description=text)
+
+        build_default(path, progress=report)
+    return path
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from rlflow.model import default_model_dir
+
+    if args.model_command == "path":
+        print(default_model_dir())
+        return 0
+    path = _build_default_model(force=args.force)
+    info = json.loads((path / "rlflow_build.json").read_text())
+    print(
+        f"[rlflow] default model at {path}: {info['parameters']:,} parameters, "
+        f"development-set accuracy {info['dev_accuracy']:.1%} after {info['steps']} warm-start steps "
+        f"({info['seconds']:.0f} s)",
+        file=sys.stderr,
+    )
     return 0
 
 

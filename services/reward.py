@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import trio
 
-from rlflow.config import SimReward
+from rlflow.config import SimReward, TaskReward
 from rlflow.protocol import SampleBatch, SampleFailure, Stage, Tensor, samples, stamp
 from rlflow.service import StageService
 from rlflow.sim import draw
@@ -70,4 +70,12 @@ class RewardService(StageService):
                 if delay > 0:
                     await trio.sleep(delay)
                 return self.task.score(row.group, row.index, row.response_ids)
+            case TaskReward(timeout_s=timeout):
+                with trio.move_on_after(timeout):
+                    # A verifier that hangs is abandoned (its thread finishes
+                    # on its own); the sample fails with a timeout.
+                    return await trio.to_thread.run_sync(
+                        self.task.score, row.group, row.index, row.response_ids, abandon_on_cancel=True
+                    )
+                raise TimeoutError(f"scoring took longer than roles.reward.engine.timeout_s = {timeout:g} s")
         raise ValueError(f"unknown reward engine {self.engine!r}")

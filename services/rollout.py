@@ -25,11 +25,13 @@ import numpy as np
 import trio
 
 from rlflow import transport
-from rlflow.config import SimRollout
+from rlflow.config import SimRollout, VllmRollout
 from rlflow.protocol import (
     Ack,
     Codec,
     Credits,
+    EvalDone,
+    Evaluate,
     FinishReason,
     PromptGroup,
     Response,
@@ -59,34 +61,41 @@ class RolloutService(Service):
 
     async def main(self, control: Control) -> None:
         run = self.config.run
-        task = self.task = make_task(self.config)
         engine = self.engine = make_engine(self)
-        welcome = await control.hello(
-            endpoints={}, info={"engine": type(engine).__name__, "capacity": str(engine.capacity)}
-        )
-        self.say("up: %s, sending to %s", type(engine).__name__, ", ".join(welcome.peers["out"]))
-        async with (
-            transport.open_push(connect=welcome.peers["out"], name=f"{self.spec.name}/out") as out,
-            trio.open_nursery() as nursery,
-        ):
-            await nursery.start(engine.run)
-            nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
-            nursery.start_soon(self.send_finished, out, control)
-            nursery.start_soon(self.apply_updates, control)
-            await control.ready(engine.version)
-            async for msg in control:
-                match msg:
-                    case Credits(group_ids=ids, min_versions=mins):
-                        now = time.time()
-                        for group_id, min_version in zip(ids, mins):
-                            engine.submit(task.prompt(group_id, run.samples_per_prompt, min_version), now)
-                    case UpdateWeights():
-                        self._wanted = msg
-                        self._update.set()
-                    case Shutdown(reason=reason):
-                        self.say("shutting down (%s)", reason)
-                        break
-            nursery.cancel_scope.cancel()
+        try:
+            await engine.start()
+            task = make_task(self.config)
+            welcome = await control.hello(endpoints={}, info={"capacity": str(engine.capacity), **engine.hello_info()})
+            await engine.set_version(welcome.version)  # above 0 when resuming
+            await engine.connect_weights(welcome.info)
+            self.say("up: %s, sending to %s", type(engine).__name__, ", ".join(welcome.peers["out"]))
+            async with (
+                transport.open_push(connect=welcome.peers["out"], name=f"{self.spec.name}/out") as out,
+                trio.open_nursery() as nursery,
+            ):
+                await nursery.start(engine.run)
+                nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
+                nursery.start_soon(self.send_finished, out, control)
+                nursery.start_soon(self.apply_updates, control)
+                await control.ready(engine.version)
+                async for msg in control:
+                    match msg:
+                        case Credits(group_ids=ids, min_versions=mins):
+                            now = time.time()
+                            for group_id, min_version in zip(ids, mins):
+                                engine.submit(task.prompt(group_id, run.samples_per_prompt, min_version), now)
+                        case UpdateWeights():
+                            self._wanted = msg
+                            self._update.set()
+                        case Evaluate():
+                            nursery.start_soon(self.evaluate, msg, task, control)
+                        case Shutdown(reason=reason):
+                            self.say("shutting down (%s)", reason)
+                            break
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await engine.close()
 
     def queues(self) -> dict[str, int]:
         return self.engine.queues() if self.engine is not None else {}
@@ -103,8 +112,7 @@ class RolloutService(Service):
             await control.send(Ack(stage=Stage.ROLLOUT_END, group_ids=[group.group_id]))
 
     async def apply_updates(self, control: Control) -> None:
-        """Load the newest version asked for; updates that arrive while one is
-        loading are folded into the next."""
+        """Load each version the controller asks for, in order."""
         while True:
             await self._update.wait()
             self._update = trio.Event()
@@ -116,13 +124,37 @@ class RolloutService(Service):
             self.version = version
             seconds = time.monotonic() - started
             self.counters["weight_updates"] += 1
+            self.say("weights v%d loaded in %.0f ms", version, 1000 * seconds)
             await control.send(WeightsLoaded(version=version, seconds=seconds))
+
+    async def evaluate(self, msg: Evaluate, task, control: Control) -> None:
+        """Answer every held-out prompt once, alongside training traffic."""
+        started, version = time.monotonic(), self.engine.version
+        prompts = task.heldout_prompts()
+        responses: list[list[int] | None] = [None] * len(prompts)
+        limit = trio.CapacityLimiter(self.engine.eval_concurrency)
+
+        async def one(i: int) -> None:
+            async with limit:
+                responses[i] = await self.engine.complete(prompts[i], msg.temperature)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(prompts)):
+                nursery.start_soon(one, i)
+        metrics = task.heldout_metrics(responses)
+        seconds = time.monotonic() - started
+        self.say("eval v%d: accuracy %.3f over %d problems in %.1f s", version, metrics["accuracy"], len(prompts), seconds)
+        await control.send(EvalDone(version=version, metrics=metrics, seconds=seconds, version_end=self.engine.version))
 
 
 def make_engine(service: RolloutService):
     match service.config.roles.rollout.engine:
         case SimRollout() as cfg:
             return SimEngine(cfg, service)
+        case VllmRollout() as cfg:
+            from rlflow.services.vllm_engine import VllmEngine
+
+            return VllmEngine(cfg, service)
     raise ValueError(f"unknown rollout engine {service.config.roles.rollout.engine!r}")
 
 
@@ -187,7 +219,27 @@ class SimEngine:
         self._weights: dict[str, transport.Dealer] = {}
         self._sockets: contextlib.AsyncExitStack | None = None
 
+    eval_concurrency = 1
+
     # -- called by the service ------------------------------------------------
+
+    async def start(self) -> None:
+        """Nothing to load."""
+
+    async def connect_weights(self, info: dict[str, str]) -> None:
+        """Weights come over ZeroMQ on request: nothing to join."""
+
+    async def set_version(self, version: int) -> None:
+        self.version = version
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+    def hello_info(self) -> dict[str, str]:
+        return {"slots": str(self.cfg.slots)}
+
+    async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
+        raise NotImplementedError("the simulated engine has no model to evaluate")
 
     def submit(self, group: PromptGroup, issued_at: float) -> None:
         lengths = draw_lengths(self.cfg.response_len, self.rng, group.n)

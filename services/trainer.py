@@ -17,7 +17,7 @@ import numpy as np
 import trio
 
 from rlflow import transport
-from rlflow.config import SimTrainer
+from rlflow.config import SimTrainer, TorchTrainer
 from rlflow.protocol import (
     Codec,
     Expired,
@@ -26,6 +26,7 @@ from rlflow.protocol import (
     Stage,
     StepDone,
     Tensor,
+    UpdateWeights,
     WeightsMessage,
     WeightsPayload,
     WeightsReady,
@@ -49,31 +50,33 @@ class TrainerService(Service):
         self.step = 0
         self.acked: set[int] = set()
         self.buffer: list[SampleBatch] = []
-        self.latest: WeightsPayload | None = None
-        self._published = trio.Event()
-        self.engine = make_engine(self)
+        self.engine = None
 
     def queues(self) -> dict[str, int]:
         return {"groups": len(self.buffer)}
 
     async def main(self, control: Control) -> None:
+        engine = self.engine = await make_engine(self)
         async with (
             transport.open_pull(bind=bind_address(self.spec), name=f"{self.spec.name}/in") as inbox,
-            transport.open_router(bind=bind_address(self.spec), codec=Codec(WeightsMessage), name="weights") as weights,
+            trio.open_nursery() as nursery,
         ):
-            self.weights_address = transport.bound_address(weights)
-            welcome = await control.hello(endpoints={"in": transport.bound_address(inbox), "weights": self.weights_address})
-            self.say("up, engine %s", type(self.engine).__name__)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
-                nursery.start_soon(self.serve_weights, weights)
-                nursery.start_soon(self.train, inbox, control)
-                await control.ready(self.version)
-                async for msg in control:
-                    if isinstance(msg, Shutdown):
-                        self.say("shutting down (%s)", msg.reason)
+            await nursery.start(engine.serve)
+            welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)}, info=engine.hello_info())
+            self.step = self.version = welcome.version  # above 0 when resuming
+            await engine.connect(welcome.info)
+            self.say("up, engine %s", type(engine).__name__)
+            nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
+            nursery.start_soon(self.train, inbox, control)
+            await control.ready(self.version)
+            async for msg in control:
+                match msg:
+                    case UpdateWeights(version=version):
+                        nursery.start_soon(engine.send, version)
+                    case Shutdown(reason=reason):
+                        self.say("shutting down (%s)", reason)
                         break
-                nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
 
     async def train(self, inbox: transport.Pull, control: Control) -> None:
         run = self.config.run
@@ -82,21 +85,18 @@ class TrainerService(Service):
             batch = concat(groups)
             staleness = self.version - batch.versions.numpy()
             with self.clock.state("busy"):
-                started = time.monotonic()
                 metrics = await self.engine.train(batch)
-                train_s = time.monotonic() - started
             self.step += 1
             self.version = self.step
             with self.clock.state("loading"):
-                self.latest = self.engine.weights(self.version)
-                self._published.set()
-            await control.send(
-                WeightsReady(
-                    version=self.version,
-                    nbytes=sum(t.nbytes for t in self.latest.tensors),
-                    info={"address": self.weights_address},
-                )
-            )
+                ready = await self.engine.publish(self.version)
+            await control.send(ready)
+            every = getattr(self.engine, "checkpoint_every", 0)
+            if self.step == run.steps or (every and self.step % every == 0):
+                with self.clock.state("loading"):
+                    path = await self.engine.save(self.step)
+                if path is not None:
+                    metrics["checkpoint"] = float(self.step)
             rewards = batch.rewards.numpy() if batch.rewards is not None else np.zeros(0)
             ids = batch.group_ids
             self.acked.update(ids)
@@ -106,7 +106,6 @@ class TrainerService(Service):
                 reward_mean=float(np.nanmean(rewards)) if rewards.size else float("nan"),
                 staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
                 staleness_max=float(staleness.max()) if staleness.size else 0.0,
-                train_s=train_s,
             )
             self.counters["samples"] += batch.n_samples
             self.counters["tokens"] += batch.n_tokens
@@ -155,42 +154,74 @@ class TrainerService(Service):
         taken, self.buffer = self.buffer[:want], self.buffer[want:]
         return taken
 
-    async def serve_weights(self, sock: transport.Router) -> None:
-        """Answer each weight request with the newest version."""
-        while True:
-            identity, msg = await sock.recv()
-            if not isinstance(msg, WeightsRequest):
-                continue
-            while self.latest is None or self.latest.version < msg.version:
-                self._published = trio.Event()
-                await self._published.wait()
-            await sock.send(identity, self.latest)
-
-
-def make_engine(service: TrainerService):
+async def make_engine(service: TrainerService):
     match service.config.roles.trainer.engine:
         case SimTrainer() as cfg:
-            return SimTrainerEngine(cfg, service.config.run.seed)
+            return SimTrainerEngine(cfg, service.config.run.seed, service)
+        case TorchTrainer() as cfg:
+            from rlflow.services.torch_trainer import TorchTrainerEngine
+
+            return await trio.to_thread.run_sync(TorchTrainerEngine, cfg, service)
     raise ValueError(f"unknown trainer engine {service.config.roles.trainer.engine!r}")
 
 
 class SimTrainerEngine:
     """Trains for `s_per_token` per token; its weights are `weights_bytes` of
-    fixed random bytes, in tensors of at most 4 MiB, that really cross the wire."""
+    fixed random bytes, in tensors of at most 4 MiB, that really cross the
+    wire: the rollout fetches them from this engine's weight server."""
 
-    def __init__(self, cfg: SimTrainer, seed: int):
+    checkpoint_every = 0
+
+    def __init__(self, cfg: SimTrainer, seed: int, service: TrainerService):
         self.cfg = cfg
+        self.service = service
         rng = np.random.default_rng((seed, 17))
         data = rng.integers(0, 256, cfg.weights_bytes, dtype=np.uint8)
         chunks = range(0, cfg.weights_bytes, SIM_TENSOR_BYTES)
         self.names = [f"layers.{i}.weight" for i in range(len(chunks))]
         self.tensors = [Tensor.from_numpy(data[a : a + SIM_TENSOR_BYTES]) for a in chunks]
+        self.latest: WeightsPayload | None = None
+        self._published = trio.Event()
+        self.address = ""
+
+    def hello_info(self) -> dict[str, str]:
+        return {"weights": "zmq", "weights_address": self.address}
+
+    async def connect(self, info: dict[str, str]) -> None:
+        """The rollout pulls weights from the server: nothing to join."""
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Answer each weight request with the newest version."""
+        async with transport.open_router(
+            bind=bind_address(self.service.spec), codec=Codec(WeightsMessage), name="weights"
+        ) as sock:
+            self.address = transport.bound_address(sock)
+            task_status.started()
+            while True:
+                identity, msg = await sock.recv()
+                if not isinstance(msg, WeightsRequest):
+                    continue
+                while self.latest is None or self.latest.version < msg.version:
+                    self._published = trio.Event()
+                    await self._published.wait()
+                await sock.send(identity, self.latest)
 
     async def train(self, batch: SampleBatch) -> dict[str, float]:
         seconds = self.cfg.step_overhead_s + self.cfg.s_per_token * batch.n_tokens
         if seconds > 0:
             await trio.sleep(seconds)
-        return {"loss": 0.0}
+        return {"loss": 0.0, "train_s": seconds}
 
-    def weights(self, version: int) -> WeightsPayload:
-        return WeightsPayload(version=version, names=self.names, tensors=self.tensors)
+    async def publish(self, version: int) -> WeightsReady:
+        self.latest = WeightsPayload(version=version, names=self.names, tensors=self.tensors)
+        self._published.set()
+        return WeightsReady(
+            version=version, nbytes=sum(t.nbytes for t in self.tensors), info={"address": self.address}
+        )
+
+    async def send(self, version: int) -> None:
+        """Pulled, not pushed: nothing to do."""
+
+    async def save(self, step: int) -> None:
+        """Nothing to save."""
+        return None

@@ -24,6 +24,8 @@ from rlflow.protocol import (
     Codec,
     Credits,
     ErrorReport,
+    EvalDone,
+    Evaluate,
     Expired,
     FinishReason,
     Heartbeat,
@@ -133,6 +135,8 @@ def examples() -> dict[str, object]:
         "ErrorReport": ErrorReport(fatal=True, kind="RuntimeError", message="engine died"),
         "Bye": Bye(reason="done"),
         "Ack": Ack(stage=Stage.ROLLOUT_END, group_ids=[10, 12]),
+        "Evaluate": Evaluate(version=7, temperature=0.0),
+        "EvalDone": EvalDone(version=7, metrics={"accuracy": 0.5, "accuracy.digits_2": 0.75}, seconds=3.5, version_end=8),
         "WeightsRequest": WeightsRequest(version=5),
         "WeightsPayload": WeightsPayload(
             version=5,

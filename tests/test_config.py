@@ -49,6 +49,9 @@ def test_overrides_go_through_the_same_validation():
     assert config.roles.rollout.engine.slots == 16
     inline = C.load(text=BASE, overrides=['roles.rollout.engine.response_len={kind="fixed", value=10}'])
     assert inline.roles.rollout.engine.response_len == C.Fixed(value=10)
+    # One key of a table left at its default: the default's kind is kept.
+    sigma = C.load(text=BASE, overrides=["roles.rollout.engine.response_len.sigma=2"])
+    assert sigma.roles.rollout.engine.response_len == C.LogNormal(median=256, sigma=2.0, min=1, max=4096)
 
 
 @pytest.mark.parametrize(
@@ -62,12 +65,12 @@ def test_overrides_go_through_the_same_validation():
         ('roles.rollout.engine.kind="vllmx"', "config error: roles.rollout.engine.kind = 'vllmx': expected one of"),
         ("roles.rollout.engine.slots=-1", "config error: roles.rollout.engine.slots = -1: expected an integer >= 1"),
         ('pools.gen.strategy="X"', "config error: pools.gen.strategy = 'X': expected one of 'PACK', 'SPREAD'"),
-        ("roles.rollout.engine.response_len.sigma=2", "config error: roles.rollout.engine.response_len.kind = (missing): required: one of 'fixed', 'lognormal', 'pareto'"),
+        ("roles.rollout.engine.response_len={sigma=2}", "config error: roles.rollout.engine.response_len.kind = (missing): required: one of 'fixed', 'lognormal', 'pareto'"),
         ("roles.teacher.replicas=2", "config error: roles.teacher.pool = (missing): required: a string"),
         ("pools.spare.nodes=1", "config error: pools.spare = {"),
         ("run.max_staleness=3", None),  # fine in async mode
         ("nonsense", "config error: --set nonsense = 'nonsense': expected KEY.PATH=VALUE"),
-        ("run.steps.x=1", "config error: run.steps = {x = 1}: expected an integer >= 1"),
+        ("run.steps.x=1", "config error: run.steps = 20: is not a table, so run.steps.x cannot be set"),
     ],
 )
 def test_bad_values_get_one_line_naming_key_value_and_allowed(override, line):

@@ -1,0 +1,136 @@
+"""Advantage estimators and the policy loss, with off-policy corrections.
+
+The loss is PPO's clipped surrogate, aggregated over tokens (every response
+token of the batch weighs the same). Three policies appear in it:
+
+* the behaviour policy, which generated each token (log-probabilities come
+  with the sample from the rollout, possibly several versions old);
+* the proximal policy, the trainer's weights at the start of this update;
+* the current policy, being optimized.
+
+Decoupled (Hilton et al., 2022; AReaL): the ratio is current / proximal and
+is clipped, while the gap between proximal and behaviour is corrected by an
+importance weight proximal / behaviour, truncated at `tis_cap` (TIS). So the
+trust region is measured from weights the trainer knows, and stale samples
+are reweighted rather than clipped away. Not decoupled: the ratio is
+current / behaviour, clipped (plain off-policy PPO).
+
+With one optimizer step per batch the proximal policy equals the current
+one before the step, so its log-probabilities are the current ones,
+detached: no extra forward pass is needed.
+
+Everything here works on flat per-token tensors; `sample_of_token` maps
+each token to its sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, group: torch.Tensor, *, kind: str = "grpo", normalize_std: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """Per-sample advantages from per-sample rewards, within each group.
+
+    grpo: ``(r - mean(group)) / (std(group) + eps)`` (population std; without
+    `normalize_std`, just ``r - mean``). rloo: ``r - mean(others in the
+    group)``, i.e. ``n / (n - 1) * (r - mean)``; a group of one gets 0.
+    """
+    rewards = rewards.to(torch.float64)
+    groups, index = torch.unique(group, return_inverse=True)
+    count = torch.zeros(len(groups), dtype=torch.float64).index_add_(0, index, torch.ones_like(rewards))
+    total = torch.zeros(len(groups), dtype=torch.float64).index_add_(0, index, rewards)
+    mean = (total / count)[index]
+    centred = rewards - mean
+    if kind == "rloo":
+        n = count[index]
+        out = torch.where(n > 1, centred * n / (n - 1).clamp(min=1), torch.zeros_like(centred))
+    elif kind == "grpo":
+        out = centred
+        if normalize_std:
+            var = torch.zeros(len(groups), dtype=torch.float64).index_add_(0, index, centred**2) / count
+            std = var.sqrt()[index]
+            out = torch.where(std > 0, centred / (std + eps), torch.zeros_like(centred))
+    else:
+        raise ValueError(f"unknown advantage estimator {kind!r}")
+    return out.to(torch.float32)
+
+
+def uniform_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """Per sample: True where every reward of its group is the same (no signal)."""
+    groups, index = torch.unique(group, return_inverse=True)
+    high = torch.full((len(groups),), -torch.inf, dtype=rewards.dtype).scatter_reduce(0, index, rewards, "amax")
+    low = torch.full((len(groups),), torch.inf, dtype=rewards.dtype).scatter_reduce(0, index, rewards, "amin")
+    return (high == low)[index]
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    decoupled: bool = True
+    tis_cap: float = 2.0
+    """Truncate behaviour importance weights at this; 0 turns the correction off."""
+
+
+@dataclass
+class LossOutput:
+    loss: torch.Tensor
+    """Sum over tokens of the per-token loss (divide by the batch's token count)."""
+    clipped: torch.Tensor
+    """Tokens whose ratio was clipped (count)."""
+    ratio_mean: torch.Tensor
+    behaviour_weight_mean: torch.Tensor
+    truncated: torch.Tensor
+    """Tokens whose behaviour weight hit the cap (count)."""
+    approx_kl: torch.Tensor
+    """Sum over tokens of ``behaviour - proximal`` log-probability (a KL estimate times tokens)."""
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    advantages: torch.Tensor,
+    cfg: LossConfig,
+) -> LossOutput:
+    """PPO-clip surrogate summed over tokens (all arguments per token).
+
+    `proximal` and `behaviour` are log-probabilities without gradients; the
+    caller divides `loss` by the number of tokens in the whole batch, so that
+    micro-batches add up to a token-mean.
+    """
+    proximal = proximal.detach()
+    behaviour = behaviour.detach()
+    anchor = proximal if cfg.decoupled else behaviour
+    ratio = torch.exp(logprobs - anchor)
+    clipped_ratio = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
+    if cfg.decoupled and cfg.tis_cap > 0:
+        raw = torch.exp(proximal - behaviour)
+        weight = raw.clamp(max=cfg.tis_cap)
+        truncated = (raw > cfg.tis_cap).sum()
+    else:
+        weight = torch.ones_like(ratio)
+        truncated = torch.zeros((), dtype=torch.long)
+    loss = -(weight * surrogate).sum()
+    with torch.no_grad():
+        was_clipped = ((ratio * advantages) > (clipped_ratio * advantages)).sum()
+    return LossOutput(
+        loss=loss,
+        clipped=was_clipped,
+        ratio_mean=ratio.detach().mean() if ratio.numel() else torch.zeros(()),
+        behaviour_weight_mean=weight.mean() if weight.numel() else torch.zeros(()),
+        truncated=truncated,
+        approx_kl=(behaviour - proximal).sum(),
+    )
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T) at `targets`, computed stably."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    logits = logits.float()
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)

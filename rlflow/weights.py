@@ -1,0 +1,101 @@
+"""Moving policy weights from the trainer to the rollout: the torch side.
+
+On CPU the weights travel over a gloo process group of their own (a TCPStore
+rendezvous hosted by trainer rank 0, which leaves every process's default
+group alone): the trainer packs all parameters into one flat byte buffer
+and broadcasts it once; each rollout replica receives it into a buffer of
+the same layout and loads the views. On GPU, vLLM's NCCL engine does the
+same over NCCL (see `rlflow.services.vllm_engine`).
+
+The layout (name, dtype, shape, byte offset of every parameter) is fixed for
+a model; it travels with each update as `ParamSpec`s.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Iterable
+
+import torch
+
+from rlflow.protocol import ParamSpec
+
+#: Parameters start at multiples of this many bytes in the flat buffer.
+ALIGN = 64
+
+
+def layout(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[ParamSpec], int]:
+    """Where each parameter goes in the flat buffer, and the buffer's size."""
+    specs, offset = [], 0
+    for name, tensor in named:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        specs.append(ParamSpec(name=name, dtype=dtype, shape=list(tensor.shape), offset=offset))
+        offset += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+    return specs, offset
+
+
+def pack(named: Iterable[tuple[str, torch.Tensor]], specs: list[ParamSpec], nbytes: int) -> torch.Tensor:
+    """One uint8 buffer holding every parameter (a copy: the trainer may go on)."""
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    for (name, tensor), spec in zip(named, specs):
+        if name != spec.name:
+            raise ValueError(f"parameter {name!r} where the layout has {spec.name!r}")
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        flat[spec.offset : spec.offset + data.numel()].copy_(data)
+    return flat
+
+
+def unpack(flat: torch.Tensor, specs: list[ParamSpec]) -> list[tuple[str, torch.Tensor]]:
+    """(name, view into `flat`) of every parameter."""
+    out = []
+    for spec in specs:
+        dtype = getattr(torch, spec.dtype)
+        numel = 1
+        for dim in spec.shape:
+            numel *= dim
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        out.append((spec.name, flat[spec.offset : spec.offset + size].view(dtype).view(spec.shape)))
+    return out
+
+
+def free_port(host: str = "") -> int:
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
+
+
+class GlooGroup:
+    """A standalone gloo group; rank 0 hosts the rendezvous store at host:port.
+
+    Creating it blocks until all `world_size` ranks have joined.
+    """
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0):
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world_size = rank, world_size
+        self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=host if rank == 0 else _local_address(host))]
+        self._group = dist.ProcessGroupGloo(self._store, rank, world_size, options)
+
+    def broadcast(self, flat: torch.Tensor, root: int = 0) -> None:
+        """Broadcast `flat` from `root` to every rank (blocking)."""
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        options.rootTensor = 0
+        self._group.broadcast([flat], options).wait()
+
+
+def _local_address(peer: str) -> str:
+    """This host's address on the route to `peer` (loopback stays loopback)."""
+    if peer.startswith("127.") or peer == "localhost":
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer, 1))
+        return probe.getsockname()[0]

@@ -1,0 +1,315 @@
+"""The trainer's torch engine: a Hugging Face causal LM trained with GRPO / RLOO.
+
+The model class is the Hugging Face class of the rollout's model, so the
+names of its parameters are the names vLLM loads. One optimizer step per
+batch: advantages within each group, groups without signal left out,
+samples packed into micro-batches of at most `micro_batch_tokens` tokens,
+gradients accumulated as a token mean over the whole batch, clipped, AdamW.
+See `rlflow.algorithms` for the loss and its off-policy corrections.
+
+On CPU with several replicas the gradients are all-reduced over gloo (DDP);
+checkpoints are Hugging Face directories (safetensors) plus optimizer, RNG
+and run state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import pathlib
+import random
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlflow.algorithms import LossConfig, group_advantages, policy_loss, token_logprobs, uniform_groups
+from rlflow.config import TorchTrainer
+from rlflow.protocol import ParamSpec, SampleBatch, samples
+from rlflow.weights import layout, pack
+
+
+class TorchEngine:
+    """Holds the policy and its optimizer; `train` takes one step on a batch."""
+
+    def __init__(self, cfg: TorchTrainer, model_path: str, *, temperature: float = 1.0, seed: int = 0,
+                 rank: int = 0, world_size: int = 1):
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed + rank)
+        threads = int(os.environ.get("RLFLOW_NUM_THREADS", "0") or 0)
+        if threads:
+            torch.set_num_threads(threads)
+        self.cfg = cfg
+        self.model_path = model_path
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.dtype = getattr(torch, cfg.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.model.train()
+        self.rank, self.world_size = rank, world_size
+        self.ddp = None
+        if world_size > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo", rank=rank, world_size=world_size)
+            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        )
+        self.loss_cfg = LossConfig(
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, decoupled=cfg.decoupled, tis_cap=cfg.tis_cap
+        )
+        self.steps = 0
+        self.specs, self.nbytes = layout(self.model.named_parameters())
+
+    # -- one step ---------------------------------------------------------------
+
+    def train(self, batch: SampleBatch) -> dict[str, float]:
+        started = time.monotonic()
+        rows = list(samples(batch))
+        rewards = torch.tensor([r.reward if r.reward is not None else math.nan for r in rows], dtype=torch.float32)
+        if torch.isnan(rewards).any():
+            raise ValueError("a sample without a reward reached the trainer")
+        group = torch.tensor([r.group.group_id for r in rows])
+        advantages = group_advantages(rewards, group, kind=self.cfg.advantage, normalize_std=self.cfg.normalize_std)
+        keep = ~uniform_groups(rewards, group) if self.cfg.skip_uniform_groups else torch.ones(len(rows), dtype=torch.bool)
+        chosen = [i for i in range(len(rows)) if keep[i] and len(rows[i].response_ids) > 0]
+        total_tokens = sum(len(rows[i].response_ids) for i in chosen)
+        stats = {
+            "mixed_sample_share": float(keep.float().mean()) if len(rows) else 0.0,
+            "trained_tokens": float(total_tokens),
+        }
+        self._set_lr()
+        global_tokens = self._all_ranks_sum(total_tokens)
+        if global_tokens == 0:
+            # Nothing to learn from anywhere; the version still advances, so
+            # that the pipeline's clock stays one step per batch.
+            self.steps += 1
+            return {**stats, "loss": 0.0, "grad_norm": 0.0, "lr": self._lr(), "train_s": time.monotonic() - started}
+        # DDP averages gradients over ranks: scale so the result is the mean
+        # over every token of every rank.
+        scale = self.world_size / global_tokens
+        sums = {"loss": 0.0, "clipped": 0.0, "truncated": 0.0, "kl": 0.0, "ratio": 0.0, "weight": 0.0}
+        module = self.ddp or self.model
+        micro = self._micro_batches(chosen, rows)
+        if not micro:  # this rank has nothing, the others do: join their all-reduce
+            (sum(p.sum() for p in self.model.parameters()) * 0.0).backward()
+        for index, part in enumerate(micro):
+            ids, mask, targets, where = self._pack([rows[i] for i in part])
+            sync = self.ddp is None or index == len(micro) - 1
+            context = module.no_sync() if (self.ddp is not None and not sync) else contextlib.nullcontext()
+            with context:
+                logits = module(input_ids=ids, attention_mask=mask).logits
+                logprobs = token_logprobs(logits[where], targets, self.temperature)
+                behaviour = torch.cat([torch.from_numpy(np.asarray(rows[i].logprobs, dtype=np.float32)) for i in part])
+                adv = torch.cat([advantages[i].repeat(len(rows[i].response_ids)) for i in part])
+                out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg)
+                (out.loss * scale).backward()
+            sums["loss"] += out.loss.item()
+            sums["clipped"] += out.clipped.item()
+            sums["truncated"] += float(out.truncated)
+            sums["kl"] += out.approx_kl.item()
+            sums["ratio"] += out.ratio_mean.item() * len(adv)
+            sums["weight"] += out.behaviour_weight_mean.item() * len(adv)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        tokens = max(total_tokens, 1)
+        return {
+            **stats,
+            "loss": sums["loss"] / tokens,
+            "clipped_share": sums["clipped"] / tokens,
+            "truncated_share": sums["truncated"] / tokens,
+            "behaviour_kl": sums["kl"] / tokens,
+            "behaviour_weight_mean": sums["weight"] / tokens,
+            "grad_norm": float(norm),
+            "lr": self._lr(),
+            "micro_batches": float(len(micro)),
+            "train_s": time.monotonic() - started,
+        }
+
+    def _all_ranks_sum(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        total = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total.item())
+
+    def _micro_batches(self, chosen: list[int], rows: list) -> list[list[int]]:
+        """Samples grouped by length, each group padded to at most the token budget."""
+        order = sorted(chosen, key=lambda i: len(rows[i].prompt_ids) + len(rows[i].response_ids))
+        out, current, longest = [], [], 0
+        for i in order:
+            length = len(rows[i].prompt_ids) + len(rows[i].response_ids)
+            if current and max(longest, length) * (len(current) + 1) > self.cfg.micro_batch_tokens:
+                out.append(current)
+                current, longest = [], 0
+            current.append(i)
+            longest = max(longest, length)
+        if current:
+            out.append(current)
+        return out
+
+    def _pack(self, part: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Right-padded ids and mask, the response tokens, and where their
+        predictions sit in the logits."""
+        width = max(len(r.prompt_ids) + len(r.response_ids) for r in part)
+        ids = torch.zeros((len(part), width), dtype=torch.long)
+        mask = torch.zeros((len(part), width), dtype=torch.long)
+        rows_idx, cols_idx, targets = [], [], []
+        for row, sample in enumerate(part):
+            seq = np.concatenate([sample.prompt_ids, sample.response_ids])
+            ids[row, : len(seq)] = torch.from_numpy(seq.astype(np.int64))
+            mask[row, : len(seq)] = 1
+            start = len(sample.prompt_ids)
+            positions = torch.arange(start - 1, start - 1 + len(sample.response_ids))
+            rows_idx.append(torch.full_like(positions, row))
+            cols_idx.append(positions)
+            targets.append(torch.from_numpy(sample.response_ids.astype(np.int64)))
+        return ids, mask, torch.cat(targets), (torch.cat(rows_idx), torch.cat(cols_idx))
+
+    def _lr(self) -> float:
+        if self.cfg.warmup_steps and self.steps < self.cfg.warmup_steps:
+            return self.cfg.lr * (self.steps + 1) / self.cfg.warmup_steps
+        return self.cfg.lr
+
+    def _set_lr(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr()
+
+    # -- weights out ------------------------------------------------------------
+
+    def snapshot(self) -> tuple[torch.Tensor, list[ParamSpec], int]:
+        """The current weights packed into one flat buffer (a copy)."""
+        return pack(self.model.named_parameters(), self.specs, self.nbytes), self.specs, self.nbytes
+
+    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, p.detach()) for name, p in self.model.named_parameters()]
+
+    # -- checkpoints ---------------------------------------------------------------
+
+    def save(self, folder: pathlib.Path, run_state: dict[str, Any]) -> None:
+        """A Hugging Face model directory plus optimizer, RNG and run state."""
+        tmp = folder.with_name(folder.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        self.model.save_pretrained(tmp, safe_serialization=True)
+        for name in os.listdir(self.model_path):
+            if "token" in name or name in ("generation_config.json", "vocab.json", "merges.txt"):
+                src = pathlib.Path(self.model_path) / name
+                if src.is_file() and not (tmp / name).exists():
+                    shutil.copy(src, tmp / name)
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "steps": self.steps,
+                "rng": {
+                    "torch": torch.get_rng_state(),
+                    "numpy": np.random.get_state(),
+                    "python": random.getstate(),
+                },
+            },
+            tmp / "trainer_state.pt",
+        )
+        (tmp / "run_state.json").write_text(json.dumps(run_state, indent=1))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+
+    def load_state(self, folder: pathlib.Path) -> dict[str, Any]:
+        """Restore optimizer and RNG state saved by `save`; the run state."""
+        state = torch.load(folder / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.steps = state["steps"]
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+        return json.loads((folder / "run_state.json").read_text())
+
+
+class TorchTrainerEngine:
+    """`TorchEngine` behind the trainer service's interface: steps run in a
+    worker thread, weights go out over a gloo group that trainer rank 0
+    hosts, checkpoints land in the run directory."""
+
+    def __init__(self, cfg: TorchTrainer, service) -> None:
+        from rlflow.service import bind_address
+        from rlflow.weights import free_port
+
+        config = service.config
+        rollout = config.roles.rollout.engine
+        self.engine = TorchEngine(
+            cfg,
+            config.model_path(),
+            temperature=getattr(rollout, "temperature", 1.0),
+            seed=config.run.seed,
+            rank=service.spec.rank,
+            world_size=service.spec.replicas,
+        )
+        self.checkpoint_every = cfg.checkpoint_every
+        self.run_dir = pathlib.Path(service.spec.run_dir or ".")
+        self.host = bind_address(service.spec).removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+        self.port = free_port(self.host)
+        self.rank = service.spec.rank
+        self.group = None
+        self.snapshots: dict[int, torch.Tensor] = {}
+        if config.run.resume:
+            self.engine.load_state(pathlib.Path(config.run.resume))
+
+    def hello_info(self) -> dict[str, str]:
+        return {"weights": "gloo", "weights_host": self.host, "weights_port": str(self.port)}
+
+    async def connect(self, info: dict[str, str]) -> None:
+        """Host the weight group and wait until every rollout replica has joined."""
+        import trio
+
+        from rlflow.weights import GlooGroup
+
+        if self.rank == 0:
+            world = int(info["weights_world"])
+            self.group = await trio.to_thread.run_sync(GlooGroup, self.host, self.port, 0, world)
+
+    async def serve(self, *, task_status=None) -> None:
+        """Weights are pushed when the controller says so: nothing to serve."""
+        if task_status is not None:
+            task_status.started()
+
+    async def train(self, batch: SampleBatch) -> dict[str, float]:
+        import trio
+
+        return await trio.to_thread.run_sync(self.engine.train, batch)
+
+    async def publish(self, version: int):
+        import trio
+
+        from rlflow.protocol import WeightsReady
+
+        flat, specs, nbytes = await trio.to_thread.run_sync(self.engine.snapshot)
+        self.snapshots[version] = flat
+        return WeightsReady(version=version, nbytes=nbytes, info={"weights": "gloo", "nbytes": str(nbytes)}, params=specs)
+
+    async def send(self, version: int) -> None:
+        """Broadcast the weights of `version` to the rollout replicas."""
+        import trio
+
+        flat = self.snapshots[version]
+        for old in [v for v in self.snapshots if v <= version]:
+            del self.snapshots[old]
+        if self.group is not None:
+            await trio.to_thread.run_sync(self.group.broadcast, flat)
+
+    async def save(self, step: int) -> pathlib.Path:
+        import trio
+
+        folder = self.run_dir / "checkpoints" / f"step-{step:06d}"
+        await trio.to_thread.run_sync(self.engine.save, folder, {"step": step, "version": step})
+        return folder

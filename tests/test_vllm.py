@@ -1,0 +1,174 @@
+"""Real vLLM on CPU: weight updates over gloo, log-probabilities, versions.
+
+One vLLM engine (a tiny Qwen2 with a tied LM head: the case where vLLM-CPU
+keeps a stale packed copy of the head after a reload) serves the session;
+the test process plays the trainer, broadcasting over the same gloo group
+the trainer service uses.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+import torch
+import trio
+from models import tiny_model
+
+from rlflow.config import VllmRollout
+from rlflow.weights import GlooGroup, free_port, layout, pack
+
+pytestmark = pytest.mark.vllm
+
+PROMPT = "12+34="
+
+
+@pytest.fixture(scope="session")
+def tied_model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("tied") / "model", tied=True, seed=1)
+
+
+@pytest.fixture(scope="session")
+def engine(tied_model):
+    """(vLLM backend, the trainer's end of the weight group)."""
+    from rlflow.services.vllm_engine import VllmBackend
+
+    cfg = VllmRollout(max_num_seqs=16, max_tokens=64, kv_cache_bytes=64 << 20, temperature=1.0)
+    backend = VllmBackend(cfg, str(tied_model), seed=0)
+    backend.start_blocking()
+    try:
+        port = free_port("127.0.0.1")
+        box = {}
+        trainer = threading.Thread(target=lambda: box.setdefault("group", GlooGroup("127.0.0.1", port, 0, 2)))
+        trainer.start()
+        trio.run(backend.join_weights, "127.0.0.1", port, 1, 2)
+        trainer.join()
+        yield backend, box["group"]
+    finally:
+        backend.close()
+
+
+def hf_model(path, seed: int | None = None):
+    """The model as transformers loads it; with `seed`, every weight perturbed."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=generator) * 0.5 * p.std().clamp(min=0.02))
+    return model
+
+
+def hf_logprobs(model, prompt_ids: list[int], response_ids: list[int]) -> np.ndarray:
+    ids = torch.tensor([prompt_ids + response_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    positions = torch.arange(len(prompt_ids) - 1, len(prompt_ids) + len(response_ids) - 1)
+    return logp[positions, torch.tensor(response_ids)].numpy()
+
+
+def prompt_ids(path) -> list[int]:
+    from rlflow.model import load_tokenizer
+
+    return load_tokenizer(path).encode(PROMPT, add_special_tokens=False)
+
+
+async def push(engine, model, version: int) -> None:
+    """Broadcast `model`'s weights as `version` while vLLM receives them."""
+    backend, group = engine
+    specs, nbytes = layout(model.named_parameters())
+    flat = pack(model.named_parameters(), specs, nbytes)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trio.to_thread.run_sync, group.broadcast, flat)
+        await backend.update(version, specs, nbytes)
+
+
+def sampled(output) -> list[tuple[list[int], np.ndarray, list]]:
+    out = []
+    for c in output.outputs:
+        ids = list(c.token_ids)
+        lps = np.array([lp[t].logprob for t, lp in zip(ids, c.logprobs)], dtype=np.float32)
+        out.append((ids, lps, c.weight_versions))
+    return out
+
+
+async def test_log_probabilities_after_an_update_match_a_hf_forward_of_the_new_weights(engine, tied_model):
+    backend, _ = engine
+    old = hf_model(tied_model)
+    new = hf_model(tied_model, seed=7)
+    with trio.fail_after(120):
+        await push(engine, new, version=1)
+        output = await backend.generate(prompt_ids(tied_model), 8, 1.0, max_tokens=24, ignore_eos=True)
+    prompt = prompt_ids(tied_model)
+    worst_new, worst_old = 0.0, 0.0
+    for ids, lps, versions in sampled(output):
+        assert [(s.version, s.start, s.end) for s in versions] == [("1", 0, len(ids))]
+        worst_new = max(worst_new, float(np.abs(lps - hf_logprobs(new, prompt, ids)).max()))
+        worst_old = max(worst_old, float(np.abs(lps - hf_logprobs(old, prompt, ids)).max()))
+    assert worst_new < 2e-3, f"vLLM disagrees with the new weights by {worst_new:.4f} nats"
+    assert worst_old > 0.1, "the update did not change the model"
+
+
+async def test_versions_are_right_across_an_update_mid_generation(engine, tied_model):
+    backend, _ = engine
+    prompt = prompt_ids(tied_model)
+    v2 = hf_model(tied_model, seed=7)
+    v3 = hf_model(tied_model, seed=8)
+    with trio.fail_after(180):
+        await push(engine, v2, version=2)
+        result = {}
+
+        async def generate() -> None:
+            result["out"] = await backend.generate(prompt, 4, 1.0, max_tokens=400, ignore_eos=True)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(generate)
+            await trio.sleep(0.5)
+            await push(engine, v3, version=3)
+    for ids, lps, spans in sampled(result["out"]):
+        assert [s.version for s in spans] == ["2", "3"], spans
+        cut = spans[1].start
+        assert 0 < cut < len(ids) and spans[0].end == cut and spans[1].end == len(ids)
+        # Before the update the tokens are v2's; after it, v3's, with the
+        # prefix's KV cache recomputed under v3.
+        assert np.abs(lps[:cut] - hf_logprobs(v2, prompt, ids)[:cut]).max() < 2e-3
+        assert np.abs(lps[cut:] - hf_logprobs(v3, prompt, ids)[cut:]).max() < 2e-3
+
+
+def test_a_trainer_checkpoint_loads_in_vllm_and_transformers(tmp_path, monkeypatch):
+    """The trainer's checkpoint is a model directory both load as it is."""
+    from models import tiny_model as make
+    from vllm import LLM, SamplingParams
+
+    from rlflow.config import TorchTrainer
+    from rlflow.services.torch_trainer import TorchEngine
+
+    path = make(tmp_path / "base", tied=False, seed=3)
+    engine = TorchEngine(TorchTrainer(), str(path))
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.add_(0.01)
+    folder = tmp_path / "checkpoint"
+    engine.save(folder, {"step": 1, "version": 1})
+    reloaded = hf_model(folder)
+    for (name, a), b in zip(engine.model.named_parameters(), reloaded.parameters()):
+        assert torch.equal(a, b), name
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    llm = LLM(model=str(folder), dtype="float32", kv_cache_memory_bytes=32 << 20, enforce_eager=True,
+              logprobs_mode="processed_logprobs", max_num_seqs=4, seed=0)
+    try:
+        prompt = prompt_ids(folder)
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0),
+                           use_tqdm=False)[0].outputs[0]
+        ids = list(out.token_ids)
+        lps = np.array([lp[t].logprob for t, lp in zip(ids, out.logprobs)])
+        assert np.abs(lps - hf_logprobs(reloaded, prompt, ids)).max() < 2e-3
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    assert os.path.exists(folder / "model.safetensors")
