@@ -199,6 +199,16 @@ def _build_default_model(force: bool) -> pathlib.Path:
     if (path / "config.json").exists() and not force:
         return path
     print(f"[rlflow] building the default model into {path} (once; a few minutes)", file=sys.stderr)
+    if not sys.stderr.isatty():  # a log, not a terminal: a line every 15 s
+        last = [0.0]
+
+        def log_line(text: str, fraction: float) -> None:
+            if time.monotonic() - last[0] >= 15 or fraction >= 1.0:
+                last[0] = time.monotonic()
+                print(f"[rlflow] {100 * fraction:3.0f}% {text}", file=sys.stderr, flush=True)
+
+        build_default(path, progress=log_line)
+        return path
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), transient=False
     ) as progress:

@@ -377,13 +377,14 @@ class Controller:
         """Ask rollout 0 to evaluate the held-out set (and wait for the result)."""
         if not self.has_heldout:
             return
-        done = self._eval_done
+        version = self.version
         await self._send(
             self.replicas[("rollout", 0)],
-            Evaluate(version=self.version, temperature=self.config.eval.temperature),
+            Evaluate(version=version, temperature=self.config.eval.temperature),
         )
-        if wait:
-            await done.wait()
+        # An earlier evaluation may still be running: wait for this one's.
+        while wait and not any(e["version"] >= version for e in self.evals):
+            await self._eval_done.wait()
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
         key = (msg.role.label, msg.rank)

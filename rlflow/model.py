@@ -42,7 +42,7 @@ class Recipe:
     seed: int = 0
     lr: float = 1e-3
     batch: int = 32
-    target_accuracy: float = 0.25
+    target_accuracy: float = 0.33
     """Stop the warm start once greedy accuracy on the development set reaches this."""
     max_seconds: float = 270.0
     """Or after this long."""

@@ -165,11 +165,11 @@ def _placement_info() -> dict[str, str]:
     """The CPUs this process may run on and its thread budget, as placed."""
     info = {"threads": os.environ.get("OMP_NUM_THREADS", "")}
     if hasattr(os, "sched_getaffinity"):
-        info["cpus"] = _ranges(sorted(os.sched_getaffinity(0)))
+        info["cpus"] = cpu_ranges(sorted(os.sched_getaffinity(0)))
     return info
 
 
-def _ranges(cpus: list[int]) -> str:
+def cpu_ranges(cpus: list[int]) -> str:
     """[0, 1, 2, 5] -> "0-2,5"."""
     runs: list[list[int]] = []
     for cpu in cpus:

@@ -63,7 +63,10 @@ class RolloutService(Service):
         run = self.config.run
         engine = self.engine = make_engine(self)
         try:
+            self.say("starting %s", type(engine).__name__)
+            started = time.monotonic()
             await engine.start()
+            self.say("%s started in %.1f s", type(engine).__name__, time.monotonic() - started)
             task = make_task(self.config)
             welcome = await control.hello(endpoints={}, info={"capacity": str(engine.capacity), **engine.hello_info()})
             await engine.set_version(welcome.version)  # above 0 when resuming

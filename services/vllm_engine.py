@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import threading
 import time
 import uuid
@@ -233,6 +234,16 @@ class VllmBackend:
         """Start vLLM (its engine core is a process of its own); blocks."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from rlflow.service import cpu_ranges
+
+        if hasattr(os, "sched_getaffinity") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM-CPU binds its threads to a whole NUMA node by default; keep
+            # it on the cores placement gave this replica.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_ranges(sorted(os.sched_getaffinity(0)))
+        # Idle OpenMP threads sleep instead of spinning, so that a role
+        # sharing a core with the engine still gets it when the engine waits.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
         self.bridge = AsyncioBridge()
         args = self.engine_args()
 
@@ -309,6 +320,7 @@ class VllmBackend:
             ignore_eos=ignore_eos,
             logprobs=0 if temperature > 0 else None,
             output_kind=RequestOutputKind.FINAL_ONLY,
+            detokenize=False,  # the roles downstream read token ids
         )
         request_id = uuid.uuid4().hex
         llm = self.llm
@@ -346,6 +358,7 @@ class VllmEngine:
         self._send, self.finished = trio.open_memory_channel(2)
         self._wake = trio.Event()
         self._weights_ready = trio.Event()
+        self._updating = False
 
     @property
     def capacity(self) -> int:
@@ -393,8 +406,12 @@ class VllmEngine:
 
     async def update_weights(self, msg: UpdateWeights) -> int:
         await self._weights_ready.wait()
-        with self.clock.state("loading"):
+        self._updating = True
+        self.clock.set("loading")
+        try:
             await self.backend.update(msg.version, msg.params, int(msg.info["nbytes"]))
+        finally:
+            self._updating = False
         self.version = msg.version
         self._evict_stale()
         self._wake.set()
@@ -426,7 +443,7 @@ class VllmEngine:
                 await self._wake.wait()
 
     def _retime(self) -> None:
-        if self.clock.current == "loading":
+        if self._updating:
             return
         if self.running:
             self.clock.set("busy")

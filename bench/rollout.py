@@ -1,0 +1,258 @@
+"""The vLLM rollout engine: what rlflow's wrapper costs, and what weight updates cost.
+
+Measured in one run on this machine, with the default model and task:
+
+* wrapper_ratio: tokens/s of rlflow's rollout engine (trio service side,
+  asyncio bridge, groups streamed as they finish) over tokens/s of bare vLLM
+  (AsyncLLM driven directly on its own loop) generating the same prompts
+  with the same settings, on the same engine;
+* update_ratio: tokens/s with a weight update after every trainer step's
+  worth of groups, over tokens/s with no updates (updates keep requests in
+  flight and must not stall generation);
+* update_ms_default / update_ms_halfgb: one weight update, from the trainer
+  starting its broadcast to the rollout generating again, for the default
+  model and for a model of about 0.5 GB of random weights.
+
+Ends with
+
+    RESULT rollout wrapper_ratio=A update_ratio=B update_ms_default=C update_ms_halfgb=D
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import pathlib
+import statistics
+import sys
+import threading
+import time
+
+import torch
+import trio
+
+from rlflow.config import VllmRollout, load
+from rlflow.protocol import PromptGroup
+from rlflow.service import ServiceSpec
+from rlflow.services.rollout import RolloutService
+from rlflow.services.vllm_engine import VllmBackend, VllmEngine
+from rlflow.tasks import make_task
+from rlflow.weights import GlooGroup, free_port, layout, pack
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+DEFAULT = pathlib.Path(__file__).resolve().parent.parent / "rlflow" / "defaults" / "default.toml"
+
+
+def prompts(config, count: int, first: int = 0) -> list[PromptGroup]:
+    task = make_task(config)
+    return [task.prompt(first + i, config.run.samples_per_prompt) for i in range(count)]
+
+
+# -- bare vLLM -------------------------------------------------------------------------
+
+
+def bare(backend: VllmBackend, groups: list[PromptGroup], temperature: float) -> tuple[float, int]:
+    """Seconds and tokens for AsyncLLM alone to answer every group."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    llm = backend.llm
+    params = SamplingParams(
+        n=groups[0].n, temperature=temperature, max_tokens=backend.cfg.max_tokens, logprobs=0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+    async def one(group: PromptGroup) -> int:
+        final = None
+        async for out in llm.generate({"prompt_token_ids": group.prompt_ids}, params, f"bare-{group.group_id}-{time.time()}"):
+            final = out
+        return sum(len(c.token_ids) for c in final.outputs)
+
+    async def every() -> tuple[float, int]:
+        start = time.perf_counter()
+        counts = await asyncio.gather(*(one(g) for g in groups))
+        return time.perf_counter() - start, sum(counts)
+
+    return asyncio.run_coroutine_threadsafe(every(), backend.bridge.loop).result()
+
+
+# -- rlflow's engine -----------------------------------------------------------------------
+
+
+def service_for(config) -> RolloutService:
+    spec = ServiceSpec(role="rollout", rank=0, replicas=1, run_id="bench", controller="", config=config)
+    return RolloutService(spec)
+
+
+async def wrapped(
+    backend: VllmBackend, config, groups: list[PromptGroup], *, update_every: int = 0, push=None
+) -> tuple[float, int, list[float]]:
+    """Seconds and tokens for rlflow's engine to answer every group; with
+    `update_every`, a weight update after each that many finished groups."""
+    from rlflow.protocol import UpdateWeights
+
+    service = service_for(config)
+    engine = VllmEngine(config.roles.rollout.engine, service, backend=backend)
+    engine._weights_ready.set()
+    tokens, done, updates = 0, 0, []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        start = time.perf_counter()
+        now = time.time()
+        for group in groups:
+            engine.submit(group, now)
+        version = engine.version
+        async for _, responses in engine.finished:
+            tokens += sum(len(r.token_ids) for r in responses)
+            done += 1
+            if update_every and done % update_every == 0 and done < len(groups):
+                version += 1
+                updates.append(await push(engine, version))
+            if done == len(groups):
+                break
+        seconds = time.perf_counter() - start
+        nursery.cancel_scope.cancel()
+    return seconds, tokens, updates
+
+
+class Trainer:
+    """The sending end of the weight group, in this process."""
+
+    def __init__(self, backend: VllmBackend, model_path: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.specs, self.nbytes = layout(self.model.named_parameters())
+        port = free_port("127.0.0.1")
+        box: dict = {}
+        thread = threading.Thread(target=lambda: box.setdefault("group", GlooGroup("127.0.0.1", port, 0, 2)))
+        thread.start()
+        trio.run(backend.join_weights, "127.0.0.1", port, 1, 2)
+        thread.join()
+        self.group = box["group"]
+        self.backend = backend
+
+    async def push(self, engine: VllmEngine | None, version: int) -> float:
+        """Milliseconds from the start of the broadcast to generation resumed."""
+        from rlflow.protocol import UpdateWeights
+
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.mul_(1.0 + 1e-4)  # new weights, barely different
+        flat = pack(self.model.named_parameters(), self.specs, self.nbytes)
+        start = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, self.group.broadcast, flat)
+            if engine is not None:
+                msg = UpdateWeights(version=version, info={"nbytes": str(self.nbytes)}, params=self.specs)
+                await engine.update_weights(msg)
+            else:
+                await self.backend.update(version, self.specs, self.nbytes)
+        return 1000 * (time.perf_counter() - start)
+
+
+def halfgb_model(path: pathlib.Path) -> pathlib.Path:
+    """A Qwen2 of about 0.5 GB of random float32 weights, with the task's tokenizer."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from rlflow.model import build_tokenizer
+    from rlflow.tasks import Arith
+
+    tokenizer = build_tokenizer(Arith.ALPHABET)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=256, tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, architectures=["Qwen2ForCausalLM"],
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer groups and repeats")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "rollout.json")
+    args = parser.parse_args()
+
+    from rlflow.model import ensure_default
+
+    ensure_default()
+    config = load(DEFAULT)
+    cfg: VllmRollout = config.roles.rollout.engine
+    count, repeats = (64, 2) if args.quick else (128, 3)
+    step_groups = config.run.batch_size
+
+    backend = VllmBackend(cfg, config.model_path(), seed=0)
+    backend.start_blocking()
+    try:
+        trainer = Trainer(backend, config.model_path())
+        bare(backend, prompts(config, 16, first=10_000), cfg.temperature)  # warm-up
+        rows = {"bare": [], "rlflow": [], "rlflow_updates": []}
+        update_ms: list[float] = []
+        for r in range(repeats):
+            groups = prompts(config, count, first=r * count)
+            seconds, tokens = bare(backend, groups, cfg.temperature)
+            rows["bare"].append(tokens / seconds)
+            seconds, tokens, _ = trio.run(wrapped, backend, config, groups)
+            rows["rlflow"].append(tokens / seconds)
+            seconds, tokens, ms = trio.run(
+                lambda: wrapped(backend, config, groups, update_every=step_groups, push=trainer.push)
+            )
+            rows["rlflow_updates"].append(tokens / seconds)
+            update_ms += ms
+            print(
+                f"repeat {r}: bare {rows['bare'][-1]:,.0f} tok/s, rlflow {rows['rlflow'][-1]:,.0f} tok/s, "
+                f"rlflow with an update per {step_groups} groups {rows['rlflow_updates'][-1]:,.0f} tok/s "
+                f"({len(ms)} updates, {statistics.median(ms) if ms else 0:.0f} ms each)",
+                flush=True,
+            )
+        idle_ms = [trio.run(trainer.push, None, 1000 + i) for i in range(5)]
+    finally:
+        backend.close()
+
+    # A model of about 0.5 GB: update time only.
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = halfgb_model(pathlib.Path(tmp) / "halfgb")
+        big = VllmBackend(VllmRollout(max_num_seqs=16, max_tokens=16, kv_cache_bytes=64 << 20), str(path), seed=0)
+        big.start_blocking()
+        try:
+            big_trainer = Trainer(big, str(path))
+            halfgb_bytes = big_trainer.nbytes
+            halfgb_ms = [trio.run(big_trainer.push, None, i + 1) for i in range(3 if args.quick else 5)]
+        finally:
+            big.close()
+
+    wrapper_ratio = statistics.median(rows["rlflow"]) / statistics.median(rows["bare"])
+    update_ratio = statistics.median(rows["rlflow_updates"]) / statistics.median(rows["rlflow"])
+    result = {
+        "groups_per_run": count,
+        "samples_per_group": config.run.samples_per_prompt,
+        "tokens_per_s": {k: v for k, v in rows.items()},
+        "wrapper_ratio": wrapper_ratio,
+        "update_ratio": update_ratio,
+        "update_ms_in_flight": update_ms,
+        "update_ms_default": idle_ms,
+        "default_bytes": trainer.nbytes,
+        "update_ms_halfgb": halfgb_ms,
+        "halfgb_bytes": halfgb_bytes,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(
+        f"default model {trainer.nbytes / 2**20:.1f} MiB: update {statistics.median(idle_ms):.1f} ms idle, "
+        f"{statistics.median(update_ms) if update_ms else 0:.1f} ms with requests in flight; "
+        f"{halfgb_bytes / 2**20:.0f} MiB model: {statistics.median(halfgb_ms):.0f} ms"
+    )
+    print(
+        f"RESULT rollout wrapper_ratio={wrapper_ratio:.3f} update_ratio={update_ratio:.3f} "
+        f"update_ms_default={statistics.median(idle_ms):.1f} update_ms_halfgb={statistics.median(halfgb_ms):.0f}"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
