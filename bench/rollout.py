@@ -94,6 +94,7 @@ async def wrapped(
 
     service = service_for(config)
     engine = VllmEngine(config.roles.rollout.engine, service, backend=backend)
+    await engine.start()  # labels the weights held now
     engine._weights_ready.set()
     tokens, done, updates = 0, 0, []
     async with trio.open_nursery() as nursery:
