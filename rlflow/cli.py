@@ -50,6 +50,14 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--force", action="store_true", help="rebuild even if it is cached")
     model_sub.add_parser("path", help="print where the default model is cached")
 
+    rep = sub.add_parser("report", help="where each role's time went, and the bottleneck")
+    rep.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
+
+    planner = sub.add_parser("plan", help="predict the best split of N devices from a run's unit costs")
+    planner.add_argument("run_dir", type=pathlib.Path, help="a finished run to take unit costs from")
+    planner.add_argument("--devices", type=int, required=True, help="devices to split between rollout and trainer")
+    planner.add_argument("--steps", type=int, default=30, help="optimizer steps to simulate per layout")
+
     down = sub.add_parser("down", help="stop a detached run")
     down.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
     down.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a clean stop")
@@ -62,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return {"up": cmd_up, "status": cmd_status, "down": cmd_down, "model": cmd_model}[args.command](args)
+    commands = {
+        "up": cmd_up, "status": cmd_status, "down": cmd_down, "model": cmd_model, "report": cmd_report, "plan": cmd_plan,
+    }
+    return commands[args.command](args)
 
 
 # ------------------------------------------------------------------------- up
@@ -152,6 +163,11 @@ def _foreground(config, run_dir: pathlib.Path, *, display: bool) -> int:
     finally:
         if live is not None:
             live.stop()
+    from rlflow.report import report
+
+    body, files = report(run_dir)
+    print(body, file=sys.stderr)
+    print(f"  wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
     print(
         f"[rlflow] {summary['steps']} steps, {summary['samples']:.0f} samples, {summary['tokens']:.0f} tokens "
         f"in {summary['wall_time_s']:.1f} s; staleness max {summary['staleness_max']:g}; "
@@ -219,6 +235,42 @@ def _build_default_model(force: bool) -> pathlib.Path:
 
         build_default(path, progress=report)
     return path
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rlflow.report import report
+
+    run_dir = _find_run(args.run_dir)
+    if run_dir is None:
+        print("no run directory given and none in runs/", file=sys.stderr)
+        return 1
+    try:
+        body, files = report(run_dir)
+    except FileNotFoundError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(body)
+    for path in files:
+        print(f"  wrote {path}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rlflow.plan import plan, table
+
+    try:
+        ranked, pools = plan(args.run_dir, args.devices, args.steps)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"plan: {exc}", file=sys.stderr)
+        return 2
+    print(f"predicted from the unit costs of {args.run_dir}, {args.devices} devices:")
+    print(table(ranked))
+    best = ranked[0]
+    print(f"\nbest: {best.layout} ({best.samples_per_s:.1f} samples/s). Its pools:\n")
+    print(pools)
+    if best.layout != "colocated" and best.trainer_devices > 1:
+        print("note: a trainer on several devices trains data-parallel, which rlflow does not do yet")
+    return 0
 
 
 def cmd_model(args: argparse.Namespace) -> int:

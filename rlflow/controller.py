@@ -58,6 +58,8 @@ from rlflow.protocol import (
 log = logging.getLogger("rlflow.controller")
 
 STATE_KEYS = ("busy", "starved", "blocked", "loading")
+#: Groups a rollout replica may hold, in multiples of what fills its slots.
+HOLD = 16
 
 
 class RunFailed(Exception):
@@ -395,7 +397,12 @@ class Controller:
         if key in self.replicas:
             raise RunFailed(f"{key[0]}-{key[1]} said hello twice (restarted?); recovering a replica is not supported")
         replica = Replica(role=key[0], rank=key[1], identity=identity, hello=msg)
-        replica.capacity = int(msg.info.get("capacity", 1))
+        if replica.role == "rollout":
+            # A group keeps its place until its last sample finishes, so with
+            # a long tail a replica needs several times the groups that fill
+            # its slots; the staleness bound caps the total anyway.
+            slots = int(msg.info.get("slots", self.config.run.samples_per_prompt))
+            replica.capacity = max(1, math.ceil(HOLD * slots / self.config.run.samples_per_prompt))
         self.replicas[key] = replica
         self.by_identity[identity] = replica
         if len(self.replicas) == len(self.expected):
@@ -453,6 +460,9 @@ class Controller:
         since = self.training_started or self.started
         row = {"step": msg.step, "version": msg.version, "time_s": round(time.monotonic() - since, 4)}
         row.update(msg.metrics)
+        occupancy = self._occupancy()
+        if occupancy is not None:
+            row["rollout.occupancy"] = round(occupancy, 4)
         for role, fractions in self._fractions(since_last_step=True).items():
             for key, value in fractions.items():
                 row[f"{role}.{key}"] = round(value, 4)
@@ -555,6 +565,19 @@ class Controller:
             total = sum(sums.values())
             out[name] = {k: (v / total if total > 0 else 0.0) for k, v in sums.items()}
         return out
+
+    def _occupancy(self) -> float | None:
+        """Share of the rollout's slots in use since the last step (engines
+        that count slot-seconds)."""
+        used = capacity = 0.0
+        for replica in self._role("rollout"):
+            last, first = replica.heartbeat, replica.at_last_step
+            if last is None or first is None or "slot_s" not in last.counters:
+                return None
+            elapsed = sum(getattr(last, f"{k}_s") - getattr(first, f"{k}_s") for k in STATE_KEYS)
+            used += last.counters["slot_s"] - first.counters.get("slot_s", 0.0)
+            capacity += elapsed * last.counters.get("slots", 0.0)
+        return used / capacity if capacity > 0 else None
 
     def status(self) -> dict[str, Any]:
         now = time.monotonic()

@@ -11,8 +11,10 @@ that a dying service is an error at the controller rather than a silence.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import pathlib
 import socket
 import time
 from collections import Counter
@@ -74,6 +76,8 @@ class StateClock:
         self._state = "idle"
         self._since = time.monotonic()
         self._totals = dict.fromkeys(STATES, 0.0)
+        #: (wall time, state) at every change of state: the service's timeline.
+        self.events: list[tuple[float, str]] = [(time.time(), "idle")]
 
     @property
     def current(self) -> str:
@@ -82,6 +86,8 @@ class StateClock:
     def set(self, state: str) -> None:
         now = time.monotonic()
         self._totals[self._state] += now - self._since
+        if state != self._state:
+            self.events.append((time.time(), state))
         self._state, self._since = state, now
 
     @contextlib.contextmanager
@@ -203,6 +209,13 @@ def _node_ip() -> str:
             return "127.0.0.1"
 
 
+def _leaf(exc: BaseException) -> BaseException:
+    """The first error inside nested exception groups (the one to report)."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
+
+
 class Service:
     """Base of the four services: identity, clock, counters, and `run`."""
 
@@ -237,15 +250,29 @@ class Service:
             counters=counters,
         )
 
+    def write_trace(self) -> None:
+        """The state timeline into ``trace/<role>-<rank>.json`` of the run
+        directory (read by `rlflow report`)."""
+        if not self.spec.run_dir:
+            return
+        folder = pathlib.Path(self.spec.run_dir) / "trace"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.clock.set("idle")
+        data = {"role": self.spec.role, "rank": self.spec.rank, "events": self.clock.events, "counters": dict(self.counters)}
+        (folder / f"{self.spec.name}.json").write_text(json.dumps(data))
+
     async def run(self) -> None:
         async with open_control(self.spec) as control:
             try:
                 await self.main(control)
             except Exception as exc:
+                cause = _leaf(exc)
+                self.log.exception("[%s] failed", self.spec.name)
                 with trio.move_on_after(2) as scope:
                     scope.shield = True
-                    await control.send(ErrorReport(fatal=True, kind=type(exc).__name__, message=str(exc)[:2000]))
+                    await control.send(ErrorReport(fatal=True, kind=type(cause).__name__, message=str(cause)[:2000]))
                 raise
+            self.write_trace()
             with trio.move_on_after(2) as scope:
                 scope.shield = True
                 await control.send(Bye(reason="shutdown"))

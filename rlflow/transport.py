@@ -252,6 +252,21 @@ class Pull(Socket):
             yield await self.recv()
 
 
+    def recv_nowait(self) -> Any | None:
+        """The next well-formed message if one is already here, else None."""
+        while True:
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return None
+            self.received += 1
+            self.bytes_received += sum(len(f) for f in frames)
+            self._wake()
+            msg = self._decode(frames)
+            if msg is not None:
+                return msg
+
+
 class Router(Socket):
     """The controller's end of the control plane: one peer per identity."""
 

@@ -68,7 +68,7 @@ class RolloutService(Service):
             await engine.start()
             self.say("%s started in %.1f s", type(engine).__name__, time.monotonic() - started)
             task = make_task(self.config)
-            welcome = await control.hello(endpoints={}, info={"capacity": str(engine.capacity), **engine.hello_info()})
+            welcome = await control.hello(endpoints={}, info=engine.hello_info())
             await engine.set_version(welcome.version)  # above 0 when resuming
             await engine.connect_weights(welcome.info)
             self.say("up: %s, sending to %s", type(engine).__name__, ", ".join(welcome.peers["out"]))
@@ -239,6 +239,7 @@ class SimEngine:
         """Nothing to release."""
 
     def hello_info(self) -> dict[str, str]:
+        self.service.counters["slots"] = self.cfg.slots
         return {"slots": str(self.cfg.slots)}
 
     async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
@@ -272,11 +273,6 @@ class SimEngine:
     def queues(self) -> dict[str, int]:
         return {"pending": len(self.pending), "active": len(self.active)}
 
-    @property
-    def capacity(self) -> int:
-        """Groups to hold at once: enough to refill every slot once more."""
-        return max(1, math.ceil(2 * self.cfg.slots / self.service.config.run.samples_per_prompt))
-
     # -- the loop -----------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -306,15 +302,23 @@ class SimEngine:
         if self._new_version is not None and not self.partial:
             return  # draining: in-flight requests finish on the old weights first
         now = time.time()
-        while self.pending and len(self.active) < self.cfg.slots:
-            req = self.pending[0]
+        free = self.cfg.slots - len(self.active)
+        if free <= 0 or not self.pending:
+            return
+        # In order, skipping requests that wait for newer weights (a reissued
+        # group may start on the weights held now, behind ones that may not).
+        waiting: deque[_Request] = deque()
+        while self.pending and free > 0:
+            req = self.pending.popleft()
             if req.group.min_version > self.version:
-                # Later groups may not start earlier either (credits are in order).
-                break
-            self.pending.popleft()
+                waiting.append(req)
+                continue
             req.start_step, req.started_at = self.step, now
             req.spans = [(self.version, 0)]
             self.active.append(req)
+            free -= 1
+        waiting.extend(self.pending)
+        self.pending = waiting
 
     async def _advance(self) -> None:
         """Sleep until the next sequence finishes, or less if woken; count
@@ -326,10 +330,17 @@ class SimEngine:
         if step_s > 0:
             with trio.move_on_after(todo * step_s):
                 await self._wake.wait()
-            steps = min(todo, int((trio.current_time() - start) / step_s + 1e-9))
+            # Every whole step that passed counts, also past the first finish
+            # when this task woke late: sequences that ended meanwhile stop at
+            # their length, the others go on (a late wake costs the finished
+            # ones' slots, not everyone's progress).
+            steps = int((trio.current_time() - start) / step_s + 1e-9)
         else:
             await trio.sleep(0)
             steps = todo
+        # Slot-seconds in use, for the occupancy the bench reports.
+        used = sum(min(steps, r.target - r.generated(self.step)) for r in self.active)
+        self.service.counters["slot_s"] += used * step_s
         self.step += steps
 
     async def _finish(self) -> None:
@@ -371,17 +382,37 @@ class SimEngine:
                 await trio.sleep(self.cfg.apply_weights_s)
         self.version = version
         self._new_version = None
+        # A group whose oldest token is already more than the bound behind
+        # can only be consumed at a trainer version >= this one: whatever
+        # happens, it would be dropped. Start all of it again now, finished
+        # samples included, on these weights (a fresh sample draws a fresh
+        # length, as a new response would).
+        doomed = {r.group.group_id for r in self.active if version - r.spans[0][0] > self.staleness}
+        for group_id, state in self.groups.items():
+            firsts = [int(r.versions[0]) for r in state.responses if r is not None and len(r.versions)]
+            if firsts and version - min(firsts) > self.staleness:
+                doomed.add(group_id)
         restarted = 0
+        again: list[_Request] = []
         for req in self.active:
-            first = req.spans[0][0]
-            if version - first > self.staleness:
-                # It can only be consumed at a trainer version >= this one:
-                # too stale whatever happens, so start it again.
+            if req.group.group_id in doomed:
                 restarted += req.generated(self.step)
+                req.target = int(draw_lengths(self.cfg.response_len, self.rng, 1)[0])
                 req.start_step, req.spans = self.step, [(version, 0)]
             else:
                 req.spans.append((version, req.generated(self.step)))
+        for group_id in doomed:
+            state = self.groups[group_id]
+            for index, response in enumerate(state.responses):
+                if response is not None:
+                    restarted += len(response.token_ids)
+                    state.responses[index] = None
+                    state.left += 1
+                    length = int(draw_lengths(self.cfg.response_len, self.rng, 1)[0])
+                    again.append(_Request(state.group, index, length, time.time()))
+        self.pending.extendleft(reversed(again))  # late already: first in line
         self.service.counters["restarted_tokens"] += restarted
+        self.service.counters["restarted_groups"] += len(doomed)
         self._applied.set()
 
     async def _fetch(self, address: str, version: int) -> WeightsPayload:

@@ -10,6 +10,8 @@ the controller (`WeightsReady`), then acknowledge the step's groups
 
 from __future__ import annotations
 
+import json
+import pathlib
 import time
 
 import msgspec
@@ -84,6 +86,7 @@ class TrainerService(Service):
             groups = await self.collect(inbox, control, run.batch_size // self.spec.replicas)
             batch = concat(groups)
             staleness = self.version - batch.versions.numpy()
+            self._record_lengths(batch)
             with self.clock.state("busy"):
                 metrics = await self.engine.train(batch)
             self.step += 1
@@ -112,47 +115,84 @@ class TrainerService(Service):
             await control.send(StepDone(step=self.step - 1, version=self.version, acked=ids, metrics=metrics))
         self.clock.set("idle")
 
+    def _record_lengths(self, batch: SampleBatch) -> None:
+        """Response lengths of each step, for `rlflow plan` to replay."""
+        if not self.spec.run_dir:
+            return
+        folder = pathlib.Path(self.spec.run_dir) / "trace"
+        folder.mkdir(parents=True, exist_ok=True)
+        lengths = np.diff(batch.response_offsets.numpy()).tolist()
+        with open(folder / f"lengths-{self.spec.rank}.jsonl", "a") as f:
+            f.write(json.dumps({"step": self.step, "lengths": lengths}) + "\n")
+
     async def collect(self, inbox: transport.Pull, control: Control, want: int) -> list[SampleBatch]:
-        """The next `want` groups fit to train on."""
-        k = self.config.run.staleness
-        while len(self.buffer) < want:
-            with self.clock.state("starved"):
-                msg = await inbox.recv()
-            if not isinstance(msg, SampleBatch):
-                self.counters["unexpected_messages"] += 1
-                continue
-            try:
-                validate(msg)
-            except ValueError as exc:
-                self.counters["rejected_batches"] += 1
-                self.log.warning("[%s] dropped an inconsistent batch: %s", self.spec.name, exc)
-                continue
-            now = time.time()
-            expired: list[int] = []
-            for group in split(msg):
-                group_id = group.groups[0].group_id
-                if group_id in self.acked or any(b.groups[0].group_id == group_id for b in self.buffer):
-                    self.counters["duplicates"] += 1
-                    continue
-                failed = {f.index for f in group.failures}
-                if failed:
-                    self.counters["failed_samples"] += len(failed)
-                    group = take(group, [i for i in range(group.n_samples) if i not in failed])
-                if group.n_samples == 0:
-                    expired.append(group_id)
-                    continue
-                oldest = int(group.versions.numpy().min()) if group.n_tokens else self.version
-                if self.version - oldest > k:
-                    self.counters["stale_groups"] += 1
-                    expired.append(group_id)
-                    continue
-                stamps = group.stamps.numpy().copy()
-                stamps[:, Stage.TRAINER_RECEIVED] = now
-                self.buffer.append(msgspec.structs.replace(group, stamps=Tensor.from_numpy(stamps)))
-            if expired:
-                await control.send(Expired(group_ids=expired, reason="stale or failed"))
+        """The next `want` groups fit to train on, oldest policy first.
+
+        Everything already delivered is taken off the stream, so that the
+        groups closest to the staleness bound are trained on before they
+        pass it; groups that have passed it are dropped and reported for
+        reissue (also those that waited here across a step).
+        """
+        while True:
+            self._expire_stale(await self._expired_from_buffer(control))
+            if len(self.buffer) >= want:
+                msg = inbox.recv_nowait()
+                if msg is None:
+                    break
+            else:
+                with self.clock.state("starved"):
+                    msg = await inbox.recv()
+            await self._accept(msg, control)
+        self.buffer.sort(key=lambda g: int(g.versions.numpy().min()) if g.n_tokens else self.version)
         taken, self.buffer = self.buffer[:want], self.buffer[want:]
         return taken
+
+    def _expire_stale(self, expired: list[int]) -> None:
+        self.counters["stale_groups"] += len(expired)
+
+    async def _expired_from_buffer(self, control: Control) -> list[int]:
+        k = self.config.run.staleness
+        keep, expired = [], []
+        for group in self.buffer:
+            oldest = int(group.versions.numpy().min()) if group.n_tokens else self.version
+            (expired if self.version - oldest > k else keep).append(group)
+        self.buffer = keep
+        ids = [g.groups[0].group_id for g in expired]
+        if ids:
+            await control.send(Expired(group_ids=ids, reason="stale"))
+        return ids
+
+    async def _accept(self, msg, control: Control) -> None:
+        """Add the groups of one message to the buffer (checked, deduplicated)."""
+        if not isinstance(msg, SampleBatch):
+            self.counters["unexpected_messages"] += 1
+            return
+        try:
+            validate(msg)
+        except ValueError as exc:
+            self.counters["rejected_batches"] += 1
+            self.log.warning("[%s] dropped an inconsistent batch: %s", self.spec.name, exc)
+            return
+        now = time.time()
+        failed_groups: list[int] = []
+        for group in split(msg):
+            group_id = group.groups[0].group_id
+            if group_id in self.acked or any(b.groups[0].group_id == group_id for b in self.buffer):
+                self.counters["duplicates"] += 1
+                continue
+            failed = {f.index for f in group.failures}
+            if failed:
+                self.counters["failed_samples"] += len(failed)
+                group = take(group, [i for i in range(group.n_samples) if i not in failed])
+            if group.n_samples == 0:
+                failed_groups.append(group_id)
+                continue
+            stamps = group.stamps.numpy().copy()
+            stamps[:, Stage.TRAINER_RECEIVED] = now
+            self.buffer.append(msgspec.structs.replace(group, stamps=Tensor.from_numpy(stamps)))
+        if failed_groups:
+            await control.send(Expired(group_ids=failed_groups, reason="every sample failed"))
+
 
 async def make_engine(service: TrainerService):
     match service.config.roles.trainer.engine:

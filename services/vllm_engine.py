@@ -361,10 +361,6 @@ class VllmEngine:
         self._updating = False
 
     @property
-    def capacity(self) -> int:
-        return max(1, math.ceil(2 * self.cfg.max_num_seqs / self.service.config.run.samples_per_prompt))
-
-    @property
     def eval_concurrency(self) -> int:
         return self.cfg.max_num_seqs
 
@@ -372,7 +368,7 @@ class VllmEngine:
         return {"pending": len(self.pending), "running": len(self.running)}
 
     def hello_info(self) -> dict[str, str]:
-        return {"model": self.backend.model_path}
+        return {"model": self.backend.model_path, "slots": str(self.cfg.max_num_seqs)}
 
     # -- start-up ---------------------------------------------------------------
 

@@ -1,0 +1,347 @@
+"""Long-tail rollouts: how much of the tail rlflow's async pipeline hides.
+
+With long-tailed response lengths a synchronous step waits for its longest
+rollout while the trainer idles. This runs rlflow itself (controller,
+transport, services on Ray) with simulated engines, so that rlflow's own
+overheads are in the figures, in each mode, and compares:
+
+* against two synchronous baselines: the same split pools with a barrier
+  per step, and a colocated run that gives every device to generation and
+  then every device to training (twice the slots, twice the training speed,
+  one phase at a time);
+* against the overlap bound: a run can go no faster than the busier of
+  generation at full slot occupancy and training, computed from the
+  workload's parameters and the unit costs measured in the run.
+
+Per run it reports samples/s, tokens/s, trainer idle %, rollout slot
+occupancy %, staleness mean / max, the ratio to each sync baseline and the
+efficiency against the bound; writes bench/results/longtail.json, a timeline
+PNG and a Chrome / Perfetto trace per mode. The full run also sweeps the
+length distribution (fixed, lognormal sigma 0.5 / 1.0 / 1.5, Pareto), the
+rollout capacity (8 to 1,024 slots over simulated replicas), partial
+rollout on and off, and runs the real pipeline (vLLM on CPU, the default
+model) sync against async.
+
+    RESULT longtail workload=reference async_vs_sync=S bound_efficiency=E async_vs_colocated_sync=C real_async_vs_sync=R
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rlflow import config as C
+from rlflow.report import load as load_run
+from rlflow.report import write_timeline
+from rlflow.run import run
+from rlflow.sim import draw_lengths
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+BASE = """
+[pools.generate]
+cpus_per_bundle = 0.5
+[pools.score]
+cpus_per_bundle = 0.25
+[pools.train]
+cpus_per_bundle = 0.5
+
+[roles.rollout]
+pool = "generate"
+replicas = {replicas}
+[roles.rollout.engine]
+kind = "sim"
+slots = {slots}
+step_s = {step_s}
+step_s_per_seq = {step_s_per_seq}
+response_len = {response_len}
+
+[roles.reward]
+pool = "score"
+[roles.reward.engine]
+kind = "sim"
+concurrency = 4096
+
+[roles.trainer]
+pool = "train"
+[roles.trainer.engine]
+kind = "sim"
+s_per_token = {s_per_token}
+weights_bytes = 1048576
+
+[cluster]
+heartbeat_s = 0.25
+
+[run]
+mode = "{mode}"
+max_staleness = {staleness}
+batch_size = {batch_size}
+samples_per_prompt = {n}
+steps = {steps}
+partial_rollout = {partial}
+"""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A long-tail workload: lengths, rollout capacity, a trainer balanced against it."""
+
+    name: str
+    response_len: str
+    slots: int = 64
+    replicas: int = 1
+    step_s: float = 0.001
+    step_s_per_seq: float = 0.0
+    batch_size: int = 32
+    n: int = 8
+    balance: float = 1.0
+    """Training time of a step / generation time of a step at full occupancy."""
+
+    def distribution(self) -> C.Distribution:
+        return C.load(text=BASE.format(**self._fields("async", 2, 1, True))).roles.rollout.engine.response_len
+
+    def mean_len(self) -> float:
+        lengths = draw_lengths(self.distribution(), np.random.default_rng(123), 200_000)
+        return float(lengths.mean())
+
+    def decode_s(self) -> float:
+        """Decode-step time at full occupancy."""
+        return self.step_s + self.step_s_per_seq * self.slots
+
+    def s_per_token(self) -> float:
+        # Training one step's tokens takes `balance` times as long as
+        # generating them at full occupancy.
+        return self.balance * self.decode_s() / (self.slots * self.replicas)
+
+    def _fields(self, mode: str, staleness: int, steps: int, partial: bool, colocated: bool = False) -> dict:
+        slots, s_per_token = self.slots, self.s_per_token()
+        if colocated:  # every device generates, then every device trains
+            slots, s_per_token = 2 * slots, s_per_token / 2
+        return {
+            "replicas": self.replicas,
+            "slots": slots,
+            "step_s": self.step_s,
+            "step_s_per_seq": self.step_s_per_seq,
+            "response_len": self.response_len,
+            "s_per_token": s_per_token,
+            "mode": mode,
+            "staleness": staleness,
+            "batch_size": self.batch_size,
+            "n": self.n,
+            "steps": steps,
+            "partial": str(partial).lower(),
+        }
+
+    def config(self, mode: str, staleness: int, steps: int, partial: bool = True, colocated: bool = False) -> C.Config:
+        text = BASE.format(**self._fields(mode, staleness, steps, partial, colocated))
+        if colocated:  # one pool for both roles
+            text = text.replace('pool = "train"', 'pool = "generate"').replace("[pools.train]\ncpus_per_bundle = 0.5\n", "")
+            text = text.replace("[pools.generate]\ncpus_per_bundle = 0.5", "[pools.generate]\ncpus_per_bundle = 1.0")
+        return C.load(text=text)
+
+
+REFERENCE = Workload("reference", '{ kind = "lognormal", median = 256, sigma = 1.0, min = 1, max = 4096 }')
+
+
+@dataclass
+class Result:
+    workload: str
+    mode: str
+    staleness: int
+    partial: bool
+    samples_per_s: float
+    tokens_per_s: float
+    trainer_idle: float
+    occupancy: float
+    staleness_mean: float
+    staleness_max: float
+    reissued: int
+    bound_samples_per_s: float
+    efficiency: float
+    run_dir: str
+    vs: dict = field(default_factory=dict)
+
+
+def measure(w: Workload, mode: str, staleness: int, steps: int, out: pathlib.Path, *, partial: bool = True,
+            colocated: bool = False, warmup: int = 2) -> Result:
+    drain = 0 if mode == "sync" else staleness  # a barrier leaves nothing to drain
+    label = f"{w.name}-{'colocated-' if colocated else ''}{mode}{staleness}{'' if partial else '-nopartial'}"
+    run_dir = out / label
+    shutil.rmtree(run_dir, ignore_errors=True)
+    summary = run(w.config(mode, staleness, steps, partial, colocated), run_dir)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Steady state: after the first steps, and before the last ones, which
+    # drain the pipeline (no new work comes in to hide the final tail).
+    window = rows[warmup - 1 : len(rows) - drain]
+    first, last = window[0], window[-1]
+    span = last["time_s"] - first["time_s"]
+    samples = sum(r["samples"] for r in window[1:])
+    tokens = sum(r["tokens"] for r in window[1:])
+    trace = load_run(run_dir)
+    counters = {}
+    for t in trace.traces:
+        if t["role"] == "rollout":
+            for key, value in t["counters"].items():
+                counters[key] = counters.get(key, 0) + value
+    slots_total = (2 * w.slots if colocated else w.slots) * w.replicas
+    # Unit costs measured in the run: tokens per slot-second while generating,
+    # and the trainer's time per token.
+    tokens_per_slot_s = counters.get("tokens", 0) / max(counters.get("slot_s", 1e-9), 1e-9)
+    train_s_per_token = sum(r["train_s"] for r in rows) / max(sum(r["tokens"] for r in rows), 1)
+    mean_tokens = tokens / max(samples, 1)
+    gen_s_per_sample = mean_tokens / (tokens_per_slot_s * slots_total)
+    train_s_per_sample = mean_tokens * train_s_per_token
+    if colocated:  # one phase after the other, each with every device
+        bound = 1 / (gen_s_per_sample + train_s_per_sample)
+    else:
+        bound = 1 / max(gen_s_per_sample, train_s_per_sample)
+    timeline, chrome = write_timeline(trace, out / f"{label}.png", out / f"{label}.trace.json",
+                                      title=f"{label}: lanes per replica")
+    return Result(
+        workload=w.name,
+        mode=("colocated-" if colocated else "") + mode,
+        staleness=staleness,
+        partial=partial,
+        samples_per_s=samples / span,
+        tokens_per_s=tokens / span,
+        trainer_idle=_mean([r.get("trainer.starved") for r in window[1:]]),
+        occupancy=_mean([r.get("rollout.occupancy") for r in window[1:]]),
+        staleness_mean=summary["staleness_mean"],
+        staleness_max=summary["staleness_max"],
+        reissued=summary["groups"]["reissued"],
+        bound_samples_per_s=bound,
+        efficiency=(samples / span) / bound,
+        run_dir=str(run_dir),
+    )
+
+
+def _mean(values: list) -> float:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else math.nan
+
+
+def real_ratio(out: pathlib.Path, steps: int) -> tuple[float, dict]:
+    """The default model with vLLM on CPU: sync against async (max_staleness 2).
+
+    The trainer trains on every group here, so that training and generation
+    are of a similar size, the case the overlap is for.
+    """
+    from rlflow.cli import default_config_path
+    from rlflow.model import ensure_default
+
+    ensure_default()
+    times = {}
+    for mode, extra in (("sync", []), ("async", ["run.max_staleness=2"])):
+        overrides = [
+            f"run.mode={mode}", *extra, f"run.steps={steps}", "run.batch_size=16",
+            "roles.trainer.engine.skip_uniform_groups=false", "eval.before=false", "eval.after=false",
+            "eval.every_steps=0", "pools.generate.cpus_per_bundle=1.0", "pools.train.cpus_per_bundle=1.0",
+        ]
+        config = C.load(default_config_path(), overrides)
+        run_dir = out / f"real-{mode}"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        run(config, run_dir)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        times[mode] = (rows[-1]["time_s"] - rows[1]["time_s"]) / (len(rows) - 2)
+        write_timeline(load_run(run_dir), out / f"real-{mode}.png", out / f"real-{mode}.trace.json",
+                       title=f"real {mode}: vLLM on CPU, default model")
+    return times["sync"] / times["async"], times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the reference workload only (under 3 minutes)")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="rlflow-longtail-"))
+
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False, namespace="rlflow")
+    started = time.monotonic()
+    results: list[Result] = []
+    try:
+        steps_async, steps_sync = (14, 6) if args.quick else (24, 10)
+        async_ref = measure(REFERENCE, "async", 2, steps_async, work)
+        sync_ref = measure(REFERENCE, "sync", 0, steps_sync, work)
+        colocated = measure(REFERENCE, "sync", 0, steps_sync, work, colocated=True)
+        results += [async_ref, sync_ref, colocated]
+        real = None
+        if not args.quick:
+            for mode, k in (("one_step", 1), ("async", 1), ("async", 4)):
+                results.append(measure(REFERENCE, mode, k, steps_async, work))
+            results.append(measure(REFERENCE, "async", 2, steps_async, work, partial=False))
+            sweep = [
+                Workload("fixed", '{ kind = "fixed", value = 416 }'),
+                Workload("lognormal-0.5", '{ kind = "lognormal", median = 256, sigma = 0.5, min = 1, max = 4096 }'),
+                Workload("lognormal-1.5", '{ kind = "lognormal", median = 256, sigma = 1.5, min = 1, max = 4096 }'),
+                Workload("pareto", '{ kind = "pareto", scale = 128, alpha = 1.5, max = 4096 }'),
+                Workload("slots-8", REFERENCE.response_len, slots=8, batch_size=4),
+                Workload("slots-256", REFERENCE.response_len, slots=256, batch_size=128),
+                Workload("slots-1024", REFERENCE.response_len, slots=256, replicas=4, batch_size=512),
+            ]
+            for w in sweep:
+                results.append(measure(w, "async", 2, steps_async, work))
+                results.append(measure(w, "sync", 0, steps_sync, work))
+            real, real_times = real_ratio(work, 10)
+    finally:
+        ray.shutdown()
+
+    by_workload: dict[str, dict[str, Result]] = {}
+    for r in results:
+        by_workload.setdefault(r.workload, {})[f"{r.mode}{r.staleness}{'' if r.partial else '-nopartial'}"] = r
+    for name, runs in by_workload.items():
+        sync = runs.get("sync0")
+        coloc = runs.get("colocated-sync0")
+        for r in runs.values():
+            if sync is not None:
+                r.vs["sync"] = r.samples_per_s / sync.samples_per_s
+            if coloc is not None:
+                r.vs["colocated_sync"] = r.samples_per_s / coloc.samples_per_s
+
+    print(f"{'workload':<15}{'mode':<22}{'samples/s':>10}{'tokens/s':>10}{'trainer idle':>13}{'occupancy':>10}"
+          f"{'stale mean/max':>15}{'vs sync':>8}{'vs coloc':>9}{'efficiency':>11}")
+    for r in results:
+        mode = f"{r.mode} k={r.staleness}{'' if r.partial else ' no-partial'}"
+        print(f"{r.workload:<15}{mode:<22}{r.samples_per_s:>10.1f}{r.tokens_per_s:>10.0f}{r.trainer_idle:>13.0%}"
+              f"{r.occupancy:>10.0%}{r.staleness_mean:>9.2f}/{r.staleness_max:<5g}"
+              f"{r.vs.get('sync', math.nan):>8.2f}{r.vs.get('colocated_sync', math.nan):>9.2f}{r.efficiency:>11.2f}")
+    for r in results:
+        for suffix in (".png", ".trace.json"):
+            src = work / f"{pathlib.Path(r.run_dir).name}{suffix}"
+            if src.exists():
+                shutil.copy(src, args.out / f"longtail-{src.name}")
+    if real is not None:
+        for mode in ("sync", "async"):
+            for suffix in (".png", ".trace.json"):
+                src = work / f"real-{mode}{suffix}"
+                if src.exists():
+                    shutil.copy(src, args.out / f"longtail-{src.name}")
+    (args.out / "longtail.json").write_text(json.dumps({
+        "quick": args.quick,
+        "seconds": round(time.monotonic() - started, 1),
+        "results": [r.__dict__ for r in results],
+        "real": None if real is None else {"async_vs_sync": real, "step_s": real_times},
+    }, indent=1) + "\n")
+    real_text = "skipped" if real is None else f"{real:.2f}"
+    print(
+        f"RESULT longtail workload=reference async_vs_sync={async_ref.samples_per_s / sync_ref.samples_per_s:.2f} "
+        f"bound_efficiency={async_ref.efficiency:.2f} "
+        f"async_vs_colocated_sync={async_ref.samples_per_s / colocated.samples_per_s:.2f} real_async_vs_sync={real_text}"
+    )
+    shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""`rlflow report RUN_DIR`: where each role's time went, and who holds the run back.
+
+Reads what a run left in its directory (metrics, summary, status, the
+services' state timelines) and prints, per role, the shares of time busy /
+starved (waiting for input) / blocked (waiting for downstream) / loading
+weights, queue depths and staleness, then one sentence naming the
+bottleneck role and what waits for it. It also writes, into the run
+directory:
+
+* ``timeline.png``: one lane per replica per role, coloured by state;
+* ``trace.json``: the same as a Chrome / Perfetto trace (chrome://tracing,
+  ui.perfetto.dev);
+* ``curves.png``: reward, held-out accuracy and staleness over the run.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+ORDER = ("rollout", "reward", "teacher", "trainer")
+STATES = ("busy", "starved", "blocked", "loading")
+COLOURS = {"busy": "#2e7d32", "starved": "#f9a825", "blocked": "#c62828", "loading": "#1565c0", "idle": "#e0e0e0"}
+#: What "busy" means for each role, in pictures.
+BUSY = {"rollout": "generating", "reward": "scoring", "teacher": "scoring", "trainer": "training"}
+
+
+@dataclass
+class Run:
+    path: pathlib.Path
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    status: dict[str, Any] = field(default_factory=dict)
+    traces: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def fractions(self) -> dict[str, dict[str, float]]:
+        roles = self.summary.get("roles") or {r: v.get("states", {}) for r, v in self.status.get("roles", {}).items()}
+        return {r: roles[r] for r in ORDER if r in roles}
+
+
+def _jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _json(path: pathlib.Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def load(run_dir: str | pathlib.Path) -> Run:
+    path = pathlib.Path(run_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a run directory")
+    traces = [json.loads(p.read_text()) for p in sorted((path / "trace").glob("*-*.json"))]
+    return Run(
+        path=path,
+        metrics=_jsonl(path / "metrics.jsonl"),
+        evals=_jsonl(path / "evals.jsonl"),
+        summary=_json(path / "summary.json"),
+        status=_json(path / "status.json"),
+        traces=[t for t in traces if "events" in t],
+    )
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def bottleneck(fractions: dict[str, dict[str, float]], max_staleness: int | None = None) -> str:
+    """One sentence: which role holds the run back and what waits for it."""
+    roles = [r for r in ORDER if r in fractions]
+    if not roles:
+        return "no role reported its time"
+
+    def share(role: str, state: str) -> float:
+        return fractions[role].get(state, 0.0)
+
+    saturated = [r for r in roles if share(r, "busy") >= 0.85]
+    if len(saturated) > 1:
+        each = ", ".join(f"{r} busy {_pct(share(r, 'busy'))}" for r in saturated)
+        return f"balanced: {each}; the run needs more of each to go faster"
+    busiest = max(roles, key=lambda r: share(r, "busy"))
+    head = f"{busiest} replicas busy {_pct(share(busiest, 'busy'))}"
+    parts = []
+    if busiest != "trainer" and share("trainer", "starved") >= 0.1:
+        parts.append(f"trainer starved {_pct(share('trainer', 'starved'))}: waiting for {busiest}")
+    for role in roles[: roles.index(busiest)]:  # upstream, held back by it
+        if share(role, "blocked") >= 0.1:
+            parts.append(f"{role} blocked {_pct(share(role, 'blocked'))} on {busiest}")
+    if busiest == "trainer" and share("rollout", "starved") >= 0.1:
+        bound = f" (max_staleness = {max_staleness})" if max_staleness is not None else ""
+        parts.append(f"rollout starved {_pct(share('rollout', 'starved'))}: out of credits until the trainer catches up{bound}")
+    for role in roles:
+        if share(role, "loading") >= 0.1:
+            parts.append(f"{role} loading weights {_pct(share(role, 'loading'))}")
+    if not parts:
+        return f"bottleneck: {busiest} ({head}); nothing waits long for it"
+    return f"bottleneck: {busiest}. " + "; ".join(parts) + f"; {head}"
+
+
+def text(run: Run) -> str:
+    """The per-role table and the bottleneck sentence."""
+    lines = [f"run {run.path}"]
+    summary = run.summary
+    if summary:
+        lines.append(
+            f"  {summary.get('steps', 0)} steps, {summary.get('samples', 0):.0f} samples, "
+            f"{summary.get('wall_time_s', 0):.1f} s ({summary.get('samples_per_s', 0):.1f} samples/s); "
+            f"staleness mean {summary.get('staleness_mean', 0):.2f}, max {summary.get('staleness_max', 0):g}"
+        )
+        if "eval_accuracy_before" in summary:
+            lines.append(
+                f"  held-out accuracy {summary['eval_accuracy_before']:.1%} -> {summary['eval_accuracy_after']:.1%} "
+                f"(last three {summary['eval_accuracy_last3_mean']:.1%}, {summary['eval_gain_last3_vs_first']:+.1%})"
+            )
+    roles = run.status.get("roles", {})
+    lines.append(f"  {'role':<9}{'busy':>7}{'starved':>9}{'blocked':>9}{'loading':>9}  queues")
+    for role, f in run.fractions.items():
+        queues = " ".join(f"{k}={v}" for k, v in sorted(roles.get(role, {}).get("queues", {}).items()))
+        lines.append(
+            f"  {role:<9}{_pct(f.get('busy', 0)):>7}{_pct(f.get('starved', 0)):>9}"
+            f"{_pct(f.get('blocked', 0)):>9}{_pct(f.get('loading', 0)):>9}  {queues}"
+        )
+    lines.append("  " + bottleneck(run.fractions, run.summary.get("max_staleness")))
+    return "\n".join(lines)
+
+
+def _spans(run: Run) -> tuple[float, list[tuple[str, list[tuple[float, float, str]]]]]:
+    """Time zero and, per lane, (start, duration, state) spans."""
+    # Time zero: when the first service got to work (start-up is left out).
+    starts = [next((t for t, state in trace["events"] if state != "idle"), None) for trace in run.traces]
+    starts = [t for t in starts if t is not None]
+    if not starts:
+        return 0.0, []
+    t0 = min(starts)
+    lanes = []
+    key = {role: i for i, role in enumerate(ORDER)}
+    for trace in sorted(run.traces, key=lambda t: (key.get(t["role"], 9), t["rank"])):
+        events = trace["events"]
+        spans = []
+        for (start, state), (end, _) in zip(events, events[1:]):
+            start = max(start, t0)
+            if end > start:
+                spans.append((start - t0, end - start, state))
+        lanes.append((f"{trace['role']}-{trace['rank']}", spans))
+    return t0, lanes
+
+
+def write_timeline(run: Run, png: pathlib.Path | None = None, trace: pathlib.Path | None = None,
+                   title: str = "") -> tuple[pathlib.Path, pathlib.Path]:
+    """``timeline.png`` and ``trace.json`` of the run's state timelines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    png = png or run.path / "timeline.png"
+    trace = trace or run.path / "trace.json"
+    _, lanes = _spans(run)
+    fig, ax = plt.subplots(figsize=(12, 0.5 + 0.45 * max(len(lanes), 1)))
+    for row, (name, spans) in enumerate(lanes):
+        for state in COLOURS:
+            bars = [(s, d) for s, d, st in spans if st == state]
+            if bars:
+                ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=COLOURS[state], linewidth=0)
+    ax.set_yticks(range(len(lanes)), [name for name, _ in lanes])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    labels = {"busy": "busy (generating / scoring / training)", "starved": "starved", "blocked": "blocked",
+              "loading": "loading weights", "idle": "idle"}
+    ax.legend(handles=[Patch(color=COLOURS[s], label=labels[s]) for s in COLOURS], loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), ncol=5, frameon=False)
+    if title:
+        ax.set_title(title, pad=24)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    events = []
+    for pid, (name, spans) in enumerate(lanes):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+        for start, duration, state in spans:
+            role = name.rsplit("-", 1)[0]
+            label = BUSY.get(role, "busy") if state == "busy" else state
+            events.append({"name": label, "ph": "X", "pid": pid, "tid": 0, "ts": start * 1e6, "dur": duration * 1e6})
+    trace.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return png, trace
+
+
+def write_curves(run: Run, png: pathlib.Path | None = None) -> pathlib.Path | None:
+    """``curves.png``: reward, held-out accuracy and staleness by step."""
+    if not run.metrics:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    png = png or run.path / "curves.png"
+    steps = [r["step"] for r in run.metrics]
+    panels = 3 if run.evals else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.2))
+    axes[0].plot(steps, [r.get("reward_mean", float("nan")) for r in run.metrics], lw=1)
+    axes[0].set_title("reward (training samples)")
+    axes[0].set_xlabel("step")
+    stale = axes[1]
+    stale.plot(steps, [r.get("staleness_mean", 0) for r in run.metrics], label="mean", lw=1)
+    stale.plot(steps, [r.get("staleness_max", 0) for r in run.metrics], label="max", lw=1)
+    stale.set_title("staleness (versions behind, per token)")
+    stale.set_xlabel("step")
+    stale.legend(frameon=False)
+    if run.evals:
+        ax = axes[2]
+        ax.plot([e["step"] for e in run.evals], [100 * e["accuracy"] for e in run.evals], marker="o")
+        ax.set_title("held-out accuracy (%)")
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def report(run_dir: str | pathlib.Path) -> tuple[str, list[pathlib.Path]]:
+    """The report's text, and the pictures and trace it wrote."""
+    run = load(run_dir)
+    files: list[pathlib.Path] = []
+    if run.traces:
+        files += list(write_timeline(run, title=f"{run.summary.get('mode', '')} run {run.path.name}"))
+    curves = write_curves(run)
+    if curves is not None:
+        files.append(curves)
+    return text(run), files

@@ -1,0 +1,133 @@
+"""`rlflow report` names the bottleneck; `rlflow plan` predicts real runs."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from rlflow import config as C
+from rlflow.plan import simulate, workload_from_run
+from rlflow.report import bottleneck, load, report
+from rlflow.run import run
+
+pytestmark = pytest.mark.ray
+
+CONFIG = """
+[pools.generate]
+bundles_per_node = {rollouts}
+cpus_per_bundle = 0.25
+[pools.score]
+cpus_per_bundle = 0.25
+[pools.train]
+cpus_per_bundle = 0.5
+
+[roles.rollout]
+pool = "generate"
+replicas = {rollouts}
+[roles.rollout.engine]
+kind = "sim"
+slots = 16
+step_s = 0.002
+response_len = {{ kind = "lognormal", median = 48, sigma = 0.5, min = 1, max = 400 }}
+
+[roles.reward]
+pool = "score"
+[roles.reward.engine]
+kind = "sim"
+latency_s = {{ kind = "fixed", value = {reward_s} }}
+concurrency = {reward_concurrency}
+
+[roles.trainer]
+pool = "train"
+[roles.trainer.engine]
+kind = "sim"
+s_per_token = 1.1e-4
+weights_bytes = 65536
+
+[cluster]
+heartbeat_s = 0.2
+
+[run]
+mode = "async"
+max_staleness = 2
+batch_size = 8
+samples_per_prompt = 4
+steps = {steps}
+"""
+
+
+def sim(tmp_path: pathlib.Path, name: str, *, rollouts: int = 1, reward_s: float = 0.0, reward_concurrency: int = 64,
+        steps: int = 14) -> tuple[pathlib.Path, dict]:
+    config = C.load(text=CONFIG.format(rollouts=rollouts, reward_s=reward_s, reward_concurrency=reward_concurrency,
+                                       steps=steps))
+    run_dir = tmp_path / name
+    return run_dir, run(config, run_dir)
+
+
+def steady_samples_per_s(run_dir: pathlib.Path, warmup: int = 3, drain: int = 2) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    window = rows[warmup - 1 : len(rows) - drain]
+    return sum(r["samples"] for r in window[1:]) / (window[-1]["time_s"] - window[0]["time_s"])
+
+
+def test_the_bottleneck_sentence_names_the_slow_role():
+    fractions = {
+        "rollout": {"busy": 0.30, "starved": 0.0, "blocked": 0.65, "loading": 0.05},
+        "reward": {"busy": 0.97, "starved": 0.03, "blocked": 0.0, "loading": 0.0},
+        "trainer": {"busy": 0.59, "starved": 0.41, "blocked": 0.0, "loading": 0.0},
+    }
+    assert bottleneck(fractions) == (
+        "bottleneck: reward. trainer starved 41%: waiting for reward; rollout blocked 65% on reward; "
+        "reward replicas busy 97%"
+    )
+    trainer_bound = {
+        "rollout": {"busy": 0.5, "starved": 0.5},
+        "trainer": {"busy": 0.98, "starved": 0.02},
+    }
+    assert bottleneck(trainer_bound, max_staleness=2) == (
+        "bottleneck: trainer. rollout starved 50%: out of credits until the trainer catches up "
+        "(max_staleness = 2); trainer replicas busy 98%"
+    )
+    assert bottleneck({"rollout": {"busy": 0.9}, "trainer": {"busy": 0.92}}).startswith("balanced: ")
+
+
+def test_a_slow_reward_is_reported_as_the_bottleneck(ray_cluster, tmp_path):
+    # One sample scored at a time, 12 ms each: the reward role cannot keep up.
+    run_dir, summary = sim(tmp_path, "slow-reward", reward_s=0.012, reward_concurrency=1, steps=6)
+    assert summary["state"] == "stopped"
+    body, files = report(run_dir)
+    assert "bottleneck: reward. trainer starved" in body
+    assert "waiting for reward" in body
+    names = sorted(p.name for p in files)
+    assert names == ["curves.png", "timeline.png", "trace.json"]
+    trace = json.loads((run_dir / "trace.json").read_text())
+    lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert lanes == {"rollout-0", "reward-0", "trainer-0"}
+    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {"generating", "scoring", "training", "starved"}
+    cli = subprocess.run([sys.executable, "-m", "rlflow.cli", "report", str(run_dir)], capture_output=True, text=True,
+                         timeout=120)
+    assert cli.returncode == 0 and "bottleneck: reward" in cli.stdout
+
+
+def test_the_planner_predicts_two_real_layouts_within_ten_percent(ray_cluster, tmp_path):
+    one, _ = sim(tmp_path, "one-rollout", rollouts=1)
+    two, _ = sim(tmp_path, "two-rollouts", rollouts=2)
+    workload, rollout_devices, trainer_devices = workload_from_run(one)
+    assert (rollout_devices, trainer_devices) == (1, 1)
+    for run_dir, devices in ((one, 1), (two, 2)):
+        predicted = simulate(workload, devices, 1, steps=30).samples_per_s
+        measured = steady_samples_per_s(run_dir)
+        assert abs(predicted - measured) / measured < 0.10, (devices, predicted, measured)
+    cli = subprocess.run([sys.executable, "-m", "rlflow.cli", "plan", str(one), "--devices", "3"],
+                         capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert "[pools.generate]" in cli.stdout and "samples/s" in cli.stdout
+
+
+def test_a_run_is_loaded_for_reporting(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is not a run directory"):
+        load(tmp_path / "nothing")
