@@ -34,7 +34,10 @@ from rlflow.protocol import (
     Hello,
     Ready,
     Role,
+    SampleBatch,
+    Shutdown,
     Welcome,
+    validate,
 )
 
 log = logging.getLogger("rlflow.service")
@@ -236,6 +239,19 @@ class Service:
         """Items waiting in this service's queues now (for heartbeats)."""
         return {}
 
+    def checked_batch(self, msg: Any) -> Any:
+        """`msg` if it is a consistent SampleBatch; else None, counted and logged."""
+        if not isinstance(msg, SampleBatch):
+            self.counters["unexpected_messages"] += 1
+            return None
+        try:
+            validate(msg)
+        except ValueError as exc:
+            self.counters["rejected_batches"] += 1
+            self.log.warning("[%s] dropped an inconsistent batch: %s", self.spec.name, exc)
+            return None
+        return msg
+
     def heartbeat(self, seq: int) -> Heartbeat:
         totals = self.clock.totals()
         counters = {k: float(v) for k, v in self.counters.items()}
@@ -312,8 +328,6 @@ class StageService(Service):
             self.clock.set("starved")
 
     async def main(self, control: Control) -> None:
-        from rlflow.protocol import SampleBatch, Shutdown, validate
-
         async with transport.open_pull(bind=bind_address(self.spec), name=f"{self.spec.name}/in") as inbox:
             welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)})
             self.say("up, sending to %s", ", ".join(welcome.peers["out"]))
@@ -338,16 +352,8 @@ class StageService(Service):
                     self._retime()
                     while True:
                         await slots.acquire()
-                        batch = await inbox.recv()
-                        if not isinstance(batch, SampleBatch):
-                            self.counters["unexpected_messages"] += 1
-                            slots.release()
-                            continue
-                        try:
-                            validate(batch)
-                        except ValueError as exc:
-                            self.counters["rejected_batches"] += 1
-                            self.log.warning("[%s] dropped an inconsistent batch: %s", self.spec.name, exc)
+                        batch = self.checked_batch(await inbox.recv())
+                        if batch is None:
                             slots.release()
                             continue
                         self._working += 1

@@ -36,7 +36,6 @@ from rlflow.protocol import (
     concat,
     split,
     take,
-    validate,
 )
 from rlflow.service import Control, Service, bind_address
 
@@ -164,14 +163,8 @@ class TrainerService(Service):
 
     async def _accept(self, msg, control: Control) -> None:
         """Add the groups of one message to the buffer (checked, deduplicated)."""
-        if not isinstance(msg, SampleBatch):
-            self.counters["unexpected_messages"] += 1
-            return
-        try:
-            validate(msg)
-        except ValueError as exc:
-            self.counters["rejected_batches"] += 1
-            self.log.warning("[%s] dropped an inconsistent batch: %s", self.spec.name, exc)
+        msg = self.checked_batch(msg)
+        if msg is None:
             return
         now = time.time()
         failed_groups: list[int] = []
