@@ -19,8 +19,9 @@ efficiency against the bound; writes bench/results/longtail.json, a timeline
 PNG and a Chrome / Perfetto trace per mode. The full run also sweeps the
 length distribution (fixed, lognormal sigma 0.5 / 1.0 / 1.5, Pareto), the
 rollout capacity (8 to 1,024 slots over simulated replicas), partial
-rollout on and off, and runs the real pipeline (vLLM on CPU, the default
-model) sync against async.
+rollout on and off, the strict staleness check against the credits alone,
+and runs the real pipeline (vLLM on CPU, the default model) sync against
+async.
 
     RESULT longtail workload=reference async_vs_sync=S bound_efficiency=E async_vs_colocated_sync=C real_async_vs_sync=R
 """
@@ -89,6 +90,7 @@ batch_size = {batch_size}
 samples_per_prompt = {n}
 steps = {steps}
 partial_rollout = {partial}
+staleness_check = "{check}"
 """
 
 
@@ -123,7 +125,8 @@ class Workload:
         # generating them at full occupancy.
         return self.balance * self.decode_s() / (self.slots * self.replicas)
 
-    def _fields(self, mode: str, staleness: int, steps: int, partial: bool, colocated: bool = False) -> dict:
+    def _fields(self, mode: str, staleness: int, steps: int, partial: bool, colocated: bool = False,
+                check: str = "admission") -> dict:
         slots, s_per_token = self.slots, self.s_per_token()
         if colocated:  # every device generates, then every device trains
             slots, s_per_token = 2 * slots, s_per_token / 2
@@ -140,10 +143,12 @@ class Workload:
             "n": self.n,
             "steps": steps,
             "partial": str(partial).lower(),
+            "check": check,
         }
 
-    def config(self, mode: str, staleness: int, steps: int, partial: bool = True, colocated: bool = False) -> C.Config:
-        text = BASE.format(**self._fields(mode, staleness, steps, partial, colocated))
+    def config(self, mode: str, staleness: int, steps: int, partial: bool = True, colocated: bool = False,
+               check: str = "admission") -> C.Config:
+        text = BASE.format(**self._fields(mode, staleness, steps, partial, colocated, check))
         if colocated:  # one pool for both roles
             text = text.replace('pool = "train"', 'pool = "generate"').replace("[pools.train]\ncpus_per_bundle = 0.5\n", "")
             text = text.replace("[pools.generate]\ncpus_per_bundle = 0.5", "[pools.generate]\ncpus_per_bundle = 1.0")
@@ -159,6 +164,7 @@ class Result:
     mode: str
     staleness: int
     partial: bool
+    check: str
     samples_per_s: float
     tokens_per_s: float
     trainer_idle: float
@@ -173,12 +179,12 @@ class Result:
 
 
 def measure(w: Workload, mode: str, staleness: int, steps: int, out: pathlib.Path, *, partial: bool = True,
-            colocated: bool = False, warmup: int = 2) -> Result:
+            colocated: bool = False, check: str = "admission", warmup: int = 2) -> Result:
     drain = 0 if mode == "sync" else staleness  # a barrier leaves nothing to drain
-    label = f"{w.name}-{'colocated-' if colocated else ''}{mode}{staleness}{'' if partial else '-nopartial'}"
+    label = f"{w.name}-{'colocated-' if colocated else ''}{mode}{staleness}{_variant(partial, check)}"
     run_dir = out / label
     shutil.rmtree(run_dir, ignore_errors=True)
-    summary = run(w.config(mode, staleness, steps, partial, colocated), run_dir)
+    summary = run(w.config(mode, staleness, steps, partial, colocated, check), run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # Steady state: after the first steps, and before the last ones, which
     # drain the pipeline (no new work comes in to hide the final tail).
@@ -212,6 +218,7 @@ def measure(w: Workload, mode: str, staleness: int, steps: int, out: pathlib.Pat
         mode=("colocated-" if colocated else "") + mode,
         staleness=staleness,
         partial=partial,
+        check=check,
         samples_per_s=samples / span,
         tokens_per_s=tokens / span,
         trainer_idle=_mean([r.get("trainer.starved") for r in window[1:]]),
@@ -223,6 +230,10 @@ def measure(w: Workload, mode: str, staleness: int, steps: int, out: pathlib.Pat
         efficiency=(samples / span) / bound,
         run_dir=str(run_dir),
     )
+
+
+def _variant(partial: bool, check: str) -> str:
+    return ("" if partial else "-nopartial") + ("-strict" if check == "strict" else "")
 
 
 def _mean(values: list) -> float:
@@ -282,6 +293,7 @@ def main() -> None:
             for mode, k in (("one_step", 1), ("async", 1), ("async", 4)):
                 results.append(measure(REFERENCE, mode, k, steps_async, work))
             results.append(measure(REFERENCE, "async", 2, steps_async, work, partial=False))
+            results.append(measure(REFERENCE, "async", 2, steps_async, work, check="strict"))
             sweep = [
                 Workload("fixed", '{ kind = "fixed", value = 416 }'),
                 Workload("lognormal-0.5", '{ kind = "lognormal", median = 256, sigma = 0.5, min = 1, max = 4096 }'),
@@ -300,7 +312,7 @@ def main() -> None:
 
     by_workload: dict[str, dict[str, Result]] = {}
     for r in results:
-        by_workload.setdefault(r.workload, {})[f"{r.mode}{r.staleness}{'' if r.partial else '-nopartial'}"] = r
+        by_workload.setdefault(r.workload, {})[f"{r.mode}{r.staleness}{_variant(r.partial, r.check)}"] = r
     for name, runs in by_workload.items():
         sync = runs.get("sync0")
         coloc = runs.get("colocated-sync0")
@@ -313,7 +325,7 @@ def main() -> None:
     print(f"{'workload':<15}{'mode':<22}{'samples/s':>10}{'tokens/s':>10}{'trainer idle':>13}{'occupancy':>10}"
           f"{'stale mean/max':>15}{'vs sync':>8}{'vs coloc':>9}{'efficiency':>11}")
     for r in results:
-        mode = f"{r.mode} k={r.staleness}{'' if r.partial else ' no-partial'}"
+        mode = f"{r.mode} k={r.staleness}{_variant(r.partial, r.check).replace('-', ' ')}"
         print(f"{r.workload:<15}{mode:<22}{r.samples_per_s:>10.1f}{r.tokens_per_s:>10.0f}{r.trainer_idle:>13.0%}"
               f"{r.occupancy:>10.0%}{r.staleness_mean:>9.2f}/{r.staleness_max:<5g}"
               f"{r.vs.get('sync', math.nan):>8.2f}{r.vs.get('colocated_sync', math.nan):>9.2f}{r.efficiency:>11.2f}")

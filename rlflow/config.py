@@ -354,6 +354,12 @@ class RunConfig(Table):
     partial_rollout: bool = True
     """Keep generating across weight updates (tokens after an update carry the new version);
     false: finish in-flight requests on the old weights before applying an update."""
+    staleness_check: Literal["admission", "strict"] = "admission"
+    """admission: every group starts on weights at most max_staleness versions behind the
+    step it is granted for (the credits); a long response that keeps generating across
+    updates may reach the trainer older than that (staleness_max reports by how much) and
+    nothing generated is thrown away. strict: no token lagging the trainer by more than
+    max_staleness versions is trained on; groups that pass the bound are generated again."""
 
     @property
     def staleness(self) -> int:

@@ -3,9 +3,9 @@
 A discrete-event model of the pipeline, with the semantics of rlflow's own
 services (continuous batching over slots with one token per sequence per
 decode step, credits within the staleness bound, a sync barrier at zero
-staleness, weight updates reaching the rollout after a delay, restarts of
-requests that fall too far behind, the trainer's staleness filter) replays
-the unit costs measured in a run: the decode-step time and slots of a
+staleness, weight updates reaching the rollout after a delay and, with the
+strict staleness check, restarts and drops of groups past the bound)
+replays the unit costs measured in a run: the decode-step time and slots of a
 rollout replica, the response lengths, the trainer's time per token, the
 weight-update delay. It predicts the throughput of each split of N devices
 between rollout and trainer, and of the colocated layout (all devices
@@ -22,7 +22,7 @@ import heapq
 import json
 import math
 import pathlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -48,6 +48,8 @@ class Workload:
     batch_size: int = 32
     samples_per_prompt: int = 8
     max_staleness: int = 2
+    strict: bool = False
+    """`staleness_check = "strict"`: groups past the bound are generated again."""
     lengths: tuple[int, ...] = (256,)
     """Response lengths to draw from (the run's, or a distribution's)."""
 
@@ -139,9 +141,11 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
         while updates and updates[0][0] <= now:
             _, version = heapq.heappop(updates)
             rollout_version = max(rollout_version, version)
-            # Groups already too stale whatever happens start again, whole.
-            doomed = {q.group for q in active if rollout_version - q.first_version > k}
-            doomed |= {g for g, first in first_of.items() if left.get(g, 0) > 0 and rollout_version - first > k}
+            # Strict: groups already too stale whatever happens start again, whole.
+            doomed: set[int] = set()
+            if w.strict:
+                doomed = {q.group for q in active if rollout_version - q.first_version > k}
+                doomed |= {g for g, first in first_of.items() if left.get(g, 0) > 0 and rollout_version - first > k}
             for q in active:
                 if q.group in doomed:
                     q.length = q.remaining = int(rng.choice(lengths))
@@ -172,9 +176,9 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
             heapq.heappush(updates, (now + w.update_s, trainer_version))
             grant()
         if not training:
-            # The trainer drops what has passed the bound (reissued), then
-            # takes the oldest first.
-            for group in [g for g in buffer if trainer_version - first_of[g] > k]:
+            # Strict: the trainer drops what has passed the bound (reissued).
+            # It takes the oldest first.
+            for group in [g for g in buffer if w.strict and trainer_version - first_of[g] > k]:
                 buffer.remove(group)
                 reissued += 1
                 submit(group, max(0, trainer_version - k))
@@ -276,6 +280,7 @@ def workload_from_run(run_dir: str | pathlib.Path) -> tuple[Workload, int, int]:
         batch_size=config.run.batch_size,
         samples_per_prompt=config.run.samples_per_prompt,
         max_staleness=config.run.staleness,
+        strict=config.run.staleness_check == "strict",
         lengths=tuple(lengths),
     )
     return workload, rollout_devices, trainer_devices
@@ -328,6 +333,3 @@ def table(ranked: list[Prediction]) -> str:
         )
     return "\n".join(lines)
 
-
-def with_devices(w: Workload, **changes) -> Workload:
-    return replace(w, **changes)

@@ -206,6 +206,7 @@ class SimEngine:
         self.service = service
         self.clock = service.clock
         self.staleness = service.config.run.staleness
+        self.strict = service.config.run.staleness_check == "strict"
         self.partial = service.config.run.partial_rollout
         self.vocab = getattr(service.config.task, "vocab_size", 32000)
         self.rng = np.random.default_rng((service.config.run.seed, service.spec.rank, 7))
@@ -215,6 +216,7 @@ class SimEngine:
         self.active: list[_Request] = []
         self.groups: dict[int, _GroupState] = {}
         self._wake = trio.Event()
+        self._mark: float | None = None  # when the engine's step count was last brought up to date
         self._new_version: int | None = None
         self._fetching = False
         self._applied = trio.Event()
@@ -281,6 +283,7 @@ class SimEngine:
             while True:
                 if self._new_version is not None and (self.partial or not self.active):
                     await self._apply(self._new_version)
+                    self._mark = None  # no decoding while the weights went in
                 self._admit()
                 if not self.active:
                     self._wake = trio.Event()
@@ -292,6 +295,7 @@ class SimEngine:
                         or (self.pending and self.pending[0].group.min_version > self.version)
                     )
                     self.clock.set("loading" if waiting_for_weights else "starved")
+                    self._mark = None
                     await self._wake.wait()
                     continue
                 self.clock.set("busy")
@@ -326,15 +330,20 @@ class SimEngine:
         step_s = self.cfg.step_s + self.cfg.step_s_per_seq * len(self.active)
         todo = min(r.target - r.generated(self.step) for r in self.active)
         self._wake = trio.Event()
-        start = trio.current_time()
+        if self._mark is None:  # busy again after idling
+            self._mark = trio.current_time()
         if step_s > 0:
-            with trio.move_on_after(todo * step_s):
+            with trio.move_on_after(max(todo * step_s - (trio.current_time() - self._mark), 0)):
                 await self._wake.wait()
-            # Every whole step that passed counts, also past the first finish
-            # when this task woke late: sequences that ended meanwhile stop at
-            # their length, the others go on (a late wake costs the finished
-            # ones' slots, not everyone's progress).
-            steps = int((trio.current_time() - start) / step_s + 1e-9)
+            # The engine's clock runs on its own, like a real engine's: every
+            # whole step since the last count counts (the time this loop spent
+            # on finishing and admitting requests too), also past the first
+            # finish when this task woke late: sequences that ended meanwhile
+            # stop at their length, the others go on (a late wake costs the
+            # finished ones' slots, not everyone's progress). The part of a
+            # step that has passed counts next time.
+            steps = int((trio.current_time() - self._mark) / step_s + 1e-9)
+            self._mark += steps * step_s
         else:
             await trio.sleep(0)
             steps = todo
@@ -387,11 +396,13 @@ class SimEngine:
         # happens, it would be dropped. Start all of it again now, finished
         # samples included, on these weights (a fresh sample draws a fresh
         # length, as a new response would).
-        doomed = {r.group.group_id for r in self.active if version - r.spans[0][0] > self.staleness}
-        for group_id, state in self.groups.items():
-            firsts = [int(r.versions[0]) for r in state.responses if r is not None and len(r.versions)]
-            if firsts and version - min(firsts) > self.staleness:
-                doomed.add(group_id)
+        doomed: set[int] = set()
+        if self.strict:
+            doomed = {r.group.group_id for r in self.active if version - r.spans[0][0] > self.staleness}
+            for group_id, state in self.groups.items():
+                firsts = [int(r.versions[0]) for r in state.responses if r is not None and len(r.versions)]
+                if firsts and version - min(firsts) > self.staleness:
+                    doomed.add(group_id)
         restarted = 0
         again: list[_Request] = []
         for req in self.active:

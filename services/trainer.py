@@ -115,22 +115,31 @@ class TrainerService(Service):
         self.clock.set("idle")
 
     def _record_lengths(self, batch: SampleBatch) -> None:
-        """Response lengths of each step, for `rlflow plan` to replay."""
+        """Per step: the response lengths (for `rlflow plan` to replay) and,
+        per group, its id and the oldest policy version of its tokens."""
         if not self.spec.run_dir:
             return
         folder = pathlib.Path(self.spec.run_dir) / "trace"
         folder.mkdir(parents=True, exist_ok=True)
         lengths = np.diff(batch.response_offsets.numpy()).tolist()
+        groups = split(batch)
+        record = {
+            "step": self.step,
+            "lengths": lengths,
+            "groups": [g.groups[0].group_id for g in groups],
+            "oldest": [int(g.versions.numpy().min()) if g.n_tokens else self.version for g in groups],
+        }
         with open(folder / f"lengths-{self.spec.rank}.jsonl", "a") as f:
-            f.write(json.dumps({"step": self.step, "lengths": lengths}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
     async def collect(self, inbox: transport.Pull, control: Control, want: int) -> list[SampleBatch]:
         """The next `want` groups fit to train on, oldest policy first.
 
         Everything already delivered is taken off the stream, so that the
         groups closest to the staleness bound are trained on before they
-        pass it; groups that have passed it are dropped and reported for
-        reissue (also those that waited here across a step).
+        pass it. With `staleness_check = "strict"`, groups that have passed
+        it are dropped and reported for reissue (also those that waited here
+        across a step).
         """
         while True:
             self._expire_stale(await self._expired_from_buffer(control))
@@ -150,6 +159,8 @@ class TrainerService(Service):
         self.counters["stale_groups"] += len(expired)
 
     async def _expired_from_buffer(self, control: Control) -> list[int]:
+        if self.config.run.staleness_check != "strict":
+            return []
         k = self.config.run.staleness
         keep, expired = [], []
         for group in self.buffer:

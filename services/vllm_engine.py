@@ -349,6 +349,7 @@ class VllmEngine:
         self.service = service
         self.clock = service.clock
         self.staleness = service.config.run.staleness
+        self.strict = service.config.run.staleness_check == "strict"
         self.backend = backend or VllmBackend(cfg, service.config.model_path(), service.config.run.seed + service.spec.rank)
         self._owns_backend = backend is None
         self.version = 0
@@ -409,7 +410,8 @@ class VllmEngine:
         finally:
             self._updating = False
         self.version = msg.version
-        self._evict_stale()
+        if self.strict:
+            self._evict_stale()
         self._wake.set()
         return self.version
 

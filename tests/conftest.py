@@ -47,3 +47,23 @@ def leftovers(run_id: str = "") -> tuple[list[str], list[str]]:
         if (g.name or "").startswith(prefix) and g.state != "REMOVED"
     ]
     return actors, groups
+
+
+def trained_groups(run_dir) -> list[tuple[int, int, int]]:
+    """(step, group id, oldest token version) of every group the trainer trained on."""
+    import json
+    import pathlib
+
+    out = []
+    for file in sorted((pathlib.Path(run_dir) / "trace").glob("lengths-*.jsonl")):
+        for line in file.read_text().splitlines():
+            record = json.loads(line)
+            out += [(record["step"], g, v) for g, v in zip(record["groups"], record["oldest"], strict=True)]
+    return out
+
+
+def late_starts(run_dir, batch_size: int, max_staleness: int) -> list[tuple[int, int, int]]:
+    """Groups that started on weights older than the credits allow (group g
+    belongs to step g // batch_size and may start on weights no older than
+    that step - max_staleness)."""
+    return [(s, g, v) for s, g, v in trained_groups(run_dir) if v < g // batch_size - max_staleness]
