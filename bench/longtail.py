@@ -252,7 +252,7 @@ def real_ratio(out: pathlib.Path, steps: int) -> tuple[float, dict]:
 
     ensure_default()
     times = {}
-    for mode, extra in (("sync", []), ("async", ["run.max_staleness=2"])):
+    for mode, extra in (("sync", ["run.max_staleness=0"]), ("async", ["run.max_staleness=2"])):
         overrides = [
             f"run.mode={mode}", *extra, f"run.steps={steps}", "run.batch_size=16",
             "roles.trainer.engine.skip_uniform_groups=false", "eval.before=false", "eval.after=false",
@@ -284,11 +284,13 @@ def main() -> None:
     results: list[Result] = []
     try:
         steps_async, steps_sync = (14, 6) if args.quick else (24, 10)
+        real = None
+        if not args.quick:
+            real, real_times = real_ratio(work, 10)
         async_ref = measure(REFERENCE, "async", 2, steps_async, work)
         sync_ref = measure(REFERENCE, "sync", 0, steps_sync, work)
         colocated = measure(REFERENCE, "sync", 0, steps_sync, work, colocated=True)
         results += [async_ref, sync_ref, colocated]
-        real = None
         if not args.quick:
             for mode, k in (("one_step", 1), ("async", 1), ("async", 4)):
                 results.append(measure(REFERENCE, mode, k, steps_async, work))
@@ -306,7 +308,6 @@ def main() -> None:
             for w in sweep:
                 results.append(measure(w, "async", 2, steps_async, work))
                 results.append(measure(w, "sync", 0, steps_sync, work))
-            real, real_times = real_ratio(work, 10)
     finally:
         ray.shutdown()
 

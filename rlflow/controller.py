@@ -616,6 +616,7 @@ class Controller:
             "version": self.version,
             "mode": self.config.run.mode,
             "max_staleness": self.staleness,
+            "staleness_check": self.config.run.staleness_check,
             "groups": {
                 "granted": self.counts["granted"],
                 "outstanding": sum(len(r.outstanding) for r in self._role("rollout")),
@@ -665,6 +666,7 @@ class Controller:
             "stop_reason": self.stop_reason,
             "mode": self.config.run.mode,
             "max_staleness": self.staleness,
+            "staleness_check": self.config.run.staleness_check,
             "steps": self.steps_done,
             "samples": samples,
             "tokens": tokens,

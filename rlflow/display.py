@@ -22,7 +22,8 @@ def render(status: dict[str, Any]) -> Group:
         (f"{status.get('state', '?')}  ", "green" if status.get("state") == "running" else "yellow"),
         f"step {status.get('step', 0)}/{status.get('steps', '?')}  ",
         f"version {status.get('version', 0)}  ",
-        f"{status.get('mode', '')} (staleness <= {status.get('max_staleness', '?')})  ",
+        f"{status.get('mode', '')} (max_staleness {status.get('max_staleness', '?')}, "
+        f"{status.get('staleness_check', 'admission')})  ",
         f"{status.get('elapsed_s', 0):.0f} s",
         (f"  reward {reward:.3f}" if isinstance(reward, (int, float)) else ""),
     )
