@@ -33,7 +33,6 @@ import json
 import math
 import pathlib
 import shutil
-import statistics
 import sys
 import tempfile
 import time

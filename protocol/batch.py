@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from .messages import GroupInfo, PromptGroup, SampleBatch, SampleFailure, Stage
+from .messages import GroupInfo, PromptGroup, SampleBatch, Stage
 from .tensors import Tensor
 
 N_STAGES = len(Stage)

@@ -13,7 +13,6 @@ transformers load as they are, cached under ``~/.cache/rlflow/models``
 from __future__ import annotations
 
 import json
-import math
 import os
 import pathlib
 import shutil

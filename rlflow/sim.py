@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from rlflow.config import Distribution, Fixed, LogNormal, Pareto
@@ -37,6 +35,3 @@ def draw_lengths(dist: Distribution, rng: np.random.Generator, size: int) -> np.
     values = draw(dist, rng, size)
     return np.maximum(1, np.rint(values)).astype(np.int64)
 
-
-def isfinite(x: float) -> bool:
-    return not (math.isinf(x) or math.isnan(x))

@@ -391,9 +391,9 @@ class SimEngine:
                 await trio.sleep(self.cfg.apply_weights_s)
         self.version = version
         self._new_version = None
-        # A group whose oldest token is already more than the bound behind
-        # can only be consumed at a trainer version >= this one: whatever
-        # happens, it would be dropped. Start all of it again now, finished
+        # Strict: a group whose oldest token is already more than the bound
+        # behind can only be consumed at a trainer version >= this one:
+        # whatever happens, it would be dropped. Start all of it again now, finished
         # samples included, on these weights (a fresh sample draws a fresh
         # length, as a new response would).
         doomed: set[int] = set()

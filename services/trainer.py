@@ -2,10 +2,11 @@
 
 Its loop: pull groups until a step's worth (`run.batch_size`) has arrived,
 dropping duplicates (a reissued group that arrives twice), failed samples
-and groups too stale to train on (those are reported as `Expired` so that
-the controller reissues them); train; publish policy version v+1 and tell
-the controller (`WeightsReady`), then acknowledge the step's groups
-(`StepDone`). It never waits for the rollout to load the new weights.
+and, with the strict staleness check, groups too stale to train on (those
+are reported as `Expired` so that the controller reissues them); train;
+publish policy version v+1 and tell the controller (`WeightsReady`), then
+acknowledge the step's groups (`StepDone`). It never waits for the rollout
+to load the new weights.
 """
 
 from __future__ import annotations

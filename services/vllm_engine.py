@@ -25,7 +25,6 @@ that imports vLLM.
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import threading
 import time
