@@ -8,7 +8,8 @@ Measured in one run on this machine, with the default model and task:
   with the same settings, on the same engine;
 * update_ratio: tokens/s with a weight update after every trainer step's
   worth of groups, over tokens/s with no updates (updates keep requests in
-  flight and must not stall generation);
+  flight and must not stall generation); with the default
+  `kv_on_update = "keep"`, and printed besides with "recompute";
 * update_ms_default / update_ms_halfgb: one weight update, from the trainer
   starting its broadcast to the rollout generating again, for the default
   model and for a model of about 0.5 GB of random weights.
@@ -191,7 +192,8 @@ def main() -> None:
     try:
         trainer = Trainer(backend, config.model_path())
         bare(backend, prompts(config, 16, first=10_000), cfg.temperature)  # warm-up
-        rows = {"bare": [], "rlflow": [], "rlflow_updates": []}
+        rows = {"bare": [], "rlflow": [], "rlflow_updates": [], "rlflow_updates_recompute": []}
+        recompute = load(DEFAULT, ["roles.rollout.engine.kv_on_update=recompute"])
         update_ms: list[float] = []
         for r in range(repeats):
             groups = prompts(config, count, first=r * count)
@@ -204,10 +206,15 @@ def main() -> None:
             )
             rows["rlflow_updates"].append(tokens / seconds)
             update_ms += ms
+            seconds, tokens, _ = trio.run(
+                lambda: wrapped(backend, recompute, groups, update_every=step_groups, push=trainer.push)
+            )
+            rows["rlflow_updates_recompute"].append(tokens / seconds)
             print(
                 f"repeat {r}: bare {rows['bare'][-1]:,.0f} tok/s, rlflow {rows['rlflow'][-1]:,.0f} tok/s, "
                 f"rlflow with an update per {step_groups} groups {rows['rlflow_updates'][-1]:,.0f} tok/s "
-                f"({len(ms)} updates, {statistics.median(ms) if ms else 0:.0f} ms each)",
+                f"({len(ms)} updates, {statistics.median(ms) if ms else 0:.0f} ms each; "
+                f"{rows['rlflow_updates_recompute'][-1]:,.0f} tok/s recomputing the KV cache)",
                 flush=True,
             )
         idle_ms = [trio.run(trainer.push, None, 1000 + i) for i in range(5)]
@@ -230,12 +237,14 @@ def main() -> None:
 
     wrapper_ratio = statistics.median(rows["rlflow"]) / statistics.median(rows["bare"])
     update_ratio = statistics.median(rows["rlflow_updates"]) / statistics.median(rows["rlflow"])
+    recompute_ratio = statistics.median(rows["rlflow_updates_recompute"]) / statistics.median(rows["rlflow"])
     result = {
         "groups_per_run": count,
         "samples_per_group": config.run.samples_per_prompt,
         "tokens_per_s": {k: v for k, v in rows.items()},
         "wrapper_ratio": wrapper_ratio,
         "update_ratio": update_ratio,
+        "update_ratio_recompute": recompute_ratio,
         "update_ms_in_flight": update_ms,
         "update_ms_default": idle_ms,
         "default_bytes": trainer.nbytes,
@@ -249,6 +258,7 @@ def main() -> None:
         f"{statistics.median(update_ms) if update_ms else 0:.1f} ms with requests in flight; "
         f"{halfgb_bytes / 2**20:.0f} MiB model: {statistics.median(halfgb_ms):.0f} ms"
     )
+    print(f"updates recomputing the KV cache of requests in flight: {recompute_ratio:.3f} of no updates")
     print(
         f"RESULT rollout wrapper_ratio={wrapper_ratio:.3f} update_ratio={update_ratio:.3f} "
         f"update_ms_default={statistics.median(idle_ms):.1f} update_ms_halfgb={statistics.median(halfgb_ms):.0f}"

@@ -217,6 +217,13 @@ class VllmRollout(Table, tag_field="kind", tag="vllm"):
     """GPUs per replica (GPU only)."""
     enforce_eager: bool = True
     """Skip graph capture / compilation (faster start; CPU always runs eager)."""
+    kv_on_update: Literal["keep", "recompute"] = "keep"
+    """What requests in flight do with their KV cache at a weight update. keep: go on
+    decoding over it (the cache of earlier tokens is the old weights'; the recorded
+    behaviour log-probabilities are still exactly what was sampled, which is what the
+    loss corrects with). recompute: drop it and prefill again under the new weights,
+    so that every later token is exactly the new policy's (costs a prefill of every
+    request in flight per update)."""
 
 
 class TaskReward(Table, tag_field="kind", tag="task"):

@@ -15,8 +15,9 @@ backends need an accelerator), registered with vLLM as the ``rlflow-gloo``
 weight-transfer engine. An update pauses the engine with its requests kept,
 receives the flat buffer, loads it layer by layer, re-packs the CPU copies
 of embedding matrices that a tied LM head reads (vLLM-CPU keeps a stale
-packed copy otherwise), and resumes: requests in flight recompute their KV
-cache under the new weights and their later tokens carry the new version.
+packed copy otherwise), and resumes: requests in flight go on over their KV
+cache (or recompute it under the new weights, `kv_on_update = "recompute"`)
+and their later tokens carry the new version.
 
 This module (and the rollout service that imports it) is the only place
 that imports vLLM.
@@ -283,8 +284,11 @@ class VllmBackend:
         )
         await self.call(lambda: llm.init_weight_transfer_engine(request))
 
-    async def update(self, version: int, params: list[ParamSpec], nbytes: int) -> None:
-        """Pause with requests kept, receive and load `version`, resume."""
+    async def update(self, version: int, params: list[ParamSpec], nbytes: int, *, kv: str | None = None) -> None:
+        """Pause with requests kept, receive and load `version`, resume.
+
+        `kv` (default: the config's `kv_on_update`): "keep" the KV cache of
+        requests in flight or "recompute" it under the new weights."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
         update = {
@@ -295,7 +299,8 @@ class VllmBackend:
             "nbytes": nbytes,
         }
         llm = self.llm
-        await self.call(lambda: llm.pause_generation(mode="keep", clear_cache=True))
+        clear = (kv or self.cfg.kv_on_update) == "recompute"
+        await self.call(lambda: llm.pause_generation(mode="keep", clear_cache=clear))
         try:
             await self.call(llm.start_weight_update)
             await self.call(lambda: llm.update_weights(WeightTransferUpdateRequest(update_info=update)))
@@ -405,7 +410,7 @@ class VllmEngine:
         self._updating = True
         self.clock.set("loading")
         try:
-            await self.backend.update(msg.version, msg.params, int(msg.info["nbytes"]))
+            await self.backend.update(msg.version, msg.params, int(msg.info["nbytes"]), kv=self.cfg.kv_on_update)
         finally:
             self._updating = False
         self.version = msg.version
