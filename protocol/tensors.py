@@ -22,6 +22,7 @@ call that needs it.
 
 from __future__ import annotations
 
+import importlib
 import math
 import sys
 import warnings
@@ -147,12 +148,7 @@ class Tensor:
         shape = tuple(tensor.shape)
         if tensor.numel() == 0:
             return cls(name, shape, b"")
-        import torch
-
-        flat = tensor.reshape(-1)
-        if flat.dtype == torch.bool:
-            flat = flat.view(torch.uint8)
-        return cls(name, shape, flat.view(torch.uint8).numpy())
+        return cls(name, shape, tensor.reshape(-1).view(_torch().uint8).numpy())
 
     @classmethod
     def of(cls, values: Any, dtype: str) -> Tensor:
@@ -170,8 +166,7 @@ class Tensor:
 
     def torch(self) -> Any:
         """A torch view of the bytes, sharing memory (no copy)."""
-        import torch
-
+        torch = _torch()
         dt = getattr(torch, self.dtype)
         if self.nbytes == 0:
             return torch.empty(self.shape, dtype=dt)
@@ -180,12 +175,16 @@ class Tensor:
             # tensors and warns. The module docstring states the contract.
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             flat = torch.frombuffer(self.data, dtype=torch.uint8)
-        if dt == torch.bool:
-            return flat.view(torch.bool).reshape(self.shape)
         return flat.view(dt).reshape(self.shape)
 
     def tolist(self) -> list:
         return self.numpy().tolist()
+
+
+def _torch() -> Any:
+    """torch, imported on the first call that needs it: the protocol itself
+    depends on numpy only."""
+    return importlib.import_module("torch")
 
 
 def expected_nbytes(dtype: str, shape: tuple[int, ...]) -> int:

@@ -69,3 +69,19 @@ def test_version_and_help():
     rlflow_cli = pathlib.Path(sys.executable).parent / "rlflow"
     assert run(str(rlflow_cli), "--version", cwd=ROOT).strip() == f"rlflow {rlflow.__version__}"
     assert "usage: rlflow" in run(str(rlflow_cli), "--help", cwd=ROOT)
+
+
+def test_the_protocol_depends_on_nothing_of_the_project():
+    """Importing `rlflow.protocol` (and sending a tensor) loads none of the
+    project's other layers, nor torch, ZeroMQ, trio or Ray."""
+    out = run(
+        sys.executable,
+        "-c",
+        "import sys, numpy as np; import rlflow.protocol as p; p.Tensor.from_numpy(np.zeros(3, np.float32)); "
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'zmq', 'trio', 'ray', 'transformers', 'rlflow'))))",
+        cwd=ROOT,
+    )
+    loaded = set(out.split())
+    assert "rlflow.protocol.tensors" in loaded
+    assert loaded == {"rlflow"} | {m for m in loaded if m.startswith("rlflow.protocol")}, loaded
