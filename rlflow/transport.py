@@ -191,16 +191,20 @@ class Socket:
     async def recv_frames(self) -> list[zmq.Frame]:
         """Take one multipart message off the socket (frames are not copied)."""
         await trio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                break
-            except zmq.Again:
-                await self._until(zmq.POLLIN)
+        while (frames := self._take_frames()) is None:
+            await self._until(zmq.POLLIN)
+        await self._done()
+        return frames
+
+    def _take_frames(self) -> list[zmq.Frame] | None:
+        """One multipart message if one is here now, counted; else None."""
+        try:
+            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
         self.received += 1
         self.bytes_received += sum(len(f) for f in frames)
         self._wake()
-        await self._done()
         return frames
 
     # -- messages -----------------------------------------------------------
@@ -251,20 +255,13 @@ class Pull(Socket):
         while True:
             yield await self.recv()
 
-
     def recv_nowait(self) -> Any | None:
         """The next well-formed message if one is already here, else None."""
-        while True:
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return None
-            self.received += 1
-            self.bytes_received += sum(len(f) for f in frames)
-            self._wake()
+        while (frames := self._take_frames()) is not None:
             msg = self._decode(frames)
             if msg is not None:
                 return msg
+        return None
 
 
 class Router(Socket):

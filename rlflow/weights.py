@@ -14,10 +14,12 @@ a model; it travels with each update as `ParamSpec`s.
 from __future__ import annotations
 
 import datetime
+import math
 import socket
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 
 from rlflow.protocol import ParamSpec
 
@@ -51,10 +53,7 @@ def unpack(flat: torch.Tensor, specs: list[ParamSpec]) -> list[tuple[str, torch.
     out = []
     for spec in specs:
         dtype = getattr(torch, spec.dtype)
-        numel = 1
-        for dim in spec.shape:
-            numel *= dim
-        size = numel * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(spec.shape) * dtype.itemsize
         out.append((spec.name, flat[spec.offset : spec.offset + size].view(dtype).view(spec.shape)))
     return out
 
@@ -72,8 +71,6 @@ class GlooGroup:
     """
 
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0):
-        import torch.distributed as dist
-
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size = rank, world_size
         self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
@@ -84,8 +81,6 @@ class GlooGroup:
 
     def broadcast(self, flat: torch.Tensor, root: int = 0) -> None:
         """Broadcast `flat` from `root` to every rank (blocking)."""
-        import torch.distributed as dist
-
         options = dist.BroadcastOptions()
         options.rootRank = root
         options.rootTensor = 0

@@ -7,25 +7,23 @@ samples packed into micro-batches of at most `micro_batch_tokens` tokens,
 gradients accumulated as a token mean over the whole batch, clipped, AdamW.
 See `rlflow.algorithms` for the loss and its off-policy corrections.
 
-On CPU with several replicas the gradients are all-reduced over gloo (DDP);
-checkpoints are Hugging Face directories (safetensors) plus optimizer, RNG
-and run state.
+One process (the trainer runs as one replica); checkpoints are Hugging
+Face directories (safetensors) plus optimizer, RNG and run state.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import pathlib
 import random
 import shutil
-import time
 from typing import Any
 
 import numpy as np
 import torch
+import trio
 
 from rlflow.algorithms import LossConfig, group_advantages, policy_loss, token_logprobs, uniform_groups
 from rlflow.config import TorchTrainer
@@ -36,11 +34,10 @@ from rlflow.weights import layout, pack
 class TorchEngine:
     """Holds the policy and its optimizer; `train` takes one step on a batch."""
 
-    def __init__(self, cfg: TorchTrainer, model_path: str, *, temperature: float = 1.0, seed: int = 0,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg: TorchTrainer, model_path: str, *, temperature: float = 1.0, seed: int = 0):
         from transformers import AutoModelForCausalLM
 
-        torch.manual_seed(seed + rank)
+        torch.manual_seed(seed)
         threads = int(os.environ.get("RLFLOW_NUM_THREADS", "0") or 0)
         if threads:
             torch.set_num_threads(threads)
@@ -50,14 +47,6 @@ class TorchEngine:
         self.dtype = getattr(torch, cfg.dtype)
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         self.model.train()
-        self.rank, self.world_size = rank, world_size
-        self.ddp = None
-        if world_size > 1:
-            import torch.distributed as dist
-
-            if not dist.is_initialized():
-                dist.init_process_group("gloo", rank=rank, world_size=world_size)
-            self.ddp = torch.nn.parallel.DistributedDataParallel(self.model)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
         )
@@ -70,7 +59,6 @@ class TorchEngine:
     # -- one step ---------------------------------------------------------------
 
     def train(self, batch: SampleBatch) -> dict[str, float]:
-        started = time.monotonic()
         rows = list(samples(batch))
         rewards = torch.tensor([r.reward if r.reward is not None else math.nan for r in rows], dtype=torch.float32)
         if torch.isnan(rewards).any():
@@ -85,31 +73,22 @@ class TorchEngine:
             "trained_tokens": float(total_tokens),
         }
         self._set_lr()
-        global_tokens = self._all_ranks_sum(total_tokens)
-        if global_tokens == 0:
-            # Nothing to learn from anywhere; the version still advances, so
-            # that the pipeline's clock stays one step per batch.
+        if total_tokens == 0:
+            # Nothing to learn from; the version still advances, so that the
+            # pipeline's clock stays one step per batch.
             self.steps += 1
-            return {**stats, "loss": 0.0, "grad_norm": 0.0, "lr": self._lr(), "train_s": time.monotonic() - started}
-        # DDP averages gradients over ranks: scale so the result is the mean
-        # over every token of every rank.
-        scale = self.world_size / global_tokens
+            return {**stats, "loss": 0.0, "grad_norm": 0.0, "lr": self._lr()}
         sums = {"loss": 0.0, "clipped": 0.0, "truncated": 0.0, "kl": 0.0, "ratio": 0.0, "weight": 0.0}
-        module = self.ddp or self.model
         micro = self._micro_batches(chosen, rows)
-        if not micro:  # this rank has nothing, the others do: join their all-reduce
-            (sum(p.sum() for p in self.model.parameters()) * 0.0).backward()
-        for index, part in enumerate(micro):
+        for part in micro:
             ids, mask, targets, where = self._pack([rows[i] for i in part])
-            sync = self.ddp is None or index == len(micro) - 1
-            context = module.no_sync() if (self.ddp is not None and not sync) else contextlib.nullcontext()
-            with context:
-                logits = module(input_ids=ids, attention_mask=mask).logits
-                logprobs = token_logprobs(logits[where], targets, self.temperature)
-                behaviour = torch.cat([torch.from_numpy(np.asarray(rows[i].logprobs, dtype=np.float32)) for i in part])
-                adv = torch.cat([advantages[i].repeat(len(rows[i].response_ids)) for i in part])
-                out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg)
-                (out.loss * scale).backward()
+            logits = self.model(input_ids=ids, attention_mask=mask).logits
+            logprobs = token_logprobs(logits[where], targets, self.temperature)
+            behaviour = torch.cat([torch.from_numpy(np.asarray(rows[i].logprobs, dtype=np.float32)) for i in part])
+            adv = torch.cat([advantages[i].repeat(len(rows[i].response_ids)) for i in part])
+            out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg)
+            # Scaled so that the gradients add up to the mean over every token.
+            (out.loss / total_tokens).backward()
             sums["loss"] += out.loss.item()
             sums["clipped"] += out.clipped.item()
             sums["truncated"] += float(out.truncated)
@@ -131,17 +110,7 @@ class TorchEngine:
             "grad_norm": float(norm),
             "lr": self._lr(),
             "micro_batches": float(len(micro)),
-            "train_s": time.monotonic() - started,
         }
-
-    def _all_ranks_sum(self, value: float) -> float:
-        if self.world_size == 1:
-            return value
-        import torch.distributed as dist
-
-        total = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(total)
-        return float(total.item())
 
     def _micro_batches(self, chosen: list[int], rows: list) -> list[list[int]]:
         """Samples grouped by length, each group padded to at most the token budget."""
@@ -190,9 +159,6 @@ class TorchEngine:
     def snapshot(self) -> tuple[torch.Tensor, list[ParamSpec], int]:
         """The current weights packed into one flat buffer (a copy)."""
         return pack(self.model.named_parameters(), self.specs, self.nbytes), self.specs, self.nbytes
-
-    def named_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, p.detach()) for name, p in self.model.named_parameters()]
 
     # -- checkpoints ---------------------------------------------------------------
 
@@ -252,14 +218,11 @@ class TorchTrainerEngine:
             config.model_path(),
             temperature=getattr(rollout, "temperature", 1.0),
             seed=config.run.seed,
-            rank=service.spec.rank,
-            world_size=service.spec.replicas,
         )
         self.checkpoint_every = cfg.checkpoint_every
         self.run_dir = pathlib.Path(service.spec.run_dir or ".")
         self.host = bind_address(service.spec).removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
         self.port = free_port(self.host)
-        self.rank = service.spec.rank
         self.group = None
         self.snapshots: dict[int, torch.Tensor] = {}
         if config.run.resume:
@@ -270,13 +233,10 @@ class TorchTrainerEngine:
 
     async def connect(self, info: dict[str, str]) -> None:
         """Host the weight group and wait until every rollout replica has joined."""
-        import trio
-
         from rlflow.weights import GlooGroup
 
-        if self.rank == 0:
-            world = int(info["weights_world"])
-            self.group = await trio.to_thread.run_sync(GlooGroup, self.host, self.port, 0, world)
+        world = int(info["weights_world"])
+        self.group = await trio.to_thread.run_sync(GlooGroup, self.host, self.port, 0, world)
 
     async def serve(self, *, task_status=None) -> None:
         """Weights are pushed when the controller says so: nothing to serve."""
@@ -284,13 +244,9 @@ class TorchTrainerEngine:
             task_status.started()
 
     async def train(self, batch: SampleBatch) -> dict[str, float]:
-        import trio
-
         return await trio.to_thread.run_sync(self.engine.train, batch)
 
     async def publish(self, version: int):
-        import trio
-
         from rlflow.protocol import WeightsReady
 
         flat, specs, nbytes = await trio.to_thread.run_sync(self.engine.snapshot)
@@ -299,8 +255,6 @@ class TorchTrainerEngine:
 
     async def send(self, version: int) -> None:
         """Broadcast the weights of `version` to the rollout replicas."""
-        import trio
-
         flat = self.snapshots[version]
         for old in [v for v in self.snapshots if v <= version]:
             del self.snapshots[old]
@@ -308,8 +262,6 @@ class TorchTrainerEngine:
             await trio.to_thread.run_sync(self.group.broadcast, flat)
 
     async def save(self, step: int) -> pathlib.Path:
-        import trio
-
         folder = self.run_dir / "checkpoints" / f"step-{step:06d}"
         await trio.to_thread.run_sync(self.engine.save, folder, {"step": step, "version": step})
         return folder

@@ -88,7 +88,9 @@ class TrainerService(Service):
             staleness = self.version - batch.versions.numpy()
             self._record_lengths(batch)
             with self.clock.state("busy"):
+                started = time.monotonic()
                 metrics = await self.engine.train(batch)
+                metrics["train_s"] = time.monotonic() - started
             self.step += 1
             self.version = self.step
             with self.clock.state("loading"):
@@ -128,7 +130,7 @@ class TrainerService(Service):
             "step": self.step,
             "lengths": lengths,
             "groups": [g.groups[0].group_id for g in groups],
-            "oldest": [int(g.versions.numpy().min()) if g.n_tokens else self.version for g in groups],
+            "oldest": [self._oldest(g) for g in groups],
         }
         with open(folder / f"lengths-{self.spec.rank}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -143,7 +145,7 @@ class TrainerService(Service):
         across a step).
         """
         while True:
-            self._expire_stale(await self._expired_from_buffer(control))
+            await self._drop_stale(control)
             if len(self.buffer) >= want:
                 msg = inbox.recv_nowait()
                 if msg is None:
@@ -152,26 +154,26 @@ class TrainerService(Service):
                 with self.clock.state("starved"):
                     msg = await inbox.recv()
             await self._accept(msg, control)
-        self.buffer.sort(key=lambda g: int(g.versions.numpy().min()) if g.n_tokens else self.version)
+        self.buffer.sort(key=self._oldest)
         taken, self.buffer = self.buffer[:want], self.buffer[want:]
         return taken
 
-    def _expire_stale(self, expired: list[int]) -> None:
-        self.counters["stale_groups"] += len(expired)
+    def _oldest(self, group: SampleBatch) -> int:
+        """The policy version of a group's oldest token."""
+        return int(group.versions.numpy().min()) if group.n_tokens else self.version
 
-    async def _expired_from_buffer(self, control: Control) -> list[int]:
+    async def _drop_stale(self, control: Control) -> None:
+        """Strict check: drop buffered groups past the bound, for reissue."""
         if self.config.run.staleness_check != "strict":
-            return []
+            return
         k = self.config.run.staleness
         keep, expired = [], []
         for group in self.buffer:
-            oldest = int(group.versions.numpy().min()) if group.n_tokens else self.version
-            (expired if self.version - oldest > k else keep).append(group)
+            (expired if self.version - self._oldest(group) > k else keep).append(group)
         self.buffer = keep
-        ids = [g.groups[0].group_id for g in expired]
-        if ids:
-            await control.send(Expired(group_ids=ids, reason="stale"))
-        return ids
+        if expired:
+            self.counters["stale_groups"] += len(expired)
+            await control.send(Expired(group_ids=[g.groups[0].group_id for g in expired], reason="stale"))
 
     async def _accept(self, msg, control: Control) -> None:
         """Add the groups of one message to the buffer (checked, deduplicated)."""
@@ -255,7 +257,7 @@ class SimTrainerEngine:
         seconds = self.cfg.step_overhead_s + self.cfg.s_per_token * batch.n_tokens
         if seconds > 0:
             await trio.sleep(seconds)
-        return {"loss": 0.0, "train_s": seconds}
+        return {"loss": 0.0}
 
     async def publish(self, version: int) -> WeightsReady:
         self.latest = WeightsPayload(version=version, names=self.names, tensors=self.tensors)

@@ -343,6 +343,7 @@ class _Group:
     group: PromptGroup
     issued_at: float
     submitted_version: int = 0
+    scope: trio.CancelScope | None = None  # of its generation, while running
 
 
 class VllmEngine:
@@ -358,8 +359,7 @@ class VllmEngine:
         self._owns_backend = backend is None
         self.version = 0
         self.pending: deque[_Group] = deque()
-        self.running: dict[int, trio.CancelScope] = {}
-        self._items: dict[int, _Group] = {}
+        self.running: dict[int, _Group] = {}
         self._send, self.finished = trio.open_memory_channel(2)
         self._wake = trio.Event()
         self._weights_ready = trio.Event()
@@ -421,10 +421,10 @@ class VllmEngine:
 
     def _evict_stale(self) -> None:
         """Restart groups whose first tokens are already too old to be trained on."""
-        for group_id, item in list(self._items.items()):
-            if self.version - item.submitted_version > self.staleness:
+        for item in list(self.running.values()):
+            if self.version - item.submitted_version > self.staleness and not item.scope.cancel_called:
                 self.service.counters["restarted_groups"] += 1
-                self.running[group_id].cancel()
+                item.scope.cancel()
                 self.pending.appendleft(item)
 
     # -- the loop -------------------------------------------------------------------
@@ -436,9 +436,8 @@ class VllmEngine:
                 while self.pending and self.pending[0].group.min_version <= self.version:
                     item = self.pending.popleft()
                     item.submitted_version = self.version
-                    scope = trio.CancelScope()
-                    self.running[item.group.group_id] = scope
-                    self._items[item.group.group_id] = item
+                    scope = item.scope = trio.CancelScope()
+                    self.running[item.group.group_id] = item
                     nursery.start_soon(self._generate_group, item, scope)
                 self._retime()
                 self._wake = trio.Event()
@@ -464,9 +463,9 @@ class VllmEngine:
             if scope.cancelled_caught:
                 return
         finally:
-            if self.running.get(group_id) is scope:
+            if item.scope is scope:  # not restarted meanwhile
                 del self.running[group_id]
-                del self._items[group_id]
+                item.scope = None
             self._wake.set()
         await self._send.send((item.group, responses))
 
