@@ -19,8 +19,8 @@ With one optimizer step per batch the proximal policy equals the current
 one before the step, so its log-probabilities are the current ones,
 detached: no extra forward pass is needed.
 
-Everything here works on flat per-token tensors; `sample_of_token` maps
-each token to its sample.
+The loss works on flat per-token tensors (the tokens of every sample of a
+micro-batch, concatenated); the advantages on per-sample ones.
 """
 
 from __future__ import annotations

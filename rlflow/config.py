@@ -545,10 +545,8 @@ def check(config: Config) -> None:
             )
     trainer = config.roles.trainer
     if trainer.replicas != 1:
-        raise ConfigError("roles.trainer.replicas", trainer.replicas, "the trainer runs as 1 replica (data-parallel trainers are not supported yet)")
-    if run.batch_size % trainer.replicas:
         raise ConfigError(
-            "run.batch_size", run.batch_size, f"must be a multiple of roles.trainer.replicas ({trainer.replicas})"
+            "roles.trainer.replicas", trainer.replicas, "the trainer runs as 1 replica (data-parallel trainers are not supported yet)"
         )
 
 

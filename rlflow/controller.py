@@ -54,6 +54,7 @@ from rlflow.protocol import (
     WeightsReady,
     Welcome,
 )
+from rlflow.service import leaves
 
 log = logging.getLogger("rlflow.controller")
 
@@ -694,7 +695,7 @@ def _eval_summary(evals: list[dict[str, Any]]) -> dict[str, Any]:
     acc = [e["accuracy"] for e in evals if "accuracy" in e]
     if not acc:
         return {}
-    tail = acc[-3:] if len(acc) > 1 else acc
+    tail = acc[-3:]
     return {
         "eval_accuracy_before": acc[0],
         "eval_accuracy_after": acc[-1],
@@ -711,17 +712,8 @@ def _unwrap(exc: BaseException) -> BaseException:
     for kind in (KeyboardInterrupt, RunFailed):
         match, _ = exc.split(kind)
         if match is not None:
-            leaves = list(_leaves(match))
-            return leaves[0]
+            return next(leaves(match))
     return exc
-
-
-def _leaves(exc: BaseException):
-    if isinstance(exc, BaseExceptionGroup):
-        for inner in exc.exceptions:
-            yield from _leaves(inner)
-    else:
-        yield exc
 
 
 def _describe(exc: BaseException) -> str:

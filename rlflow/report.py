@@ -130,13 +130,13 @@ def text(run: Run) -> str:
     return "\n".join(lines)
 
 
-def _spans(run: Run) -> tuple[float, list[tuple[str, list[tuple[float, float, str]]]]]:
-    """Time zero and, per lane, (start, duration, state) spans."""
+def _spans(run: Run) -> list[tuple[str, list[tuple[float, float, str]]]]:
+    """Per lane, (start, duration, state) spans from time zero."""
     # Time zero: when the first service got to work (start-up is left out).
     starts = [next((t for t, state in trace["events"] if state != "idle"), None) for trace in run.traces]
     starts = [t for t in starts if t is not None]
     if not starts:
-        return 0.0, []
+        return []
     t0 = min(starts)
     lanes = []
     key = {role: i for i, role in enumerate(ORDER)}
@@ -148,7 +148,7 @@ def _spans(run: Run) -> tuple[float, list[tuple[str, list[tuple[float, float, st
             if end > start:
                 spans.append((start - t0, end - start, state))
         lanes.append((f"{trace['role']}-{trace['rank']}", spans))
-    return t0, lanes
+    return lanes
 
 
 def write_timeline(run: Run, png: pathlib.Path | None = None, trace: pathlib.Path | None = None,
@@ -162,7 +162,7 @@ def write_timeline(run: Run, png: pathlib.Path | None = None, trace: pathlib.Pat
 
     png = png or run.path / "timeline.png"
     trace = trace or run.path / "trace.json"
-    _, lanes = _spans(run)
+    lanes = _spans(run)
     fig, ax = plt.subplots(figsize=(12, 0.5 + 0.45 * max(len(lanes), 1)))
     for row, (name, spans) in enumerate(lanes):
         for state in COLOURS:

@@ -212,11 +212,14 @@ def _node_ip() -> str:
             return "127.0.0.1"
 
 
-def _leaf(exc: BaseException) -> BaseException:
-    """The first error inside nested exception groups (the one to report)."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return exc
+def leaves(exc: BaseException) -> Iterator[BaseException]:
+    """The errors inside (nested) exception groups, in order; `exc` itself if
+    it is not a group."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from leaves(inner)
+    else:
+        yield exc
 
 
 class Service:
@@ -282,7 +285,7 @@ class Service:
             try:
                 await self.main(control)
             except Exception as exc:
-                cause = _leaf(exc)
+                cause = next(leaves(exc))  # the first one is the one to report
                 self.log.exception("[%s] failed", self.spec.name)
                 with trio.move_on_after(2) as scope:
                     scope.shield = True

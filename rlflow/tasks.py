@@ -91,13 +91,18 @@ class Arith:
         e = int(rng.integers(1, d + 1))
         return _number(rng, d), _number(rng, e)
 
-    def training_problem(self, group_id: int) -> tuple[int, int]:
-        """The problem of group `group_id` (never one of the held-out set)."""
-        rng = np.random.default_rng((self.seed, 2, group_id))
+    def fresh_problem(self, rng: np.random.Generator, *, uniform_digits: bool = False) -> tuple[int, int]:
+        """A problem that is not in the held-out set; `uniform_digits`: every
+        number of digits equally likely (not the skewed task distribution)."""
         while True:
-            problem = self.problem(rng)
+            digits = int(rng.integers(1, self.max_digits + 1)) if uniform_digits else None
+            problem = self.problem(rng, digits)
             if problem not in self._heldout_set:
                 return problem
+
+    def training_problem(self, group_id: int) -> tuple[int, int]:
+        """The problem of group `group_id` (never one of the held-out set)."""
+        return self.fresh_problem(np.random.default_rng((self.seed, 2, group_id)))
 
     @staticmethod
     def prompt_text(a: int, b: int) -> str:
@@ -119,15 +124,16 @@ class Arith:
     @staticmethod
     def answer(text: str) -> int | None:
         """The number after the last ``#``, or None if there is none."""
-        head, sep, tail = text.rpartition("#")
+        _, sep, tail = text.rpartition("#")
         if not sep:
             return None
         digits = tail.strip()
         return int(digits) if digits.isdigit() and len(digits) <= 40 else None
 
-    def check(self, reference: str, text: str) -> tuple[float, dict[str, float]]:
+    @staticmethod
+    def check(reference: str, text: str) -> tuple[float, dict[str, float]]:
         """Reward of `text` as an answer to a problem whose sum is `reference`."""
-        got = self.answer(text)
+        got = Arith.answer(text)
         correct = float(got is not None and str(got) == reference)
         return correct, {"correct": correct, "formatted": float(got is not None)}
 
@@ -170,7 +176,7 @@ class ArithTaskImpl:
         right: dict[int, list[bool]] = {}
         for (a, b), ids in zip(self.arith.heldout, responses):
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            right.setdefault(len(str(a)), []).append(Arith.answer(text) == a + b)
+            right.setdefault(len(str(a)), []).append(Arith.check(str(a + b), text)[0] == 1.0)
         every = [x for values in right.values() for x in values]
         out = {"accuracy": float(np.mean(every)) if every else 0.0, "problems": float(len(every))}
         out.update({f"accuracy.digits_{d}": float(np.mean(v)) for d, v in sorted(right.items())})
