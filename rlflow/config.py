@@ -321,7 +321,7 @@ class TrainerRole(Table):
     pool: str
     """Name of the pool its replicas run on."""
     replicas: PosInt = 1
-    """Data-parallel ranks."""
+    """1: the trainer is one process (data-parallel ranks are not supported yet)."""
     engine: TrainerEngine = SimTrainer()
     """The training engine and its settings."""
 
