@@ -4,12 +4,16 @@ Frame 0 is the msgpack header ``[schema_version, message]``; frames 1..k
 are the raw bytes of the k tensors the message holds, in the order the
 header names them (each tensor is ``[dtype, shape, frame]``, see SPEC.md).
 
-Decoding treats every byte as hostile: the version, the tag, every field's
-type and bounds, each tensor's dtype and shape are checked, each frame must
-be named by exactly one tensor, and each frame's length must equal what its
-tensor declares. Nothing is allocated from a declared size: tensors are views
-of the frames actually received. Any failure raises a `ProtocolError`
-subclass that says what was wrong.
+Decoding treats every byte as hostile: the header's size, the version, the
+tag, every field's type and bounds, each tensor's dtype and shape are
+checked, each frame must be named by exactly one tensor, and each frame's
+length must equal what its tensor declares. Nothing is allocated from a
+declared size: tensors are views of the frames actually received, and the
+header is read with typed decoders only (never into generic objects a peer
+could make large), so memory is bounded by the bytes that arrived. Whatever
+the bytes, the only errors that come out are `ProtocolError` subclasses that
+say what was wrong: a header nested deeper than the decoder can follow is
+`malformed`, like any other bad header.
 
 A `Codec` is cheap to keep and not thread-safe: give each socket its own.
 """
@@ -32,23 +36,29 @@ from .errors import (
     UnsupportedDType,
 )
 from .messages import MESSAGE_TYPES, SCHEMA_VERSION, AnyMessage, Message
-from .tensors import DTYPE_SIZES, Tensor, expected_nbytes
+from .tensors import DTYPE_SIZES, MAX_NDIM, Tensor, expected_nbytes
 
-_Envelope = tuple[int, msgspec.Raw]
-_TensorRef = tuple[str, tuple[int, ...], int]
+#: Largest header (frame 0) a codec accepts by default, in bytes.
+MAX_HEADER_BYTES = 16 << 20
+#: Nesting every receiver accepts; deeper headers may be rejected (see SPEC.md).
+MIN_DEPTH_ACCEPTED = 64
 
 
 class Codec:
     """Turns messages of one union type into frames and back."""
 
-    def __init__(self, message_type: Any = AnyMessage, *, schema_version: int = SCHEMA_VERSION):
+    def __init__(
+        self,
+        message_type: Any = AnyMessage,
+        *,
+        schema_version: int = SCHEMA_VERSION,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+    ):
         self._schema_version = schema_version
+        self._max_header = max_header_bytes
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
-        self._envelope = msgspec.msgpack.Decoder(_Envelope)
         self._decoder = msgspec.msgpack.Decoder(message_type, dec_hook=self._dec_hook)
-        self._tensor_ref = msgspec.msgpack.Decoder(_TensorRef)
-        self._peek = msgspec.msgpack.Decoder(list[msgspec.Raw])
-        self._int = msgspec.msgpack.Decoder(int)
+        self._tags = _tags(message_type)
         self._out: list[Any] = []
         self._in: Sequence[Any] = ()
         self._used: list[bool] = []
@@ -75,28 +85,31 @@ class Codec:
     def decode(self, frames: Sequence[Any]) -> Any:
         """The message in `frames` (bytes, memoryviews or zmq Frames).
 
-        Raises a `ProtocolError` subclass naming what is wrong.
+        Raises a `ProtocolError` subclass naming what is wrong, and nothing else.
         """
         if not frames:
             raise FrameCountMismatch("empty message: no header frame")
-        try:
-            version, body = self._envelope.decode(frames[0])
-        except msgspec.ValidationError as exc:  # a DecodeError subclass: first
-            raise MalformedMessage(f"header is not [schema_version, message]: {exc}") from None
-        except msgspec.DecodeError as exc:
-            raise _decode_error(exc) from None
+        head = _bytes_view(frames[0])
+        if head.nbytes > self._max_header:
+            raise MalformedMessage(f"header of {head.nbytes} bytes; at most {self._max_header} are accepted")
+        version, start = _envelope(head)
         if version != self._schema_version:
             raise SchemaVersionMismatch(
                 f"message has schema version {version}, this peer speaks {self._schema_version}"
             )
+        body = head[start:]
         self._in = frames
         self._used = [False] * len(frames)
         try:
             msg = self._decoder.decode(body)
-        except msgspec.ValidationError as exc:
+        except msgspec.ValidationError as exc:  # a DecodeError subclass: first
             raise self._classify(body, exc) from None
         except msgspec.DecodeError as exc:
             raise _decode_error(exc) from None
+        except RecursionError:
+            # msgspec follows nesting by recursion and stops at the
+            # interpreter's limit; to a peer that is just a bad header.
+            raise MalformedMessage("header is nested deeper than this peer accepts") from None
         finally:
             used, self._used, self._in = self._used, [], ()
         unused = used.count(False) - 1
@@ -116,6 +129,8 @@ class Codec:
             raise UnsupportedDType(f"tensor dtype {dtype!r:.40} is not one of {', '.join(DTYPE_SIZES)}")
         if not isinstance(shape, list):
             raise MalformedMessage(f"tensor shape must be an array, got {shape!r:.40}")
+        if len(shape) > MAX_NDIM:
+            raise MalformedMessage(f"tensor has {len(shape)} dimensions; at most {MAX_NDIM} are allowed")
         shape = tuple(shape)
         want = expected_nbytes(dtype, shape)
         if type(index) is not int or not 1 <= index < len(self._in):
@@ -132,20 +147,87 @@ class Codec:
             raise FrameSizeMismatch(f"tensor {dtype}{list(shape)} declares {want} bytes, frame {index} has {got}")
         return Tensor._trusted(dtype, shape, view)
 
-    def _classify(self, body: bytes, exc: msgspec.ValidationError) -> ProtocolError:
-        """Say whether a header that failed validation had an unknown tag."""
-        try:
-            tag = self._int.decode(self._peek.decode(body)[0])
-        except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
+    def _classify(self, body: memoryview, exc: msgspec.ValidationError) -> ProtocolError:
+        """Say whether a body that failed validation had an unknown tag."""
+        tag = _leading_tag(body)
+        if tag is None:
             return MalformedMessage(f"message is not a tagged array: {exc}")
         if tag not in MESSAGE_TYPES:
             return UnknownMessageType(f"unknown message tag {tag}")
-        accepted = ", ".join(_tag_names(self._decoder.type))
-        if tag not in _tags(self._decoder.type):
+        if tag not in self._tags:
+            accepted = ", ".join(_tag_names(self._decoder.type))
             return UnknownMessageType(
                 f"{MESSAGE_TYPES[tag].__name__} (tag {tag}) is not accepted on this channel; accepted: {accepted}"
             )
         return MalformedMessage(f"invalid {MESSAGE_TYPES[tag].__name__}: {exc}")
+
+
+def _bytes_view(frame: Any) -> memoryview:
+    """The bytes of a frame (bytes, memoryview, zmq Frame), without a copy."""
+    view = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+#: msgpack's unsigned and signed integer markers -> (bytes that follow, signed).
+_INT_MARKERS = {0xCC: (1, False), 0xCD: (2, False), 0xCE: (4, False), 0xCF: (8, False),
+                0xD0: (1, True), 0xD1: (2, True), 0xD2: (4, True), 0xD3: (8, True)}
+
+
+def _int_at(data: memoryview, pos: int) -> tuple[int, int] | None:
+    """The msgpack integer at `pos` and the position after it; None if there
+    is no integer there. Raises `TruncatedMessage` if the data ends inside it."""
+    if pos >= data.nbytes:
+        raise TruncatedMessage("header is truncated: it ends before an integer")
+    marker = data[pos]
+    if marker <= 0x7F:
+        return marker, pos + 1
+    if marker >= 0xE0:
+        return marker - 0x100, pos + 1
+    if marker not in _INT_MARKERS:
+        return None
+    size, signed = _INT_MARKERS[marker]
+    end = pos + 1 + size
+    if end > data.nbytes:
+        raise TruncatedMessage("header is truncated: it ends inside an integer")
+    return int.from_bytes(data[pos + 1 : end], "big", signed=signed), end
+
+
+def _envelope(head: memoryview) -> tuple[int, int]:
+    """(schema_version, offset of the message) of a header ``[version, message]``.
+
+    Read by hand, without decoding the message, so that the version is
+    checked first and nothing of the message is allocated twice.
+    """
+    if head.nbytes == 0:
+        raise TruncatedMessage("header is truncated: it is empty")
+    if head[0] != 0x92:  # a msgpack array of two elements
+        raise MalformedMessage("header is not [schema_version, message]: not an array of two elements")
+    version = _int_at(head, 1)
+    if version is None:
+        raise MalformedMessage("header is not [schema_version, message]: schema_version is not an integer")
+    if version[1] >= head.nbytes:
+        raise TruncatedMessage("header is truncated: it ends before the message")
+    return version
+
+
+def _leading_tag(body: memoryview) -> int | None:
+    """The first element of a msgpack array, if it is an integer."""
+    if body.nbytes == 0:
+        return None
+    marker = body[0]
+    if 0x90 <= marker <= 0x9F:
+        pos = 1
+    elif marker == 0xDC:
+        pos = 3
+    elif marker == 0xDD:
+        pos = 5
+    else:
+        return None
+    try:
+        found = _int_at(body, pos)
+    except TruncatedMessage:
+        return None
+    return None if found is None else found[0]
 
 
 def _decode_error(exc: msgspec.DecodeError) -> ProtocolError:

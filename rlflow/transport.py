@@ -53,6 +53,10 @@ DEFAULT_HWM = 8
 #: from the heap and freed ones are kept for the next message, up to 1 GiB.
 PROCESS_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
+#: Most frames a received message may have (a header and its tensors); a
+#: weight payload of this many tensors is far beyond any model's layer count.
+MAX_FRAMES = 1 << 16
+
 #: Operations that found their socket ready may run this many times in a row
 #: before one yields to other tasks (see `Socket._done`).
 YIELD_EVERY = 16
@@ -106,6 +110,8 @@ class Socket:
         self._leader: trio.CancelScope | None = None
         #: Bad messages received, by `ProtocolError.kind`.
         self.rejected: Counter[str] = Counter()
+        #: Messages of more frames than this are thrown away on receipt.
+        self.max_frames = MAX_FRAMES
         self.sent = 0
         self.received = 0
         #: Bytes received (header and tensor frames).
@@ -197,29 +203,53 @@ class Socket:
         return frames
 
     def _take_frames(self) -> list[zmq.Frame] | None:
-        """One multipart message if one is here now, counted; else None."""
+        """One multipart message if one is here now, counted; else None.
+
+        A message of more than `max_frames` frames is taken off the socket
+        and thrown away frame by frame (counted as a `frame_count`
+        rejection), so that a peer cannot make this process hold a million
+        frame objects for a few bytes each on the wire.
+        """
         try:
-            frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            frame = self._sock.recv(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        frames = [frame]
+        count, nbytes = 1, len(frame)
+        # ZeroMQ delivers a multipart message whole: the rest is here now.
+        while frame.more:
+            frame = self._sock.recv(copy=False)
+            count += 1
+            nbytes += len(frame)
+            if count <= self.max_frames:
+                frames.append(frame)
+            elif frames:
+                frames = []
         self.received += 1
-        self.bytes_received += sum(len(f) for f in frames)
+        self.bytes_received += nbytes
         self._wake()
+        if count > self.max_frames:
+            self._reject("frame_count", f"message of {count} frames; at most {self.max_frames} are accepted")
         return frames
 
     # -- messages -----------------------------------------------------------
 
     def _decode(self, frames: Sequence[Any]) -> Message | None:
+        if not frames:  # thrown away on receipt (see `_take_frames`)
+            return None
         try:
             return self._codec.decode(frames)
         except ProtocolError as exc:
-            self.rejected[exc.kind] += 1
-            total = sum(self.rejected.values())
-            # Log the first few and then every 1000th, so a hostile or broken
-            # peer cannot flood the log.
-            if total <= 10 or total % 1000 == 0:
-                log.warning("%s: rejected message #%d (%s): %s", self.name, total, exc.kind, exc)
+            self._reject(exc.kind, str(exc))
             return None
+
+    def _reject(self, kind: str, why: str) -> None:
+        """Count a bad message; log the first few of each kind and then every
+        1000th, so that a hostile or broken peer cannot flood the log."""
+        self.rejected[kind] += 1
+        count = self.rejected[kind]
+        if count <= 3 or count % 1000 == 0:
+            log.warning("%s: rejected message #%d of kind %s: %s", self.name, count, kind, why)
 
     def close(self, linger_ms: int = 0) -> None:
         if not self._closed:
@@ -274,8 +304,10 @@ class Router(Socket):
         """The next well-formed message and the identity of its sender."""
         while True:
             frames = await self.recv_frames()
+            if not frames:
+                continue
             if len(frames) < 2:
-                self.rejected["frame_count"] += 1
+                self._reject("frame_count", "no frame after the sender's identity")
                 continue
             msg = self._decode(frames[1:])
             if msg is not None:

@@ -73,3 +73,85 @@ def structs(cls: type) -> st.SearchStrategy:
 def messages() -> st.SearchStrategy:
     """Any message of any kind."""
     return st.one_of([structs(cls) for cls in MESSAGE_TYPES.values()])
+
+
+# -- hostile msgpack ------------------------------------------------------------
+
+
+@st.composite
+def nested(draw, min_depth: int = 1, max_depth: int = 20_000) -> bytes:
+    """A msgpack value nested `depth` levels deep: arrays and one-entry maps,
+    mixed, around a leaf."""
+    depth = draw(st.integers(min_depth, max_depth))
+    openers = draw(st.lists(st.sampled_from([b"\x91", b"\x81\xa1k", b"\xdc\x00\x01", b"\x81\x00"]), min_size=1, max_size=4))
+    leaf = draw(st.sampled_from([b"\x00", b"\xc0", b"\xa1x", b"\x90", b"\x80"]))
+    return b"".join(openers[i % len(openers)] for i in range(depth)) + leaf
+
+
+@st.composite
+def oversized(draw) -> bytes:
+    """A msgpack value that declares far more than it holds, or that really
+    holds a large flat array or string."""
+    count = draw(st.sampled_from([2**16, 2**31, 2**32 - 1]))
+    declared = draw(
+        st.sampled_from(
+            [
+                b"\xdd" + count.to_bytes(4, "big"),  # array32
+                b"\xdf" + count.to_bytes(4, "big"),  # map32
+                b"\xdb" + count.to_bytes(4, "big"),  # str32
+                b"\xc6" + count.to_bytes(4, "big"),  # bin32
+                b"\xc9" + count.to_bytes(4, "big") + b"\x01",  # ext32
+            ]
+        )
+    )
+    real = draw(st.integers(1, 200_000))
+    flat = draw(
+        st.sampled_from(
+            [
+                b"\xdd" + real.to_bytes(4, "big") + b"\xc0" * real,  # many nils
+                b"\xdd" + real.to_bytes(4, "big") + b"\x01" * real,  # many ints
+                b"\xdb" + real.to_bytes(4, "big") + b"a" * real,  # a long string
+            ]
+        )
+    )
+    return draw(st.sampled_from([declared + draw(st.binary(max_size=16)), flat]))
+
+
+def hostile() -> st.SearchStrategy:
+    return st.one_of(nested(), oversized())
+
+
+def _slots(value, path=()):
+    """Paths to every element of a decoded header, containers included."""
+    yield path
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            yield from _slots(item, (*path, i))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _slots(item, (*path, key))
+
+
+_HOLE = "\x00rlflow-hole\x00"
+
+
+@st.composite
+def spliced(draw, frames: list[bytes]) -> list[bytes]:
+    """`frames` (an encoded message) with a hostile value put in place of one
+    element of its header, or appended to the message as an extra field."""
+    header = msgspec.msgpack.decode(frames[0])
+    slots = list(_slots(header))
+    path = draw(st.sampled_from(slots + [("append",)]))
+    if path == ("append",):
+        header[1].append(_HOLE)
+    elif not path:
+        header = _HOLE
+    else:
+        node = header
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = _HOLE
+    hole = msgspec.msgpack.encode(_HOLE)
+    raw = msgspec.msgpack.encode(header)
+    assert raw.count(hole) == 1
+    return [raw.replace(hole, draw(hostile())), *frames[1:]]

@@ -10,7 +10,7 @@ import pytest
 from golden import examples, load
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import messages, tensors
+from strategies import hostile, messages, nested, spliced, tensors
 
 import rlflow.protocol as P
 from rlflow.protocol import (
@@ -150,8 +150,10 @@ def payload(n: int = 16) -> WeightsPayload:
 
 
 def test_garbage_is_malformed():
-    with pytest.raises(MalformedMessage, match="not valid msgpack"):
+    with pytest.raises(MalformedMessage, match="header is not"):
         Codec().decode([b"\xc1\xc1\xc1"])
+    with pytest.raises(MalformedMessage, match="not valid msgpack"):
+        Codec().decode([b"\x92\x01\xc1"])
 
 
 def test_truncated_header_is_rejected():
@@ -272,6 +274,61 @@ def test_corrupted_messages_raise_only_protocol_errors(msg, data):
         Codec().decode([bytes(head[:cut]), *frames[1:]])
     except ProtocolError:
         pass
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(messages(), st.data())
+def test_deep_or_oversized_msgpack_anywhere_raises_only_protocol_errors(msg, data):
+    """Deep nesting and huge declared or real sizes, put anywhere in a real
+    message's header (or appended as an extra field): the codec either
+    decodes a message or raises one of the protocol's errors, nothing else,
+    and then decodes the next good message as before."""
+    codec = Codec()
+    frames = wire(codec.encode(msg))
+    try:
+        codec.decode(data.draw(spliced(frames)))
+    except ProtocolError:
+        pass
+    assert codec.decode(frames) == msg
+
+
+@settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(hostile())
+def test_a_hostile_header_is_a_protocol_error(value):
+    for head in (value, header(SCHEMA_VERSION, value), b"\x92\x01" + value):
+        with pytest.raises(ProtocolError):
+            Codec().decode([head])
+
+
+def test_a_thousand_levels_of_nesting_is_malformed_on_every_channel():
+    # The header of the report: [1, [[[...]]]], about a kilobyte; and a good
+    # Hello with such an extra field appended.
+    deep = b"\x92\x01" + b"\x91" * 1000 + b"\x00"
+    head = wire(Codec().encode(HELLO))[0]
+    trailing = head[:2] + bytes([head[2] + 1]) + head[3:] + b"\x91" * 1000 + b"\x00"
+    for channel in (P.AnyMessage, P.ControlMessage, P.DataMessage, P.WeightsMessage):
+        with pytest.raises(MalformedMessage):
+            Codec(channel).decode([deep])
+    for channel in (P.AnyMessage, P.ControlMessage):
+        with pytest.raises(MalformedMessage, match="nested deeper"):
+            Codec(channel).decode([trailing])
+
+
+def test_nesting_within_the_guaranteed_depth_is_accepted_in_an_extra_field():
+    from rlflow.protocol.codec import MIN_DEPTH_ACCEPTED
+
+    head = wire(Codec().encode(HELLO))[0]
+    assert 0x90 <= head[2] < 0x9F  # the message: a short array
+    value = b"\x91" * (MIN_DEPTH_ACCEPTED - 2) + b"\x00"  # the message itself is two levels
+    extended = head[:2] + bytes([head[2] + 1]) + head[3:] + value
+    assert Codec().decode([extended]) == HELLO
+
+
+def test_a_header_over_the_size_limit_is_malformed():
+    frames = wire(Codec().encode(HELLO))
+    with pytest.raises(MalformedMessage, match=f"header of {len(frames[0])} bytes; at most 8 are accepted"):
+        Codec(max_header_bytes=8).decode(frames)
+    assert Codec(max_header_bytes=len(frames[0])).decode(frames) == HELLO
 
 
 def test_a_codec_recovers_after_a_rejection():

@@ -169,12 +169,15 @@ async def test_bad_messages_are_counted_and_the_loop_goes_on(ipc_dir):
         [*good, b"spare"],  # one frame too many
         [envelope([41, 1, ["t"], [["int64", [2**40], 1]]]), b"12345678"],  # declared size != frame
         [envelope([41, 1, ["t"], [["complex128", [1], 1]]]), b"x" * 16],  # unknown dtype
+        [b"\x92\x01\x93\x28\x01" + b"\x91" * 1000 + b"\x00"],  # nested a thousand levels deep
+        [good[0], *[b""] * 100],  # more frames than the socket takes
     ]
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.PUSH)
     try:
         with trio.fail_after(30):
             async with transport.open_pull(bind=address, codec=Codec(WeightsMessage)) as pull:
+                pull.max_frames = 64
                 raw.connect(address)
                 for i, frames in enumerate(hostile):
                     raw.send_multipart(frames)
@@ -182,11 +185,11 @@ async def test_bad_messages_are_counted_and_the_loop_goes_on(ipc_dir):
                 received = [(await pull.recv()).version for _ in hostile]
                 assert received == list(range(len(hostile)))
                 assert dict(pull.rejected) == {
-                    "malformed": 1,
+                    "malformed": 2,
                     "truncated": 1,
                     "unknown_type": 1,
                     "wrong_version": 1,
-                    "frame_count": 2,
+                    "frame_count": 3,
                     "frame_size": 1,
                     "dtype": 1,
                 }
