@@ -232,6 +232,8 @@ class Hello(Message, tag=10):
     """How many times this replica has been restarted."""
     info: dict[str, str] = {}
     """Role-specific details (e.g. the model it serves)."""
+    secret: str = ""
+    """The run's secret, which the launcher gives every service; the controller ignores a hello without it."""
 
 
 class Welcome(Message, tag=11):
@@ -360,6 +362,8 @@ class Shutdown(Message, tag=22):
 
     reason: str = ""
     """Why, for the log."""
+    secret: str = ""
+    """To the controller from outside the run (`rlflow down`): the run's secret, without which it is ignored."""
 
 
 class ErrorReport(Message, tag=23):

@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,8 @@ from typing import Any
 
 from rlflow import __version__
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+#: States of a run whose controller is still at work.
+LIVE_STATES = ("starting", "evaluating", "running")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -294,10 +296,18 @@ def cmd_model(args: argparse.Namespace) -> int:
 
 
 def _read_status(path: pathlib.Path) -> dict[str, Any] | None:
+    """A run's status, as its controller last wrote it; a run said to be going
+    whose controller process is gone (killed before it could write) is "dead"."""
     try:
-        return json.loads(path.read_text())
+        status = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    pid = status.get("pid")
+    here = status.get("host") == socket.gethostname()
+    if status.get("state") in LIVE_STATES and here and isinstance(pid, int) and not _alive(pid):
+        status["state"] = "dead"
+        status["error"] = status.get("error") or f"the controller (pid {pid}) is gone without saying why (killed?)"
+    return status
 
 
 def _find_run(run_dir: pathlib.Path | None) -> pathlib.Path | None:
@@ -324,7 +334,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     try:
         with Live(render(status), console=console, refresh_per_second=2) as live:
-            while status.get("state") in ("starting", "running"):
+            while status.get("state") in LIVE_STATES:
                 time.sleep(0.5)
                 status = _read_status(run_dir / "status.json") or status
                 live.update(render(status))
@@ -335,17 +345,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie nobody has reaped yet does not)."""
+    import psutil
+
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    try:
-        state = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
 
 
 def cmd_down(args: argparse.Namespace) -> int:
@@ -362,8 +369,8 @@ def cmd_down(args: argparse.Namespace) -> int:
     pid = int((run_dir / "run.pid").read_text()) if (run_dir / "run.pid").exists() else info["pid"]
 
     async def ask() -> None:
-        async with transport.open_dealer(connect=info["address"], identity=b"rlflow-down", name="down") as dealer:
-            await dealer.send(Shutdown(reason="rlflow down"))
+        async with transport.open_dealer(connect=info["address"], name="down") as dealer:
+            await dealer.send(Shutdown(reason="rlflow down", secret=info.get("secret", "")))
             await trio.sleep(0.2)
 
     if _alive(pid):

@@ -24,6 +24,8 @@ import logging
 import math
 import os
 import pathlib
+import secrets
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -119,8 +121,12 @@ class Controller:
         launcher: Launcher,
         *,
         on_status: Callable[[dict], None] | None = None,
+        secret: str = "",
     ):
         self.config = config
+        #: Shown by every service in its hello and by `rlflow down`; a
+        #: message from outside the run without it is ignored.
+        self.secret = secret
         self.run_dir = pathlib.Path(run_dir)
         self.run_id = run_id
         self.launcher = launcher
@@ -176,7 +182,8 @@ class Controller:
                 self.address = transport.bound_address(router)
                 _write_json(
                     self.run_dir / "controller.json",
-                    {"run_id": self.run_id, "pid": os.getpid(), "address": self.address},
+                    {"run_id": self.run_id, "pid": os.getpid(), "address": self.address, "secret": self.secret},
+                    private=True,
                 )
                 try:
                     async with trio.open_nursery() as nursery:
@@ -202,16 +209,27 @@ class Controller:
                     self.state = "interrupted" if isinstance(cause, KeyboardInterrupt) else "failed"
                     if self.error is None:
                         self.error = _describe(cause)
-                    raise cause from None
+                    if isinstance(cause, (KeyboardInterrupt, RunFailed)):
+                        raise cause from None
+                    log.error("[controller] failed", exc_info=cause)
+                    raise RunFailed(self.error) from cause
                 finally:
                     with trio.CancelScope(shield=True):
                         await self._shutdown_services()
                         if self.state in ("running", "evaluating"):
                             self.state = "stopped"
-                        self._write_status()
+        except BaseException as exc:
+            # Whatever ended the run (also a failure while shutting down),
+            # status and summary say that it failed, and why.
+            if self.state not in ("failed", "interrupted"):
+                self.state = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            if self.error is None:
+                self.error = _describe(exc)
+            raise
         finally:
             for sink in self._sinks:
                 sink.close()
+            self._write_status()
             summary = self.summary()
             _write_json(self.run_dir / "summary.json", summary)
         return summary
@@ -281,6 +299,9 @@ class Controller:
             self._on_hello(identity, msg)
             return
         if isinstance(msg, Shutdown):  # from `rlflow down`, not a service
+            if not secrets.compare_digest(msg.secret, self.secret):
+                self._unauthenticated("a shutdown")
+                return
             self.stop_reason = msg.reason or "stopped on request"
             log.info("[controller] stop requested: %s", self.stop_reason)
             self.done.set()
@@ -389,7 +410,16 @@ class Controller:
         while wait and not any(e["version"] >= version for e in self.evals):
             await self._eval_done.wait()
 
+    def _unauthenticated(self, what: str) -> None:
+        """Count a message from outside the run that lacks its secret."""
+        self.counts["unauthenticated"] += 1
+        if self.counts["unauthenticated"] <= 3:
+            log.warning("[controller] ignored %s without the run's secret", what)
+
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        if not secrets.compare_digest(msg.secret, self.secret):
+            self._unauthenticated(f"a hello from {msg.role.label}-{msg.rank}")
+            return
         key = (msg.role.label, msg.rank)
         if key not in self.expected:
             log.warning("[controller] hello from unexpected %s-%d ignored", *key)
@@ -594,7 +624,8 @@ class Controller:
                     counters.update({k: v for k, v in r.heartbeat.counters.items()})
             roles[name] = {
                 "placed": [
-                    {"rank": r.rank, "host": r.hello.host, "pid": r.hello.pid, **r.hello.info} for r in replicas
+                    {"rank": r.rank, "host": r.hello.host, "pid": r.hello.pid, "endpoints": r.hello.endpoints, **r.hello.info}
+                    for r in replicas
                 ],
                 "replicas": cfg.replicas,
                 "up": sum(r.state == "ready" for r in replicas),
@@ -610,6 +641,7 @@ class Controller:
             "state": self.state,
             "error": self.error,
             "pid": os.getpid(),
+            "host": socket.gethostname(),
             "address": getattr(self, "address", None),
             "elapsed_s": round(elapsed, 2),
             "step": self.steps_done,
@@ -641,6 +673,7 @@ class Controller:
             "bytes_received": router.bytes_received if router else 0,
             "bytes_sent": router.bytes_sent if router else 0,
             "rejected": dict(router.rejected) if router else {},
+            "ignored": {k: self.counts[k] for k in ("unknown_sender", "unauthenticated", "unexpected_hello") if self.counts[k]},
             "by_type": dict(self.received_by_type),
             "cpu_s": round(time.thread_time() - thread0, 4),
             "cpu_share": round((time.thread_time() - thread0) / elapsed, 5),
@@ -724,9 +757,12 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if not isinstance(exc, RunFailed) else str(exc)
 
 
-def _write_json(path: pathlib.Path, data: Any) -> None:
+def _write_json(path: pathlib.Path, data: Any, *, private: bool = False) -> None:
+    """Replace `path` atomically (readable by its owner only if `private`)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data, indent=1, default=str))
     os.replace(tmp, path)
 
 

@@ -227,8 +227,9 @@ class _Running:
 class RayLauncher:
     """Starts, watches and stops the services of one run on Ray."""
 
-    def __init__(self, config: Config, run_id: str, run_dir: str, pools: PoolManager):
+    def __init__(self, config: Config, run_id: str, run_dir: str, pools: PoolManager, *, secret: str = ""):
         self.config = config
+        self.secret = secret
         self.run_id = run_id
         self.run_dir = run_dir
         self.pools = pools
@@ -277,6 +278,7 @@ class RayLauncher:
                     controller=controller_address,
                     config=self.config,
                     run_dir=self.run_dir,
+                    secret=self.secret,
                 )
                 self.running.append(_Running(role, rank, actor, actor.run.remote(spec.encode(), master)))
 

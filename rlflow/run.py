@@ -38,10 +38,11 @@ def run(
     started_ray = not placement.ray.is_initialized()
     placement.start_ray(config.cluster)
     pools = placement.PoolManager(config, run_id)
-    launcher = placement.RayLauncher(config, run_id, str(run_dir.resolve()), pools)
+    secret = secrets.token_hex(16)
+    launcher = placement.RayLauncher(config, run_id, str(run_dir.resolve()), pools, secret=secret)
     try:
         pools.create()
-        controller = Controller(config, run_dir, run_id, launcher, on_status=on_status)
+        controller = Controller(config, run_dir, run_id, launcher, on_status=on_status, secret=secret)
         return trio.run(controller.run)
     finally:
         launcher.stop()

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import pathlib
+import secrets
 import socket
 import time
 from collections import Counter
@@ -58,6 +59,8 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
     run_dir: str = ""
     """Where the service writes its log (``logs/<role>-<rank>.log``); empty: stderr."""
     incarnation: int = 0
+    secret: str = ""
+    """The run's secret, shown to the controller in `Hello`."""
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)
@@ -128,6 +131,7 @@ class Control:
             host=socket.gethostname(),
             incarnation=self.spec.incarnation,
             info={**_placement_info(), **(info or {})},
+            secret=self.spec.secret,
         )
         welcome = await self._dealer.request(
             hello,
@@ -191,9 +195,10 @@ def cpu_ranges(cpus: list[int]) -> str:
 
 @contextlib.asynccontextmanager
 async def open_control(spec: ServiceSpec) -> AsyncIterator[Control]:
-    async with transport.open_dealer(
-        connect=spec.controller, identity=spec.name.encode(), name=f"{spec.name}/control"
-    ) as dealer:
+    # A random identity: a peer that guessed it could otherwise take this
+    # service's place at the controller's ROUTER before it connects.
+    identity = f"{spec.name}-{secrets.token_hex(8)}".encode()
+    async with transport.open_dealer(connect=spec.controller, identity=identity, name=f"{spec.name}/control") as dealer:
         yield Control(dealer, spec)
 
 
@@ -233,6 +238,8 @@ class Service:
         #: Policy version of the weights this service holds.
         self.version = 0
         self.log = logging.getLogger(f"rlflow.{spec.role}")
+        #: Sockets whose rejected messages the heartbeats report.
+        self.sockets: list[transport.Socket] = []
 
     def say(self, text: str, *args: Any) -> None:
         """Log a line that starts with the role, as every rlflow log line does."""
@@ -258,6 +265,10 @@ class Service:
     def heartbeat(self, seq: int) -> Heartbeat:
         totals = self.clock.totals()
         counters = {k: float(v) for k, v in self.counters.items()}
+        for sock in self.sockets:
+            for kind, count in sock.rejected.items():
+                key = f"rejected.{kind}"
+                counters[key] = counters.get(key, 0.0) + count
         return Heartbeat(
             seq=seq,
             version=self.version,
@@ -282,6 +293,7 @@ class Service:
 
     async def run(self) -> None:
         async with open_control(self.spec) as control:
+            self.sockets.append(control.socket)
             try:
                 await self.main(control)
             except Exception as exc:
@@ -332,6 +344,7 @@ class StageService(Service):
 
     async def main(self, control: Control) -> None:
         async with transport.open_pull(bind=bind_address(self.spec), name=f"{self.spec.name}/in") as inbox:
+            self.sockets.append(inbox)
             welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)})
             self.say("up, sending to %s", ", ".join(welcome.peers["out"]))
             async with (

@@ -63,6 +63,7 @@ class TrainerService(Service):
             transport.open_pull(bind=bind_address(self.spec), name=f"{self.spec.name}/in") as inbox,
             trio.open_nursery() as nursery,
         ):
+            self.sockets.append(inbox)
             await nursery.start(engine.serve)
             welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)}, info=engine.hello_info())
             self.step = self.version = welcome.version  # above 0 when resuming
@@ -243,6 +244,7 @@ class SimTrainerEngine:
             bind=bind_address(self.service.spec), codec=Codec(WeightsMessage), name="weights"
         ) as sock:
             self.address = transport.bound_address(sock)
+            self.service.sockets.append(sock)
             task_status.started()
             while True:
                 identity, msg = await sock.recv()

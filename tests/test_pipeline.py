@@ -207,3 +207,76 @@ def test_detach_status_and_down(clean, tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+#: The header of the report: about a kilobyte, nested a thousand levels deep.
+DEEP = b"\x92\x01" + b"\x91" * 1000 + b"\x00"
+
+
+def test_hostile_messages_to_every_live_socket_are_counted_and_the_run_goes_on(clean, tmp_path):
+    """While a run goes on, an outsider sends the controller and every
+    service socket that listens (data inputs, the weight server) a header
+    nested a thousand levels deep and other garbage, and the controller a
+    hello and a shutdown without the run's secret. The run finishes its
+    steps; every rejection is counted where it happened."""
+    import zmq
+
+    from rlflow.protocol import SCHEMA_VERSION, Codec, Hello, Role, Shutdown
+
+    run_dir = tmp_path / "run"
+    attacked = {}
+
+    def attack() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                status = json.loads((run_dir / "status.json").read_text())
+            except (OSError, ValueError):
+                status = {}
+            if status.get("state") == "running" and status.get("step", 0) >= 2:
+                break
+            time.sleep(0.05)
+        else:
+            return
+        placed = {role: info["placed"][0] for role, info in status["roles"].items()}
+        targets = {
+            "controller": (zmq.DEALER, status["address"]),
+            "reward": (zmq.PUSH, placed["reward"]["endpoints"]["in"]),
+            "teacher": (zmq.PUSH, placed["teacher"]["endpoints"]["in"]),
+            "trainer": (zmq.PUSH, placed["trainer"]["endpoints"]["in"]),
+            "weights": (zmq.DEALER, placed["trainer"]["weights_address"]),
+        }
+        codec = Codec()
+        impostor = Hello(role=Role.ROLLOUT, rank=0, replicas=1, schema_version=SCHEMA_VERSION, secret="guess")
+        ctx = zmq.Context()
+        try:
+            for name, (kind, address) in targets.items():
+                sock = ctx.socket(kind)
+                sock.setsockopt(zmq.LINGER, 2000)
+                sock.connect(address)
+                sock.send_multipart([DEEP])
+                sock.send_multipart([b"\xc1" * 64])
+                if name == "controller":
+                    sock.send_multipart(codec.encode(impostor))
+                    sock.send_multipart(codec.encode(Shutdown(reason="outsider")))
+                sock.close()
+            attacked["step"] = status["step"]
+        finally:
+            ctx.term()
+
+    attacker = threading.Thread(target=attack, daemon=True)
+    attacker.start()
+    summary = run(sim_config("run.steps=30"), run_dir)
+    attacker.join()
+    assert attacked, "the run never reached step 2"
+    assert summary["state"] == "stopped", summary["error"]
+    assert summary["steps"] == 30 and summary["stop_reason"] == "30 steps done"
+    status = json.loads((run_dir / "status.json").read_text())
+    controller = status["controller"]
+    assert controller["rejected"] == {"malformed": 2}
+    assert controller["ignored"] == {"unauthenticated": 2}
+    counters = {role: info["counters"] for role, info in status["roles"].items()}
+    assert counters["reward"]["rejected.malformed"] == 2
+    assert counters["teacher"]["rejected.malformed"] == 2
+    assert counters["trainer"]["rejected.malformed"] == 4  # its input and its weight server
+    assert "RecursionError" not in "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
