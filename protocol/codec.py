@@ -55,6 +55,8 @@ class Codec:
         max_header_bytes: int = MAX_HEADER_BYTES,
     ):
         self._schema_version = schema_version
+        #: The version as msgpack writes it in one byte (a positive fixint).
+        self._version_byte = schema_version if 0 <= schema_version < 0x80 else -1
         self._max_header = max_header_bytes
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder = msgspec.msgpack.Decoder(message_type, dec_hook=self._dec_hook)
@@ -90,14 +92,18 @@ class Codec:
         if not frames:
             raise FrameCountMismatch("empty message: no header frame")
         head = _bytes_view(frames[0])
-        if head.nbytes > self._max_header:
-            raise MalformedMessage(f"header of {head.nbytes} bytes; at most {self._max_header} are accepted")
-        version, start = _envelope(head)
-        if version != self._schema_version:
-            raise SchemaVersionMismatch(
-                f"message has schema version {version}, this peer speaks {self._schema_version}"
-            )
-        body = head[start:]
+        size = head.nbytes
+        if size > self._max_header:
+            raise MalformedMessage(f"header of {size} bytes; at most {self._max_header} are accepted")
+        if size > 2 and head[0] == 0x92 and head[1] == self._version_byte:
+            body = head[2:]  # [this version, ...]: the common case, in two byte compares
+        else:
+            version, start = _envelope(head)
+            if version != self._schema_version:
+                raise SchemaVersionMismatch(
+                    f"message has schema version {version}, this peer speaks {self._schema_version}"
+                )
+            body = head[start:]
         self._in = frames
         self._used = [False] * len(frames)
         try:
@@ -164,6 +170,8 @@ class Codec:
 
 def _bytes_view(frame: Any) -> memoryview:
     """The bytes of a frame (bytes, memoryview, zmq Frame), without a copy."""
+    if type(frame) is bytes:
+        return memoryview(frame)
     view = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
