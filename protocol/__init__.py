@@ -42,6 +42,7 @@ from .messages import (
     Role,
     SampleBatch,
     SampleFailure,
+    SendWeights,
     Shutdown,
     Stage,
     StepDone,
@@ -49,8 +50,12 @@ from .messages import (
     WeightsLoaded,
     WeightsMessage,
     WeightsPayload,
+    WeightTransfer,
+    WeightsGloo,
+    WeightsNccl,
     WeightsReady,
     WeightsRequest,
+    WeightsZmq,
     Welcome,
 )
 from .tensors import DTYPE_SIZES, Tensor

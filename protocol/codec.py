@@ -119,7 +119,7 @@ class Codec:
         finally:
             used, self._used, self._in = self._used, [], ()
         unused = used.count(False) - 1
-        if unused:
+        if unused and not _unknown_tail(body, type(msg), used):
             raise FrameCountMismatch(
                 f"{type(msg).__name__} names {len(frames) - 1 - unused} tensor frames but {len(frames) - 1} arrived"
             )
@@ -216,6 +216,29 @@ def _envelope(head: memoryview) -> tuple[int, int]:
     if version[1] >= head.nbytes:
         raise TruncatedMessage("header is truncated: it ends before the message")
     return version
+
+
+def _unknown_tail(body: memoryview, cls: type, used: list[bool]) -> bool:
+    """Whether the frames no known field named belong to fields appended to
+    the message after this peer's schema: the message has more fields than
+    `cls` knows, and every unnamed frame comes after every named one (a newer
+    sender's tensors are numbered after those of the fields both know)."""
+    count = _array_length(body)
+    if count is None or count <= 1 + len(cls.__struct_fields__):
+        return False
+    last_named = max((i for i, named in enumerate(used) if named), default=0)
+    return all(used[1 : last_named + 1])
+
+
+def _array_length(body: memoryview) -> int | None:
+    """The length of the msgpack array `body` starts with (None: not an array)."""
+    marker = body[0] if body.nbytes else 0
+    if 0x90 <= marker <= 0x9F:
+        return marker & 0x0F
+    if marker in (0xDC, 0xDD) and body.nbytes >= (3 if marker == 0xDC else 5):
+        size = 2 if marker == 0xDC else 4
+        return int.from_bytes(body[1 : 1 + size], "big")
+    return None
 
 
 def _leading_tag(body: memoryview) -> int | None:

@@ -206,6 +206,55 @@ class ParamSpec(Record):
     """Byte offset in the flat buffer."""
 
 
+class WeightsZmq(Record, tag=1):
+    """Weights are fetched from the trainer's weight server: a `WeightsRequest`
+    to its ROUTER at `address`, answered by one `WeightsPayload`."""
+
+    address: str
+    """The weight server's ZeroMQ address (the trainer binds it)."""
+
+
+class WeightsGloo(Record, tag=2):
+    """Weights are broadcast over a torch.distributed gloo group (CPU): trainer
+    rank 0 is rank 0 of the group and hosts its TCPStore rendezvous at
+    `host`:`port`; each receiver joins with its `rank`. Every update is one
+    broadcast of a flat uint8 buffer laid out as the layout says."""
+
+    host: str
+    """Address of the rendezvous (the trainer's host)."""
+    port: NonNegInt
+    """TCP port of the rendezvous store."""
+    world_size: NonNegInt = 0
+    """Processes in the group: the trainer and every receiver (0 in the trainer's offer: not known yet)."""
+    rank: NonNegInt = 0
+    """The addressee's rank in the group (0: the trainer)."""
+    nbytes: NonNegInt = 0
+    """Size of the flat buffer of one update."""
+    generation: NonNegInt = 0
+    """Counts the groups made for this run; a new one replaces the last (e.g. when a receiver is replaced)."""
+
+
+class WeightsNccl(Record, tag=3):
+    """As `WeightsGloo`, over NCCL between GPUs (vLLM's weight-transfer engine on the receivers)."""
+
+    host: str
+    """Address of the rendezvous (the trainer's host)."""
+    port: NonNegInt
+    """TCP port of the rendezvous store."""
+    world_size: NonNegInt = 0
+    """Processes in the group: the trainer and every receiver (0 in the trainer's offer: not known yet)."""
+    rank: NonNegInt = 0
+    """The addressee's rank in the group (0: the trainer)."""
+    nbytes: NonNegInt = 0
+    """Size of the flat buffer of one update."""
+    generation: NonNegInt = 0
+    """Counts the groups made for this run; a new one replaces the last (e.g. when a receiver is replaced)."""
+
+
+#: How weights move from the trainer to the replicas that load them.
+WeightTransfer = Union[WeightsZmq, WeightsGloo, WeightsNccl]
+
+
 # ---------------------------------------------------------------------------
 # Control plane
 # ---------------------------------------------------------------------------
@@ -234,6 +283,10 @@ class Hello(Message, tag=10):
     """Role-specific details (e.g. the model it serves)."""
     secret: str = ""
     """The run's secret, which the launcher gives every service; the controller ignores a hello without it."""
+    weights: WeightTransfer | None = None
+    """The trainer (rank 0): how it sends weights."""
+    layout: list[ParamSpec] = []
+    """The trainer (rank 0): where each parameter lies in the flat buffer of a collective transfer."""
 
 
 class Welcome(Message, tag=11):
@@ -250,7 +303,12 @@ class Welcome(Message, tag=11):
     heartbeat_s: float = 1.0
     """Seconds between heartbeats."""
     info: dict[str, str] = {}
-    """Role-specific settings (e.g. the weight transport)."""
+    """Role-specific settings."""
+    weights: WeightTransfer | None = None
+    """To a replica that loads weights: how to receive them (its rank in a collective group); to the
+    trainer: the group it hosts (its world size)."""
+    layout: list[ParamSpec] = []
+    """To a replica that loads weights over a collective transfer: the trainer's layout."""
 
 
 class Ready(Message, tag=12):
@@ -314,27 +372,29 @@ class Expired(Message, tag=16):
 
 
 class WeightsReady(Message, tag=17):
-    """The trainer has a new policy version to publish."""
+    """The trainer (rank 0) has a new policy version to publish (trainer -> controller)."""
 
     version: NonNegInt
     """The new policy version."""
     nbytes: NonNegInt = 0
     """Size of the weights in bytes."""
     info: dict[str, str] = {}
-    """Transport details the receivers need (addresses, rendezvous)."""
+    """Unused (senders leave it empty; the transfer is agreed at registration)."""
     params: list[ParamSpec] = []
-    """Layout of the flat buffer a collective transport broadcasts."""
+    """Unused (senders leave it empty; the layout is sent once, in `Hello`)."""
 
 
 class UpdateWeights(Message, tag=18):
-    """Load policy `version` (controller -> rollout / teacher, and -> trainer to send it)."""
+    """Load policy `version` (controller -> each replica that loads weights)."""
 
     version: NonNegInt
     """The policy version to load."""
     info: dict[str, str] = {}
-    """Transport details (addresses, rendezvous), from `WeightsReady`."""
+    """Unused (senders leave it empty)."""
     params: list[ParamSpec] = []
-    """Layout of the flat buffer, from `WeightsReady`."""
+    """Unused (senders leave it empty; the layout came in `Welcome`)."""
+    transfer: WeightTransfer | None = None
+    """A new collective group to join before receiving (nil: the one from `Welcome`, or the last one given)."""
 
 
 class WeightsLoaded(Message, tag=19):
@@ -426,6 +486,15 @@ class Evaluate(Message, tag=26):
     """0: greedy."""
 
 
+class SendWeights(Message, tag=28):
+    """Send policy `version` to the replicas that load weights (controller -> every trainer rank)."""
+
+    version: NonNegInt
+    """The policy version to send (one the trainer has published)."""
+    transfer: WeightTransfer | None = None
+    """A new collective group to host before sending (nil: the current one)."""
+
+
 class EvalDone(Message, tag=27):
     """Results of an `Evaluate` (rollout -> controller)."""
 
@@ -459,6 +528,7 @@ ControlMessage = Union[
     Ack,
     Evaluate,
     EvalDone,
+    SendWeights,
 ]
 WeightsMessage = Union[WeightsRequest, WeightsPayload]
 AnyMessage = Union[DataMessage, ControlMessage, WeightsMessage]
@@ -487,6 +557,7 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         Ack,
         Evaluate,
         EvalDone,
+        SendWeights,
         WeightsRequest,
         WeightsPayload,
     )

@@ -37,12 +37,14 @@ from rlflow.protocol import (
     Response,
     Resume,
     Role,
+    SendWeights,
     Shutdown,
     Stage,
     StepDone,
     Tensor,
     UpdateWeights,
     WeightsLoaded,
+    WeightsGloo,
     WeightsPayload,
     WeightsReady,
     WeightsRequest,
@@ -137,6 +139,9 @@ def examples() -> dict[str, object]:
         "Ack": Ack(stage=Stage.ROLLOUT_END, group_ids=[10, 12]),
         "Evaluate": Evaluate(version=7, temperature=0.0),
         "EvalDone": EvalDone(version=7, metrics={"accuracy": 0.5, "accuracy.digits_2": 0.75}, seconds=3.5, version_end=8),
+        "SendWeights": SendWeights(
+            version=6, transfer=WeightsGloo(host="10.0.0.2", port=29500, world_size=3, nbytes=4096, generation=1)
+        ),
         "WeightsRequest": WeightsRequest(version=5),
         "WeightsPayload": WeightsPayload(
             version=5,
