@@ -41,10 +41,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rlflow import config as C
-from rlflow.report import load as load_run
-from rlflow.report import write_timeline
-from rlflow.run import run
-from rlflow.sim import draw_lengths
+from rlflow.tools.report import load as load_run
+from rlflow.tools.report import write_timeline
+from rlflow.control.launch import run
+from rlflow.rundir import RunDir
+from rlflow.distributions import draw_lengths
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -184,14 +185,14 @@ def measure(w: Workload, mode: str, staleness: int, steps: int, out: pathlib.Pat
     run_dir = out / label
     shutil.rmtree(run_dir, ignore_errors=True)
     summary = run(w.config(mode, staleness, steps, partial, colocated, check), run_dir)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = RunDir(run_dir).read_metrics()
     # Steady state: after the first steps, and before the last ones, which
     # drain the pipeline (no new work comes in to hide the final tail).
     window = rows[warmup - 1 : len(rows) - drain]
     first, last = window[0], window[-1]
-    span = last["time_s"] - first["time_s"]
-    samples = sum(r["samples"] for r in window[1:])
-    tokens = sum(r["tokens"] for r in window[1:])
+    span = last.time_s - first.time_s
+    samples = sum(r.samples for r in window[1:])
+    tokens = sum(r.tokens for r in window[1:])
     trace = load_run(run_dir)
     counters = {}
     for t in trace.traces:
@@ -202,7 +203,7 @@ def measure(w: Workload, mode: str, staleness: int, steps: int, out: pathlib.Pat
     # Unit costs measured in the run: tokens per slot-second while generating,
     # and the trainer's time per token.
     tokens_per_slot_s = counters.get("tokens", 0) / max(counters.get("slot_s", 1e-9), 1e-9)
-    train_s_per_token = sum(r["train_s"] for r in rows) / max(sum(r["tokens"] for r in rows), 1)
+    train_s_per_token = sum(r.train_s for r in rows) / max(sum(r.tokens for r in rows), 1)
     mean_tokens = tokens / max(samples, 1)
     gen_s_per_sample = mean_tokens / (tokens_per_slot_s * slots_total)
     train_s_per_sample = mean_tokens * train_s_per_token
@@ -220,11 +221,11 @@ def measure(w: Workload, mode: str, staleness: int, steps: int, out: pathlib.Pat
         check=check,
         samples_per_s=samples / span,
         tokens_per_s=tokens / span,
-        trainer_idle=_mean([r.get("trainer.starved") for r in window[1:]]),
-        occupancy=_mean([r.get("rollout.occupancy") for r in window[1:]]),
-        staleness_mean=summary["staleness_mean"],
-        staleness_max=summary["staleness_max"],
-        reissued=summary["groups"]["reissued"],
+        trainer_idle=_mean([r.roles["trainer"].starved for r in window[1:]]),
+        occupancy=_mean([r.occupancy for r in window[1:]]),
+        staleness_mean=summary.staleness_mean,
+        staleness_max=summary.staleness_max,
+        reissued=summary.groups.reissued,
         bound_samples_per_s=bound,
         efficiency=(samples / span) / bound,
         run_dir=str(run_dir),
@@ -246,8 +247,8 @@ def real_ratio(out: pathlib.Path, steps: int) -> tuple[float, dict]:
     The trainer trains on every group here, so that training and generation
     are of a similar size, the case the overlap is for.
     """
-    from rlflow.cli import default_config_path
-    from rlflow.model import ensure_default
+    from rlflow.tools.cli import default_config_path
+    from rlflow.tools.model import ensure_default
 
     ensure_default()
     times = {}
@@ -261,8 +262,8 @@ def real_ratio(out: pathlib.Path, steps: int) -> tuple[float, dict]:
         run_dir = out / f"real-{mode}"
         shutil.rmtree(run_dir, ignore_errors=True)
         run(config, run_dir)
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        times[mode] = (rows[-1]["time_s"] - rows[1]["time_s"]) / (len(rows) - 2)
+        rows = RunDir(run_dir).read_metrics()
+        times[mode] = (rows[-1].time_s - rows[1].time_s) / (len(rows) - 2)
         write_timeline(load_run(run_dir), out / f"real-{mode}.png", out / f"real-{mode}.trace.json",
                        title=f"real {mode}: vLLM on CPU, default model")
     return times["sync"] / times["async"], times

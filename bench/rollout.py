@@ -34,19 +34,20 @@ import torch
 import trio
 
 from rlflow.config import VllmRollout, load
-from rlflow.protocol import PromptGroup
-from rlflow.service import ServiceSpec
-from rlflow.services.rollout import RolloutService
-from rlflow.services.vllm_engine import VllmBackend, VllmEngine
-from rlflow.tasks import make_task
-from rlflow.weights import GlooGroup, free_port, layout, pack
+from rlflow.control.launch import resolve
+from rlflow.data.net import free_port
+from rlflow.data.tasks import load_tokenizer, make_task
+from rlflow.protocol import PromptGroup, WeightsGloo
+from rlflow.services.base import standalone_context
+from rlflow.services.rollout.vllm_engine import VllmBackend, VllmEngine
+from rlflow.services.weights import GlooGroup, layout, pack
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 DEFAULT = pathlib.Path(__file__).resolve().parent.parent / "rlflow" / "defaults" / "default.toml"
 
 
 def prompts(config, count: int, first: int = 0) -> list[PromptGroup]:
-    task = make_task(config)
+    task = make_task(config, load_tokenizer(config.policy_path))
     return [task.prompt(first + i, config.run.samples_per_prompt) for i in range(count)]
 
 
@@ -81,22 +82,15 @@ def bare(backend: VllmBackend, groups: list[PromptGroup], temperature: float) ->
 # -- rlflow's engine -----------------------------------------------------------------------
 
 
-def service_for(config) -> RolloutService:
-    spec = ServiceSpec(role="rollout", rank=0, replicas=1, run_id="bench", controller="", config=config)
-    return RolloutService(spec)
-
-
 async def wrapped(
-    backend: VllmBackend, config, groups: list[PromptGroup], *, update_every: int = 0, push=None
+    backend: VllmBackend, config, groups: list[PromptGroup], *, update_every: int = 0, trainer=None
 ) -> tuple[float, int, list[float]]:
     """Seconds and tokens for rlflow's engine to answer every group; with
-    `update_every`, a weight update after each that many finished groups."""
-    from rlflow.protocol import UpdateWeights
-
-    service = service_for(config)
-    engine = VllmEngine(config.roles.rollout.engine, service, backend=backend)
+    `update_every`, a weight update from `trainer` after each that many
+    finished groups."""
+    joined = trainer.joined if trainer is not None else None
+    engine = VllmEngine(config.roles.rollout.engine, standalone_context(config, "rollout"), backend, joined)
     await engine.start()  # labels the weights held now
-    engine._weights_ready.set()
     tokens, done, updates = 0, 0, []
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
@@ -110,7 +104,7 @@ async def wrapped(
             done += 1
             if update_every and done % update_every == 0 and done < len(groups):
                 version += 1
-                updates.append(await push(engine, version))
+                updates.append(await trainer.push(engine, version))
             if done == len(groups):
                 break
         seconds = time.perf_counter() - start
@@ -134,10 +128,10 @@ class Trainer:
         thread.join()
         self.group = box["group"]
         self.backend = backend
+        self.joined = (WeightsGloo(host="127.0.0.1", port=port, world_size=2, rank=1, nbytes=self.nbytes), self.specs)
 
     async def push(self, engine: VllmEngine | None, version: int) -> float:
         """Milliseconds from the start of the broadcast to generation resumed."""
-        from rlflow.protocol import UpdateWeights
 
         with torch.no_grad():
             for p in self.model.parameters():
@@ -147,8 +141,7 @@ class Trainer:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, self.group.broadcast, flat)
             if engine is not None:
-                msg = UpdateWeights(version=version, info={"nbytes": str(self.nbytes)}, params=self.specs)
-                await engine.update_weights(msg)
+                await engine.update_weights(version, None)
             else:
                 await self.backend.update(version, self.specs, self.nbytes)
         return 1000 * (time.perf_counter() - start)
@@ -158,8 +151,8 @@ def halfgb_model(path: pathlib.Path) -> pathlib.Path:
     """A Qwen2 of about 0.5 GB of random float32 weights, with the task's tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlflow.model import build_tokenizer
-    from rlflow.tasks import Arith
+    from rlflow.tools.model import build_tokenizer
+    from rlflow.data.tasks import Arith
 
     tokenizer = build_tokenizer(Arith.ALPHABET)
     config = Qwen2Config(
@@ -179,21 +172,21 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "rollout.json")
     args = parser.parse_args()
 
-    from rlflow.model import ensure_default
+    from rlflow.tools.model import ensure_default
 
     ensure_default()
-    config = load(DEFAULT)
+    config = resolve(load(DEFAULT))
     cfg: VllmRollout = config.roles.rollout.engine
     count, repeats = (64, 2) if args.quick else (128, 3)
     step_groups = config.run.batch_size
 
-    backend = VllmBackend(cfg, config.model_path(), seed=0)
+    backend = VllmBackend(cfg, config.policy_path, seed=0)
     backend.start_blocking()
     try:
-        trainer = Trainer(backend, config.model_path())
+        trainer = Trainer(backend, config.policy_path)
         bare(backend, prompts(config, 16, first=10_000), cfg.temperature)  # warm-up
         rows = {"bare": [], "rlflow": [], "rlflow_updates": [], "rlflow_updates_recompute": []}
-        recompute = load(DEFAULT, ["roles.rollout.engine.kv_on_update=recompute"])
+        recompute = resolve(load(DEFAULT, ["roles.rollout.engine.kv_on_update=recompute"]))
         update_ms: list[float] = []
         for r in range(repeats):
             groups = prompts(config, count, first=r * count)
@@ -202,12 +195,12 @@ def main() -> None:
             seconds, tokens, _ = trio.run(wrapped, backend, config, groups)
             rows["rlflow"].append(tokens / seconds)
             seconds, tokens, ms = trio.run(
-                lambda: wrapped(backend, config, groups, update_every=step_groups, push=trainer.push)
+                lambda: wrapped(backend, config, groups, update_every=step_groups, trainer=trainer)
             )
             rows["rlflow_updates"].append(tokens / seconds)
             update_ms += ms
             seconds, tokens, _ = trio.run(
-                lambda: wrapped(backend, recompute, groups, update_every=step_groups, push=trainer.push)
+                lambda: wrapped(backend, recompute, groups, update_every=step_groups, trainer=trainer)
             )
             rows["rlflow_updates_recompute"].append(tokens / seconds)
             print(

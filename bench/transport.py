@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import trio
 
-from rlflow import transport
+from rlflow.data import transport
 from rlflow.protocol import Codec, Tensor, WeightsMessage, WeightsPayload
 
 KiB, MiB = 1 << 10, 1 << 20

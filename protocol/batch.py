@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
-from .messages import GroupInfo, PromptGroup, SampleBatch, Stage
+from .messages import GroupInfo, PromptGroup, SampleBatch, SampleFailure, Stage
 from .tensors import Tensor
 
 N_STAGES = len(Stage)
@@ -33,6 +33,8 @@ class Response:
     finish_reason: int
     stamps: np.ndarray = field(default_factory=lambda: np.full(N_STAGES, np.nan))
     """float64 [S]"""
+    error: str | None = None
+    """Why the engine could not generate it (then it is a failed sample in the batch)."""
 
     def __post_init__(self) -> None:
         t = len(self.token_ids)
@@ -60,6 +62,11 @@ def build_batch(groups: Sequence[tuple[PromptGroup, Sequence[Response]]]) -> Sam
         prompt_lens.append(len(group.prompt_ids))
         rows.extend((i, r) for i, r in enumerate(responses))
     lens = [len(r.token_ids) for _, r in rows]
+    failures = [
+        SampleFailure(index=row, stage=Stage.ROLLOUT_END, kind="engine_error", message=r.error)
+        for row, (_, r) in enumerate(rows)
+        if r.error is not None
+    ]
     return SampleBatch(
         groups=infos,
         prompt_ids=Tensor.from_numpy(_cat(prompts, np.int32)),
@@ -75,6 +82,7 @@ def build_batch(groups: Sequence[tuple[PromptGroup, Sequence[Response]]]) -> Sam
             if rows
             else np.zeros((0, N_STAGES))
         ),
+        failures=failures,
     )
 
 

@@ -290,7 +290,8 @@ class RolloutRole(Table):
     """The inference engine and its settings."""
     model: str = "default"
     """Hugging Face model directory the policy starts from ("default": the
-    embedded default model, built and cached on first use)."""
+    embedded default model, built and cached on first use). The launcher
+    resolves it to an absolute path that every service gets."""
 
 
 class RewardRole(Table):
@@ -431,12 +432,16 @@ class Config(Table):
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation (tasks that have a held-out set)."""
 
-    def model_path(self) -> str:
-        """The policy's model directory: the checkpoint resumed from, else the
-        rollout's model with "default" resolved."""
-        from rlflow.model import resolve_model
+    @property
+    def policy_path(self) -> str:
+        """The directory the policy starts from: the checkpoint resumed from,
+        else the rollout's model (absolute once the launcher has resolved it)."""
+        return self.run.resume or self.roles.rollout.model
 
-        return str(resolve_model(self.run.resume or self.roles.rollout.model))
+    @property
+    def needs_model(self) -> bool:
+        """Whether a real engine loads the policy (the simulated ones do not)."""
+        return kind_of(self.roles.rollout.engine) != "sim" or kind_of(self.roles.trainer.engine) != "sim"
 
     def role_items(self) -> list[tuple[str, Any]]:
         """(name, role config) of every configured role, in pipeline order."""

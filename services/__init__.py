@@ -1,7 +1,11 @@
-"""rlflow's long-lived services: rollout, reward, teacher and trainer.
+"""rlflow's long-lived services, grouped by process: ``rollout/``, ``reward/``,
+``teacher/`` and ``trainer/``, each with its service and its engines, and
+``base`` that they share.
 
-Each is a trio program that runs one loop under a nursery and speaks only
-the protocol. `main` is what a service process runs.
+Each service is a trio program that runs one loop under a nursery and speaks
+only the protocol. `main` is what a service process runs. Importing this
+package loads nothing else: vLLM's engine-core process imports
+``rollout/vllm_worker`` through it.
 """
 
 from __future__ import annotations
@@ -9,16 +13,13 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-import pathlib
-
-import trio
 
 #: Role -> "module:class" of its service.
 SERVICES = {
-    "rollout": "rlflow.services.rollout:RolloutService",
-    "reward": "rlflow.services.reward:RewardService",
-    "teacher": "rlflow.services.teacher:TeacherService",
-    "trainer": "rlflow.services.trainer:TrainerService",
+    "rollout": "rlflow.services.rollout.service:RolloutService",
+    "reward": "rlflow.services.reward.service:RewardService",
+    "teacher": "rlflow.services.teacher.service:TeacherService",
+    "trainer": "rlflow.services.trainer.service:TrainerService",
 }
 
 
@@ -29,7 +30,9 @@ def service_class(role: str) -> type:
 
 def main(spec_bytes: bytes) -> None:
     """Run the service described by `spec_bytes` until it is shut down."""
-    from rlflow.service import ServiceSpec
+    import trio
+
+    from rlflow.control.spec import ServiceSpec
 
     spec = ServiceSpec.decode(spec_bytes)
     _log_to(spec)
@@ -38,12 +41,14 @@ def main(spec_bytes: bytes) -> None:
 
 
 def _log_to(spec) -> None:
+    from rlflow.rundir import RunDir
+
     root = logging.getLogger("rlflow")
     root.setLevel(logging.INFO)
     if spec.run_dir:
-        folder = pathlib.Path(spec.run_dir) / "logs"
-        folder.mkdir(parents=True, exist_ok=True)
-        handler: logging.Handler = logging.FileHandler(folder / f"{spec.name}.log")
+        path = RunDir(spec.run_dir).service_log(spec.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler: logging.Handler = logging.FileHandler(path)
     else:
         handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter(f"%(asctime)s {os.getpid()} %(levelname)s %(message)s"))

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import trio
 
-from rlflow import transport
+from rlflow.data import transport
 from rlflow.protocol import Codec, Tensor, WeightsMessage, WeightsPayload
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rlflow.algorithms import LossConfig, group_advantages, policy_loss, token_logprobs, uniform_groups
+from rlflow.algo.losses import LossConfig, group_advantages, policy_loss, token_logprobs, uniform_groups
 
 
 def test_grpo_advantages_are_group_normalised():

@@ -102,7 +102,7 @@ def test_unreadable_and_invalid_files(tmp_path):
 
 def test_cli_config_error_is_one_line_and_exit_status_2(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "rlflow.cli", "up", "--config", str(ROOT / "examples" / "sim.toml"),
+        [sys.executable, "-m", "rlflow", "up", "--config", str(ROOT / "examples" / "sim.toml"),
          "--set", "run.mode=fast", "--run-dir", str(tmp_path / "run")],
         capture_output=True, text=True, timeout=120,
     )

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import sys
+import time
+
+import psutil
 
 import pytest
 from conftest import late_starts
 from models import tiny_model
 
 from rlflow import config as C
-from rlflow.run import run
+from rlflow.control.launch import run
+from rlflow.rundir import RunDir
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
 
@@ -58,10 +61,6 @@ steps = 3
 """
 
 
-def rows(path: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
 def real_run(ray_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("e2e")
@@ -74,19 +73,22 @@ def real_run(ray_cluster, tmp_path_factory):
 
 def test_a_few_steps_with_real_vllm_and_the_real_trainer(real_run):
     run_dir, summary = real_run
-    assert summary["state"] == "stopped", summary["error"]
-    steps = rows(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in steps] == [0, 1, 2]
-    assert all(r["samples"] == 16 for r in steps)
+    assert summary.state == "stopped", summary.error
+    folder = RunDir(run_dir)
+    steps = folder.read_metrics()
+    assert [r.step for r in steps] == [0, 1, 2]
+    assert all(r.samples == 16 for r in steps)
     assert late_starts(run_dir, 4, 2) == []
-    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in steps)
+    assert all(0.0 <= r.reward_mean <= 1.0 for r in steps)
     # Weights really moved to the rollout: it loaded every version.
-    assert summary["weights_load_s_mean"] > 0
+    assert summary.weights_load_s_mean > 0
     # Held-out evaluations: before, every 2 steps, after.
-    evals = rows(run_dir / "evals.jsonl")
-    assert [e["version"] for e in evals][0] == 0 and evals[-1]["version"] == 3
-    assert all(e["problems"] == 24 for e in evals)
-    assert summary["eval_accuracy_before"] == evals[0]["accuracy"]
+    evals = folder.read_evals()
+    assert evals[0].version == 0 and evals[-1].version == 3
+    assert all(e.metrics["problems"] == 24 for e in evals)
+    assert summary.accuracy_before == evals[0].accuracy
+    # The services got the model as an absolute path, resolved once at launch.
+    assert C.load(folder.config).roles.rollout.model == str((run_dir.parent / "model").resolve())
     # Checkpoints every 2 steps and at the end, each a model directory.
     done = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert done == ["step-000002", "step-000003"]
@@ -95,16 +97,27 @@ def test_a_few_steps_with_real_vllm_and_the_real_trainer(real_run):
         assert (run_dir / "checkpoints" / name / "controller_state.json").exists()
 
 
-def test_a_run_resumes_from_its_last_checkpoint(real_run, ray_cluster):
+def test_a_run_resumes_from_its_last_checkpoint_detached(real_run, ray_cluster):
     run_dir, _ = real_run
-    done = subprocess.run(
-        [sys.executable, "-m", "rlflow.cli", "up", "--resume", str(run_dir), "--steps", "4",
-         "--set", f"cluster.address={ray_cluster}", "--no-display"],
+    folder = RunDir(run_dir)
+    config_before = folder.config.read_text()
+    up = subprocess.run(
+        [sys.executable, "-m", "rlflow", "up", "--resume", str(run_dir), "--steps", "4", "--detach",
+         "--set", f"cluster.address={ray_cluster}"],
         capture_output=True, text=True, timeout=600,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    steps = rows(run_dir / "metrics.jsonl")
-    assert [r["step"] for r in steps] == [0, 1, 2, 3]
-    assert steps[-1]["version"] == 4
-    state = json.loads((run_dir / "checkpoints" / "step-000004" / "controller_state.json").read_text())
+    assert up.returncode == 0, up.stderr[-3000:]
+    pid = int(folder.run_pid.read_text())
+    deadline = time.monotonic() + 600
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the resumed run did not finish"
+        time.sleep(0.5)
+    assert folder.read_summary().state == "stopped", folder.run_log.read_text()[-3000:]
+    steps = folder.read_metrics()
+    assert [r.step for r in steps] == [0, 1, 2, 3]
+    assert steps[-1].version == 4
+    # The resumed run is this run, continued: its config is the same but for
+    # the resume point and the steps.
+    assert C.load(folder.config).roles == C.load(text=config_before).roles
+    state = json.loads((folder.checkpoint(4) / "controller_state.json").read_text())
     assert state["step"] == 4

@@ -12,7 +12,7 @@ import zipfile
 import rlflow
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-IMPORTS = "import rlflow, rlflow.protocol, rlflow.services, rlflow.transport; "
+IMPORTS = "import rlflow, rlflow.protocol, rlflow.services, rlflow.data.transport; "
 
 
 def run(*args: str, cwd: pathlib.Path, env: dict | None = None) -> str:
@@ -49,7 +49,7 @@ def test_a_wheel_installs_and_imports_all_three(tmp_path):
     assert "rlflow/defaults/default.toml" in names
     assert not any(n.startswith(("protocol/", "services/", "tests/", "bench/")) for n in names), "generic top-level names leaked"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "rlflow = rlflow.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "rlflow = rlflow.tools.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
     target = tmp_path / "site"
     run(sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel), cwd=tmp_path)

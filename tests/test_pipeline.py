@@ -15,10 +15,11 @@ import pytest
 from conftest import late_starts, leftovers, trained_groups
 
 from rlflow import config as C
-from rlflow.controller import RunFailed
-from rlflow.placement import PlacementError
+from rlflow.errors import RunFailed
+from rlflow.control.placement import PlacementError
 from rlflow.protocol import MESSAGE_TYPES
-from rlflow.run import run
+from rlflow.control.launch import run
+from rlflow.rundir import RunDir, StepRow
 
 pytestmark = pytest.mark.ray
 
@@ -31,8 +32,8 @@ def sim_config(*overrides: str) -> C.Config:
     return C.load(SIM, ["cluster.heartbeat_s=0.2", *overrides])
 
 
-def rows(run_dir: pathlib.Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def rows(run_dir: pathlib.Path) -> list[StepRow]:
+    return RunDir(run_dir).read_metrics()
 
 
 @pytest.fixture
@@ -61,23 +62,24 @@ def test_each_mode_runs_within_its_staleness_bound(mode, bound, check, clean, tm
         overrides.append("run.max_staleness=" + str(bound))
     config = sim_config(*overrides)
     summary = run(config, tmp_path / "run")
-    assert summary["state"] == "stopped", summary["error"]
+    assert summary.state == "stopped", summary.error
     steps = rows(tmp_path / "run")
-    assert [r["step"] for r in steps] == [0, 1, 2, 3]
-    assert [r["version"] for r in steps] == [1, 2, 3, 4]
+    assert [r.step for r in steps] == [0, 1, 2, 3]
+    assert [r.version for r in steps] == [1, 2, 3, 4]
     # Every group started within its credit; strict: every token within the
     # bound, from what the trainer consumed.
     groups = trained_groups(tmp_path / "run")
     assert len(groups) == 4 * config.run.batch_size
     assert late_starts(tmp_path / "run", config.run.batch_size, bound) == []
     if check == "strict":
-        assert max(r["staleness_max"] for r in steps) <= bound
+        assert max(r.staleness_max for r in steps) <= bound
         assert all(step - oldest <= bound for step, _, oldest in groups)
     if mode == "sync":
-        assert all(r["staleness_max"] == 0 for r in steps)
-    assert all(r["samples"] == 64 for r in steps)
+        assert all(r.staleness_max == 0 for r in steps)
+    assert all(r.samples == 64 for r in steps)
     for role in ("rollout", "reward", "teacher", "trainer"):
-        assert sum(steps[-1][f"{role}.{k}"] for k in ("busy", "starved", "blocked", "loading")) == pytest.approx(1, abs=0.01)
+        shares = steps[-1].roles[role]
+        assert shares.busy + shares.starved + shares.blocked + shares.loading == pytest.approx(1, abs=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -89,21 +91,21 @@ def three_steps(ray_cluster, tmp_path_factory):
 
 def test_the_controller_carries_no_sample_data(three_steps, clean):
     _, summary = three_steps
-    controller = summary["controller"]
-    assert set(controller["by_type"]) <= CONTROL_TYPES
-    assert controller["rejected"] == {}
+    controller = summary.controller
+    assert set(controller.by_type) <= CONTROL_TYPES
+    assert controller.rejected == {}
     # Control traffic only: a few hundred bytes per message, however large
     # the samples that went from role to role.
-    assert controller["bytes_received"] / controller["messages_received"] < 600
-    assert summary["data_bytes"] > 200_000
-    assert controller["bytes_received"] < summary["data_bytes"] / 5
+    assert controller.bytes_received / controller.messages_received < 600
+    assert summary.data_bytes > 200_000
+    assert controller.bytes_received < summary.data_bytes / 5
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to give pools their own")
 def test_pools_get_their_own_cores_and_thread_counts(three_steps, clean):
     run_dir, _ = three_steps
-    roles = json.loads((run_dir / "status.json").read_text())["roles"]
-    placed = {role: info["placed"][0] for role, info in roles.items()}
+    roles = RunDir(run_dir).read_status().roles
+    placed = {role: info.placed[0].info for role, info in roles.items()}
     # examples/sim.toml: generate = 1 CPU, score = 0.5, train = 0.5 (sharing the next core).
     assert placed["rollout"]["cpus"] == "0"
     assert placed["reward"]["cpus"] == placed["teacher"]["cpus"] == placed["trainer"]["cpus"] == "1"
@@ -122,7 +124,7 @@ def test_metrics_also_go_to_tensorboard(three_steps, clean):
     assert {"reward_mean", "staleness_max", "trainer/busy", "rollout/starved"} <= set(tags)
     assert [e.step for e in events.Tensors("staleness_max")] == [0, 1, 2]
     samples = [float(make_ndarray(e.tensor_proto)) for e in events.Tensors("samples")]
-    assert samples == [r["samples"] for r in rows(run_dir)]
+    assert samples == [r.samples for r in rows(run_dir)]
 
 
 def test_a_service_dying_midway_fails_the_run_and_leaves_nothing(clean, tmp_path):
@@ -153,8 +155,8 @@ def test_a_service_dying_midway_fails_the_run_and_leaves_nothing(clean, tmp_path
     killer.join()
     assert killed
     assert leftovers(killed[0]) == ([], [])
-    status = json.loads((run_dir / "status.json").read_text())
-    assert status["state"] == "failed" and "reward-0" in status["error"]
+    status = RunDir(run_dir).read_status()
+    assert status.state == "failed" and "reward-0" in status.error
 
 
 def test_a_resource_shortfall_names_the_pool_and_the_numbers(clean, tmp_path):
@@ -166,11 +168,13 @@ def test_a_resource_shortfall_names_the_pool_and_the_numbers(clean, tmp_path):
 def test_cli_up_runs_twenty_steps(clean, tmp_path):
     run_dir = tmp_path / "run"
     done = subprocess.run(
-        [sys.executable, "-m", "rlflow.cli", "up", "--config", str(SIM), "--steps", "20",
+        [sys.executable, "-m", "rlflow", "up", "--config", str(SIM), "--steps", "20",
          "--run-dir", str(run_dir), "--set", f"cluster.address={clean}", "--no-display"],
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr
+    # Not a terminal: progress lines instead of the live table.
+    assert "[rlflow] running: step " in done.stderr, done.stderr
     steps = rows(run_dir)
     assert len(steps) == 20
     assert (run_dir / "config.toml").exists() and (run_dir / "summary.json").exists()
@@ -181,7 +185,7 @@ def test_cli_up_runs_twenty_steps(clean, tmp_path):
 
 def test_detach_status_and_down(clean, tmp_path):
     run_dir = tmp_path / "run"
-    base = [sys.executable, "-m", "rlflow.cli"]
+    base = [sys.executable, "-m", "rlflow"]
     up = subprocess.run(
         [*base, "up", "--detach", "--config", str(SIM), "--steps", "100000",
          "--run-dir", str(run_dir), "--set", f"cluster.address={clean}"],
@@ -244,7 +248,7 @@ def test_hostile_messages_to_every_live_socket_are_counted_and_the_run_goes_on(c
             "reward": (zmq.PUSH, placed["reward"]["endpoints"]["in"]),
             "teacher": (zmq.PUSH, placed["teacher"]["endpoints"]["in"]),
             "trainer": (zmq.PUSH, placed["trainer"]["endpoints"]["in"]),
-            "weights": (zmq.DEALER, placed["trainer"]["weights_address"]),
+            "weights": (zmq.DEALER, placed["trainer"]["endpoints"]["weights"]),
         }
         codec = Codec()
         impostor = Hello(role=Role.ROLLOUT, rank=0, replicas=1, schema_version=SCHEMA_VERSION, secret="guess")
@@ -269,13 +273,12 @@ def test_hostile_messages_to_every_live_socket_are_counted_and_the_run_goes_on(c
     summary = run(sim_config("run.steps=30"), run_dir)
     attacker.join()
     assert attacked, "the run never reached step 2"
-    assert summary["state"] == "stopped", summary["error"]
-    assert summary["steps"] == 30 and summary["stop_reason"] == "30 steps done"
-    status = json.loads((run_dir / "status.json").read_text())
-    controller = status["controller"]
-    assert controller["rejected"] == {"malformed": 2}
-    assert controller["ignored"] == {"unauthenticated": 2}
-    counters = {role: info["counters"] for role, info in status["roles"].items()}
+    assert summary.state == "stopped", summary.error
+    assert summary.steps == 30 and summary.stop_reason == "30 steps done"
+    status = RunDir(run_dir).read_status()
+    assert status.controller.rejected == {"malformed": 2}
+    assert status.controller.ignored == {"unauthenticated": 2}
+    counters = {role: info.counters for role, info in status.roles.items()}
     assert counters["reward"]["rejected.malformed"] == 2
     assert counters["teacher"]["rejected.malformed"] == 2
     assert counters["trainer"]["rejected.malformed"] == 4  # its input and its weight server

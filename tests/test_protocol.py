@@ -10,7 +10,7 @@ import pytest
 from golden import examples, load
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import hostile, messages, nested, spliced, tensors
+from strategies import hostile, messages, spliced, tensors
 
 import rlflow.protocol as P
 from rlflow.protocol import (
@@ -200,6 +200,20 @@ def test_extra_frame_is_rejected():
     frames = wire(Codec().encode(payload()))
     with pytest.raises(FrameCountMismatch, match="names 1 tensor frames but 2 arrived"):
         Codec().decode([*frames, b"extra"])
+
+
+def test_a_tensor_field_appended_by_a_newer_sender_is_ignored_with_its_frame():
+    """A newer sender's message with a tensor field this receiver does not
+    know: the field and the frame after the known ones are ignored."""
+    newer = [41, 1, ["t"], [["uint8", [2], 1]], ["float32", [1], 2]]
+    frames = [msgspec.msgpack.encode([SCHEMA_VERSION, newer]), b"ab", b"wxyz"]
+    assert Codec().decode(frames) == WeightsPayload(version=1, names=["t"], tensors=[Tensor.of([97, 98], "uint8")])
+    # Without an unknown field, or with the unknown frame before a known one, it is refused.
+    with pytest.raises(FrameCountMismatch):
+        Codec().decode([msgspec.msgpack.encode([SCHEMA_VERSION, newer[:4]]), b"ab", b"wxyz"])
+    swapped = [41, 1, ["t"], [["uint8", [2], 2]], ["float32", [1], 1]]
+    with pytest.raises(FrameCountMismatch):
+        Codec().decode([msgspec.msgpack.encode([SCHEMA_VERSION, swapped]), b"wxyz", b"ab"])
 
 
 def test_frame_named_twice_is_rejected():

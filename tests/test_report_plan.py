@@ -6,13 +6,14 @@ import json
 import pathlib
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
 from rlflow import config as C
-from rlflow.plan import simulate, workload_from_run
-from rlflow.report import bottleneck, load, report
-from rlflow.run import run
+from rlflow.tools.plan import simulate, workload_from_run
+from rlflow.tools.report import bottleneck, load, report
+from rlflow.control.launch import run
 
 pytestmark = pytest.mark.ray
 
@@ -61,17 +62,11 @@ steps = {steps}
 
 
 def sim(tmp_path: pathlib.Path, name: str, *, rollouts: int = 1, reward_s: float = 0.0, reward_concurrency: int = 64,
-        steps: int = 14) -> tuple[pathlib.Path, dict]:
+        steps: int = 14):
     config = C.load(text=CONFIG.format(rollouts=rollouts, reward_s=reward_s, reward_concurrency=reward_concurrency,
                                        steps=steps))
     run_dir = tmp_path / name
     return run_dir, run(config, run_dir)
-
-
-def steady_samples_per_s(run_dir: pathlib.Path, warmup: int = 3, drain: int = 2) -> float:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    window = rows[warmup - 1 : len(rows) - drain]
-    return sum(r["samples"] for r in window[1:]) / (window[-1]["time_s"] - window[0]["time_s"])
 
 
 def test_the_bottleneck_sentence_names_the_slow_role():
@@ -98,7 +93,7 @@ def test_the_bottleneck_sentence_names_the_slow_role():
 def test_a_slow_reward_is_reported_as_the_bottleneck(ray_cluster, tmp_path):
     # One sample scored at a time, 12 ms each: the reward role cannot keep up.
     run_dir, summary = sim(tmp_path, "slow-reward", reward_s=0.012, reward_concurrency=1, steps=6)
-    assert summary["state"] == "stopped"
+    assert summary.state == "stopped"
     body, files = report(run_dir)
     assert "bottleneck: reward. trainer starved" in body
     assert "waiting for reward" in body
@@ -108,24 +103,28 @@ def test_a_slow_reward_is_reported_as_the_bottleneck(ray_cluster, tmp_path):
     lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert lanes == {"rollout-0", "reward-0", "trainer-0"}
     assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {"generating", "scoring", "training", "starved"}
-    cli = subprocess.run([sys.executable, "-m", "rlflow.cli", "report", str(run_dir)], capture_output=True, text=True,
+    cli = subprocess.run([sys.executable, "-m", "rlflow", "report", str(run_dir)], capture_output=True, text=True,
                          timeout=120)
     assert cli.returncode == 0 and "bottleneck: reward" in cli.stdout
 
 
-def test_the_planner_predicts_two_real_layouts_within_ten_percent(ray_cluster, tmp_path):
+def test_the_planner_learns_unit_costs_from_a_run_and_ranks_layouts(ray_cluster, tmp_path):
+    """The planner's inputs come from a real run; how close its predictions
+    come to measured runs is `bench/plan.py`'s (a timing target)."""
     one, _ = sim(tmp_path, "one-rollout", rollouts=1)
-    two, _ = sim(tmp_path, "two-rollouts", rollouts=2)
     workload, rollout_devices, trainer_devices = workload_from_run(one)
     assert (rollout_devices, trainer_devices) == (1, 1)
-    for run_dir, devices in ((one, 1), (two, 2)):
-        predicted = simulate(workload, devices, 1, steps=30).samples_per_s
-        measured = steady_samples_per_s(run_dir)
-        assert abs(predicted - measured) / measured < 0.10, (devices, predicted, measured)
-    cli = subprocess.run([sys.executable, "-m", "rlflow.cli", "plan", str(one), "--devices", "3"],
+    assert workload.slots_per_device == 16 and workload.batch_size == 8 and workload.max_staleness == 2
+    assert workload.trainer_device_s_per_token > 0 and workload.step_s > 0
+    assert len(workload.lengths) == 14 * 8 * 4
+    one_device, two_devices = (simulate(workload, n, 1, steps=30).samples_per_s for n in (1, 2))
+    assert two_devices > one_device  # generation is the busier role here
+    cli = subprocess.run([sys.executable, "-m", "rlflow", "plan", str(one), "--devices", "3"],
                          capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     assert "[pools.generate]" in cli.stdout and "samples/s" in cli.stdout
+    pools = tomllib.loads(cli.stdout.split("Its pools:")[1].split("note:")[0])  # valid TOML to paste
+    assert set(pools["pools"]) == {"generate", "train"} and pools["roles"]["rollout"]["pool"] == "generate"
 
 
 def test_a_run_is_loaded_for_reporting(tmp_path):

@@ -10,7 +10,7 @@ from models import tiny_model
 
 from rlflow.config import TorchTrainer
 from rlflow.protocol import FinishReason, PromptGroup, Response, Tensor, build_batch
-from rlflow.services.torch_trainer import TorchEngine
+from rlflow.services.trainer.torch_engine import TorchEngine
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def fixed_batch(engine: TorchEngine, seed: int = 0):
 
 def objective(engine: TorchEngine, batch) -> float:
     """Token mean of advantage x log-probability: what the policy gradient raises."""
-    from rlflow.algorithms import group_advantages
+    from rlflow.algo.losses import group_advantages
     from rlflow.protocol import samples
 
     rows = list(samples(batch))

@@ -11,10 +11,11 @@ import numpy as np
 import psutil
 import pytest
 import trio
+import trio.testing
 import zmq
 from peers import echo, late_consumer, send_and_exit, spawned
 
-from rlflow import transport
+from rlflow.data import transport
 from rlflow.protocol import (
     DTYPE_SIZES,
     SCHEMA_VERSION,
@@ -85,17 +86,27 @@ async def test_a_stalled_consumer_blocks_the_producer_with_bounded_memory():
                 # for nobody until a peer connects, which is also bounded).
                 await push.send(weights(0, Tensor.from_numpy(np.zeros(size, np.uint8))))
                 rss0 = proc_self.memory_info().rss
-                sent, peak = 1, 0
+                sent, peak, blocked = 1, 0, False
                 for version in range(1, attempts):
                     # A fresh buffer per message, so queued messages hold memory.
                     tensor = Tensor.from_numpy(np.full(size, version % 256, np.uint8))
-                    with trio.move_on_after(1.0) as blocked:
-                        await push.send(weights(version, tensor))
+                    async with trio.open_nursery() as nursery:
+                        done = trio.Event()
+
+                        async def send(message=weights(version, tensor)) -> None:
+                            await push.send(message)
+                            done.set()
+
+                        nursery.start_soon(send)
+                        # Blocked: every task here waits, the send among them.
+                        await trio.testing.wait_all_tasks_blocked()
+                        blocked = not done.is_set()
+                        nursery.cancel_scope.cancel()  # a cancelled send has queued nothing
                     peak = max(peak, proc_self.memory_info().rss - rss0)
-                    if blocked.cancelled_caught:
+                    if blocked:
                         break
                     sent += 1
-                assert blocked.cancelled_caught, f"producer never blocked after {sent} messages of 4 MiB"
+                assert blocked, f"producer never blocked after {sent} messages of 4 MiB"
                 # Both high-water marks plus the kernel's socket buffers.
                 assert sent <= 2 * hwm + 8, f"{sent} messages queued with high-water marks of {hwm}"
                 assert peak < (2 * hwm + 8) * size, f"producer grew by {peak / MiB:.0f} MiB"
@@ -267,7 +278,7 @@ def test_only_the_transport_module_imports_zmq():
         for dirpath, _, files in os.walk(os.path.join(root, folder)):
             for name in files:
                 path = os.path.join(dirpath, name)
-                if name.endswith(".py") and not path.endswith(os.path.join("rlflow", "transport.py")):
+                if name.endswith(".py") and not path.endswith(os.path.join("rlflow", "data", "transport.py")):
                     with open(path) as f:
                         if any(line.startswith(("import zmq", "from zmq")) for line in f):
                             offenders.append(path)

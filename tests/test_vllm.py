@@ -18,7 +18,9 @@ import trio
 from models import tiny_model
 
 from rlflow.config import VllmRollout
-from rlflow.weights import GlooGroup, free_port, layout, pack
+from rlflow.data.net import free_port
+from rlflow.data.tasks import load_tokenizer
+from rlflow.services.weights import GlooGroup, layout, pack
 
 pytestmark = pytest.mark.vllm
 
@@ -33,7 +35,7 @@ def tied_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def engine(tied_model):
     """(vLLM backend, the trainer's end of the weight group)."""
-    from rlflow.services.vllm_engine import VllmBackend
+    from rlflow.services.rollout.vllm_engine import VllmBackend
 
     cfg = VllmRollout(max_num_seqs=16, max_tokens=64, kv_cache_bytes=64 << 20, temperature=1.0)
     backend = VllmBackend(cfg, str(tied_model), seed=0)
@@ -73,8 +75,6 @@ def hf_logprobs(model, prompt_ids: list[int], response_ids: list[int]) -> np.nda
 
 
 def prompt_ids(path) -> list[int]:
-    from rlflow.model import load_tokenizer
-
     return load_tokenizer(path).encode(PROMPT, add_special_tokens=False)
 
 
@@ -124,12 +124,14 @@ async def test_versions_are_right_across_an_update_mid_generation(engine, tied_m
         await push(engine, v2, version=2)
         result = {}
 
+        first = trio.Event()
+
         async def generate() -> None:
-            result["out"] = await backend.generate(prompt, 4, 1.0, max_tokens=400, ignore_eos=True)
+            result["out"] = await backend.generate(prompt, 4, 1.0, max_tokens=400, ignore_eos=True, first_token=first)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(generate)
-            await trio.sleep(0.5)
+            await first.wait()  # mid-generation: every sample has begun
             await push(engine, v3, version=3, kv=kv)
     for ids, lps, spans in sampled(result["out"]):
         assert [s.version for s in spans] == ["2", "3"], spans
@@ -154,7 +156,7 @@ def test_a_trainer_checkpoint_loads_in_vllm_and_transformers(tmp_path, monkeypat
     from vllm import LLM, SamplingParams
 
     from rlflow.config import TorchTrainer
-    from rlflow.services.torch_trainer import TorchEngine
+    from rlflow.services.trainer.torch_engine import TorchEngine
 
     path = make(tmp_path / "base", tied=False, seed=3)
     engine = TorchEngine(TorchTrainer(), str(path))
@@ -180,3 +182,48 @@ def test_a_trainer_checkpoint_loads_in_vllm_and_transformers(tmp_path, monkeypat
         llm.llm_engine.engine_core.shutdown()
         del llm
     assert os.path.exists(folder / "model.safetensors")
+
+
+async def test_a_request_vllm_refuses_is_failed_samples_and_the_engine_goes_on(engine, tied_model):
+    """A prompt longer than the model's context: vLLM refuses the request. Its
+    samples come out failed, in-band, and the next group is generated."""
+    from rlflow import config as C
+    from rlflow.protocol import FinishReason, PromptGroup, build_batch
+    from rlflow.services.base import standalone_context
+    from rlflow.services.rollout.vllm_engine import VllmEngine
+
+    backend, _ = engine
+    config = C.load(
+        text=f"""
+[pools.p]
+[roles.rollout]
+pool = "p"
+model = "{tied_model}"
+engine = {{ kind = "vllm", max_tokens = 8, kv_cache_bytes = 67108864 }}
+[roles.reward]
+pool = "p"
+[roles.trainer]
+pool = "p"
+"""
+    )
+    ctx = standalone_context(config, "rollout")
+    vllm = VllmEngine(config.roles.rollout.engine, ctx, backend)
+    too_long = PromptGroup(group_id=1, prompt_ids=[5] * 600, n=2)  # the tiny model holds 512 positions
+    fine = PromptGroup(group_id=2, prompt_ids=prompt_ids(tied_model), n=2)
+    finished = {}
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(vllm.run)
+            vllm.submit(too_long, 0.0)
+            vllm.submit(fine, 0.0)
+            async for group, responses in vllm.finished:
+                finished[group.group_id] = (group, responses)
+                if len(finished) == 2:
+                    break
+            nursery.cancel_scope.cancel()
+    failed = build_batch([finished[1]])
+    assert [r.finish_reason for r in finished[1][1]] == [FinishReason.ERROR] * 2
+    assert [(f.index, f.kind) for f in failed.failures] == [(0, "engine_error"), (1, "engine_error")]
+    assert "512" in failed.failures[0].message
+    assert all(len(r.token_ids) > 0 and r.error is None for r in finished[2][1])
+    assert ctx.counters["failed_requests"] == 1

@@ -1,0 +1,632 @@
+"""The controller: the thin async shell around the run's ledger.
+
+It registers the services (handshake), dispatches their messages to the
+ledger of prompt groups (`ledger`), the weight rounds (`rounds`) and the run
+statistics (`stats`), watches that every service is alive, and shuts them
+down at the end. It carries no sample data; it keeps the policy-version
+clock, grants prompt groups within the staleness bound (see `ledger`), and
+tells the trainer when to send a new version and each rollout replica when
+to load it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import os
+import pathlib
+import secrets
+import socket
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgspec
+import trio
+
+from rlflow.config import Config, kind_of
+from rlflow.control.ledger import GroupLedger, LedgerState
+from rlflow.control.metrics import Sink, open_sinks
+from rlflow.control.rounds import WeightRounds
+from rlflow.control.stats import RunStats, process_cpu
+from rlflow.data import transport
+from rlflow.errors import RunFailed, leaves
+from rlflow.protocol import (
+    SCHEMA_VERSION,
+    Ack,
+    Bye,
+    Credits,
+    ErrorReport,
+    EvalDone,
+    Evaluate,
+    Expired,
+    Heartbeat,
+    Hello,
+    Ready,
+    SendWeights,
+    Shutdown,
+    Stage,
+    StepDone,
+    UpdateWeights,
+    WeightsGloo,
+    WeightsLoaded,
+    WeightsNccl,
+    WeightsReady,
+    Welcome,
+)
+from rlflow.rundir import (
+    CONTROLLER_STATE,
+    ControllerInfo,
+    ControllerStats,
+    EvalRow,
+    GroupCounts,
+    Placed,
+    RoleStatus,
+    RunDir,
+    Status,
+    Summary,
+    append_jsonl,
+    read_json,
+    write_json,
+)
+
+log = logging.getLogger("rlflow.controller")
+
+#: Groups a rollout replica may hold, in multiples of what fills its slots.
+HOLD = 16
+#: Roles that hold the policy (and so can be behind the trainer).
+POLICY_ROLES = ("rollout", "trainer")
+
+
+class Launcher(Protocol):
+    """What places and starts the services (see `rlflow.control.placement`)."""
+
+    def start(self, controller_address: str) -> None: ...
+
+    def failures(self) -> list[str]: ...
+
+
+class ControllerState(msgspec.Struct, frozen=True, kw_only=True):
+    """What a checkpoint keeps of the controller (beside the trainer's state)."""
+
+    step: int
+    version: int
+    ledger: LedgerState
+
+
+@dataclasses.dataclass
+class Replica:
+    role: str
+    rank: int
+    identity: bytes
+    hello: Hello
+    state: str = "hello"  # hello -> ready -> bye
+    version: int = 0
+    last_seen: float = dataclasses.field(default_factory=time.monotonic)
+    capacity: int = 1
+    """Groups it may hold (rollout)."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.rank}"
+
+
+class Controller:
+    """Runs one training run's control plane until its last step."""
+
+    def __init__(
+        self,
+        config: Config,
+        run_dir: str | os.PathLike,
+        run_id: str,
+        launcher: Launcher,
+        *,
+        on_status: Callable[[Status], None] | None = None,
+        secret: str = "",
+    ):
+        self.config = config
+        self.run_dir = RunDir(run_dir)
+        self.run_id = run_id
+        self.launcher = launcher
+        self.on_status = on_status
+        #: Shown by every service in its hello and by `rlflow down`; a
+        #: message from outside the run without it is ignored.
+        self.secret = secret
+        run = config.run
+        self.expected = {(name, rank) for name, role in config.role_items() for rank in range(role.replicas)}
+        self.replicas: dict[tuple[str, int], Replica] = {}
+        self.by_identity: dict[bytes, Replica] = {}
+        self.ledger = GroupLedger(run.batch_size, run.staleness, run.steps)
+        self.version = 0
+        if run.resume:
+            state = read_json(pathlib.Path(run.resume) / CONTROLLER_STATE, ControllerState)
+            if state is None:
+                raise RunFailed(f"{run.resume} has no readable {CONTROLLER_STATE}")
+            self.ledger = GroupLedger.restore(state.ledger, run.batch_size, run.staleness, run.steps)
+            self.version = state.version
+            log.info("[controller] resumed at step %d, %d groups to grant again", state.step, len(self.ledger.groups))
+        self.rounds = WeightRounds(self.version)
+        self.stats = RunStats([name for name, _ in config.role_items()])
+        self.has_heldout = kind_of(config.task) != "sim"
+        self.state = "starting"
+        self.error: str | None = None
+        self.stop_reason = ""
+        self.ignored: collections.Counter[str] = collections.Counter()
+        self.received_by_type: collections.Counter[str] = collections.Counter()
+        self.started = time.monotonic()
+        self.training_started: float | None = None
+        self.address: str | None = None
+        self._all_hello = trio.Event()
+        self._all_ready = trio.Event()
+        self._eval_done = trio.Event()
+        self._round_done = trio.Event()
+        self.done = trio.Event()
+        self._router: transport.Router | None = None
+        self._sinks: list[Sink] = []
+        self._cpu0 = process_cpu()
+
+    # ------------------------------------------------------------------ run
+
+    async def run(self) -> Summary:
+        """Start the services, run every step, shut them down; the summary."""
+        host = self.config.cluster.host or "0.0.0.0"
+        self.run_dir.path.mkdir(parents=True, exist_ok=True)
+        self._sinks = open_sinks(self.run_dir)
+        try:
+            async with transport.open_router(bind=transport.tcp_address(host), name="controller") as router:
+                self._router = router
+                self.address = transport.bound_address(router)
+                info = ControllerInfo(run_id=self.run_id, pid=os.getpid(), address=self.address, secret=self.secret)
+                write_json(self.run_dir.controller, info, private=True)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._receive)
+                        nursery.start_soon(self._watch)
+                        await trio.to_thread.run_sync(self.launcher.start, self.address)
+                        await self._handshake()
+                        await self._train()
+                        nursery.cancel_scope.cancel()
+                except BaseException as exc:
+                    cause = _unwrap(exc)
+                    self.state = "interrupted" if isinstance(cause, KeyboardInterrupt) else "failed"
+                    if self.error is None:
+                        self.error = _describe(cause)
+                    if isinstance(cause, (KeyboardInterrupt, RunFailed)):
+                        raise cause from None
+                    log.error("[controller] failed", exc_info=cause)
+                    raise RunFailed(self.error) from cause
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._shutdown_services()
+                        if self.state in ("running", "evaluating"):
+                            self.state = "stopped"
+        except BaseException as exc:
+            # Whatever ended the run (also a failure while shutting down),
+            # status and summary say that it failed, and why.
+            if self.state not in ("failed", "interrupted"):
+                self.state = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+            if self.error is None:
+                self.error = _describe(exc)
+            raise
+        finally:
+            for sink in self._sinks:
+                sink.close()
+            self._write_status()
+            summary = self.summary()
+            write_json(self.run_dir.summary, summary)
+        return summary
+
+    async def _train(self) -> None:
+        """Evaluate, grant until the last step is trained, evaluate again."""
+        if self.config.eval.before:
+            self.state = "evaluating"
+            await self._evaluate(wait=True)
+        self.state = "running"
+        self.training_started = time.monotonic()
+        await self._grant()
+        await self.done.wait()
+        if self.config.eval.after and self.ledger.steps_done >= self.config.run.steps:
+            self.state = "evaluating"
+            while self.rounds.published > min(r.version for r in self._role("rollout")):
+                await self._round_done.wait()
+            await self._evaluate(wait=True)
+
+    async def _handshake(self) -> None:
+        cluster = self.config.cluster
+        with trio.move_on_after(cluster.handshake_timeout_s):
+            await self._all_hello.wait()
+        if not self._all_hello.is_set():
+            missing = sorted(f"{r}-{k}" for r, k in self.expected - set(self.replicas))
+            raise RunFailed(
+                f"no hello from {', '.join(missing)} within {cluster.handshake_timeout_s:g} s; "
+                "raise cluster.handshake_timeout_s if they are slow to start"
+            )
+        for replica in self.replicas.values():
+            await self._send(replica, self._welcome(replica))
+        with trio.move_on_after(cluster.handshake_timeout_s):
+            await self._all_ready.wait()
+        if not self._all_ready.is_set():
+            missing = sorted(r.name for r in self.replicas.values() if r.state != "ready")
+            raise RunFailed(
+                f"{', '.join(missing)} not ready within {cluster.handshake_timeout_s:g} s of their welcome; "
+                "raise cluster.handshake_timeout_s if they are slow to start"
+            )
+        log.info("[controller] all %d services ready", len(self.replicas))
+
+    def _welcome(self, replica: Replica) -> Welcome:
+        """Who it streams to, the clock, and how weights reach it."""
+        trainer = self.replicas[("trainer", 0)].hello
+        offer, weights, layout = trainer.weights, None, []
+        receivers = len(self._role("rollout"))
+        if isinstance(offer, (WeightsGloo, WeightsNccl)):
+            group = msgspec.structs.replace(offer, world_size=1 + receivers)
+            if replica.role == "trainer" and replica.rank == 0:
+                weights = group
+            elif replica.role == "rollout":
+                weights, layout = msgspec.structs.replace(group, rank=1 + replica.rank), trainer.layout
+        elif replica.role == "rollout":
+            weights = offer
+        return Welcome(
+            schema_version=SCHEMA_VERSION,
+            run_id=self.run_id,
+            peers=self._peers(replica.role),
+            version=self.version,
+            heartbeat_s=self.config.cluster.heartbeat_s,
+            weights=weights,
+            layout=layout,
+        )
+
+    def _peers(self, role: str) -> dict[str, list[str]]:
+        """``out``: the ``in`` endpoint of every replica of the next role."""
+        order = [name for name, _ in self.config.role_items()]
+        i = order.index(role)
+        if i + 1 == len(order):
+            return {}
+        return {"out": [r.hello.endpoints["in"] for r in self._role(order[i + 1])]}
+
+    def _role(self, role: str) -> list[Replica]:
+        return sorted((r for r in self.replicas.values() if r.role == role), key=lambda r: r.rank)
+
+    # --------------------------------------------------------------- messages
+
+    async def _receive(self) -> None:
+        assert self._router is not None
+        while True:
+            identity, msg = await self._router.recv()
+            self.received_by_type[type(msg).__name__] += 1
+            await self._handle(identity, msg)
+
+    async def _handle(self, identity: bytes, msg: Any) -> None:
+        if isinstance(msg, Hello):
+            self._on_hello(identity, msg)
+            return
+        if isinstance(msg, Shutdown):  # from `rlflow down`, not a service
+            if not secrets.compare_digest(msg.secret, self.secret):
+                self._ignore("unauthenticated", "a shutdown without the run's secret")
+                return
+            self.stop_reason = msg.reason or "stopped on request"
+            log.info("[controller] stop requested: %s", self.stop_reason)
+            self.done.set()
+            return
+        replica = self.by_identity.get(identity)
+        if replica is None:
+            self._ignore("unknown_sender", f"a {type(msg).__name__} from a peer that said no hello")
+            return
+        replica.last_seen = time.monotonic()
+        match msg:
+            case Heartbeat():
+                self.stats.heartbeat(replica.role, replica.rank, msg)
+                replica.version = max(replica.version, msg.version)
+            case Ready():
+                replica.state = "ready"
+                replica.version = msg.version
+                if len(self.replicas) == len(self.expected) and all(r.state == "ready" for r in self.replicas.values()):
+                    self._all_ready.set()
+            case Ack(stage=Stage.ROLLOUT_END, group_ids=ids):
+                self.ledger.generated(replica.rank, ids)
+                await self._grant()
+            case StepDone():
+                await self._on_step(msg)
+            case Expired(group_ids=ids, reason=reason):
+                again = self.ledger.expired(ids)
+                log.info("[controller] %d groups to grant again (%s)", len(again), reason or "expired")
+                await self._grant()
+            case WeightsReady(version=version):
+                self.version = replica.version = version
+                await self._move(self.rounds.publish(version))
+            case WeightsLoaded(version=version, seconds=seconds):
+                replica.version = version
+                self.stats.weights_loaded(seconds)
+                await self._move(self.rounds.loaded(replica.rank, version, self._receivers()))
+                await self._grant()
+            case EvalDone():
+                row = EvalRow(
+                    step=self.ledger.steps_done,
+                    version=msg.version,
+                    version_end=msg.version_end,
+                    seconds=round(msg.seconds, 3),
+                    metrics=msg.metrics,
+                )
+                self.stats.evaluated(row)
+                append_jsonl(self.run_dir.evals, row)
+                log.info("[controller] eval at v%d: %s", msg.version, msg.metrics.get("accuracy"))
+                self._eval_done.set()
+                self._eval_done = trio.Event()
+            case ErrorReport(fatal=fatal, kind=kind, message=message):
+                text = f"{replica.name} failed: {kind}: {message}"
+                if fatal:
+                    self.error = text
+                    raise RunFailed(text)
+                log.warning("[controller] %s", text)
+            case Bye():
+                replica.state = "bye"
+            case _:
+                self._ignore("unexpected", f"a {type(msg).__name__} from {replica.name}")
+
+    def _ignore(self, kind: str, what: str) -> None:
+        """Count a well-formed message that is not acted on (log the first few)."""
+        self.ignored[kind] += 1
+        if self.ignored[kind] <= 3:
+            log.warning("[controller] ignored %s", what)
+
+    def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        if not secrets.compare_digest(msg.secret, self.secret):
+            self._ignore("unauthenticated", f"a hello from {msg.role.label}-{msg.rank} without the run's secret")
+            return
+        key = (msg.role.label, msg.rank)
+        if key not in self.expected:
+            self._ignore("unexpected_hello", f"a hello from {key[0]}-{key[1]}, which the config does not have")
+            return
+        if key in self.replicas:
+            raise RunFailed(f"{key[0]}-{key[1]} said hello twice (restarted?); recovering a replica is not supported")
+        replica = Replica(role=key[0], rank=key[1], identity=identity, hello=msg, version=self.version)
+        if replica.role == "rollout":
+            # A group keeps its place until its last sample finishes, so with
+            # a long tail a replica needs several times the groups that fill
+            # its slots; the staleness bound caps the total anyway.
+            slots = int(msg.info.get("slots", self.config.run.samples_per_prompt))
+            replica.capacity = max(1, math.ceil(HOLD * slots / self.config.run.samples_per_prompt))
+        self.replicas[key] = replica
+        self.by_identity[identity] = replica
+        if len(self.replicas) == len(self.expected):
+            self._all_hello.set()
+
+    async def _send(self, replica: Replica, msg: Any) -> None:
+        assert self._router is not None
+        await self._router.send(replica.identity, msg)
+
+    # ---------------------------------------------------------------- weights
+
+    def _receivers(self) -> set[int]:
+        return {r.rank for r in self._role("rollout")}
+
+    async def _move(self, version: int | None) -> None:
+        """Start moving `version` (if there is one to move): the trainer
+        ranks send it, every rollout replica loads it."""
+        if version is None:
+            if not self.rounds.busy:
+                self._round_done.set()
+                self._round_done = trio.Event()
+            return
+        for trainer in self._role("trainer"):
+            await self._send(trainer, SendWeights(version=version))
+        for rollout in self._role("rollout"):
+            await self._send(rollout, UpdateWeights(version=version))
+
+    # -------------------------------------------------------------- evaluation
+
+    async def _evaluate(self, *, wait: bool) -> None:
+        """Ask rollout 0 to evaluate the held-out set (and wait for the result)."""
+        if not self.has_heldout:
+            return
+        version = self.version
+        await self._send(
+            self.replicas[("rollout", 0)], Evaluate(version=version, temperature=self.config.eval.temperature)
+        )
+        # An earlier evaluation may still be running: wait for this one's.
+        while wait and not any(e.version >= version for e in self.stats.evals):
+            await self._eval_done.wait()
+
+    # ---------------------------------------------------------------- credits
+
+    async def _grant(self) -> None:
+        """Hand the groups the staleness bound allows to the rollout replicas with room."""
+        if self.training_started is None or self.state not in ("running", "evaluating"):
+            return
+        room = {r.rank: r.capacity for r in self._role("rollout")}
+        for rank, groups in self.ledger.grant(room, self.version).items():
+            await self._send(
+                self.replicas[("rollout", rank)],
+                Credits(group_ids=[g.group_id for g in groups], min_versions=[g.min_version for g in groups]),
+            )
+
+    async def _on_step(self, msg: StepDone) -> None:
+        self.ledger.trained(msg.step, msg.acked)
+        if "checkpoint" in msg.metrics:
+            self._save_state(msg)
+        since = self.training_started or self.started
+        row = self.stats.close_step(msg, time.monotonic() - since, sum(self.received_by_type.values()))
+        for sink in self._sinks:
+            sink.write(row)
+        if self.ledger.steps_done >= self.config.run.steps:
+            self.stop_reason = f"{self.config.run.steps} steps done"
+            self.done.set()
+            return
+        every = self.config.eval.every_steps
+        if every and self.ledger.steps_done % every == 0:
+            await self._evaluate(wait=False)
+        await self._grant()
+
+    def _save_state(self, msg: StepDone) -> None:
+        """Beside the trainer's checkpoint: the clock and the ledger (the groups
+        granted but not yet trained on are granted again on resume)."""
+        folder = self.run_dir.checkpoint(msg.step + 1)
+        if not folder.is_dir():
+            log.warning("[controller] no checkpoint folder %s", folder)
+            return
+        state = ControllerState(step=msg.step + 1, version=msg.version, ledger=self.ledger.snapshot())
+        write_json(folder / CONTROLLER_STATE, state)
+
+    # ------------------------------------------------------------- watching
+
+    async def _watch(self) -> None:
+        timeout = self.config.cluster.heartbeat_timeout_s
+        last_failures = 0.0
+        while True:
+            now = time.monotonic()
+            if now - last_failures > 1.0:
+                last_failures = now
+                failures = await trio.to_thread.run_sync(self.launcher.failures)
+                if failures:
+                    self.error = "; ".join(failures)
+                    raise RunFailed(self.error)
+            if self.state in ("running", "evaluating"):
+                for replica in self.replicas.values():
+                    if replica.state == "ready" and now - replica.last_seen > timeout:
+                        self.error = (
+                            f"{replica.name} sent nothing for {now - replica.last_seen:.0f} s "
+                            "(cluster.heartbeat_timeout_s); it is presumed dead"
+                        )
+                        raise RunFailed(self.error)
+            self._write_status()
+            await trio.sleep(0.5)
+
+    async def _shutdown_services(self) -> None:
+        targets = [r for r in self.replicas.values() if r.state in ("hello", "ready")]
+        for replica in targets:
+            try:
+                await self._send(replica, Shutdown(reason=self.stop_reason or self.error or "run ended"))
+            except transport.PeerUnreachable:
+                replica.state = "gone"
+        with trio.move_on_after(10):
+            while any(r.state in ("hello", "ready") for r in targets):
+                if self._router is None:
+                    break
+                identity, msg = await self._router.recv()
+                replica = self.by_identity.get(identity)
+                if replica is not None and isinstance(msg, Bye | ErrorReport):
+                    replica.state = "bye"
+
+    # ---------------------------------------------------------------- status
+
+    def status(self) -> Status:
+        """The run now (what status.json holds)."""
+        window = self.stats.window()
+        roles = {}
+        for name, cfg in self.config.role_items():
+            replicas = self._role(name)
+            beats = self.stats.latest(name)
+            queues: collections.Counter[str] = collections.Counter()
+            counters: collections.Counter[str] = collections.Counter()
+            for beat in beats:
+                queues.update(beat.queues)
+                counters.update(beat.counters)
+            version = min((r.version for r in replicas), default=0) if name in POLICY_ROLES else None
+            roles[name] = RoleStatus(
+                replicas=cfg.replicas,
+                up=sum(r.state == "ready" for r in replicas),
+                placed=[
+                    Placed(rank=r.rank, host=r.hello.host, pid=r.hello.pid, incarnation=r.hello.incarnation,
+                           endpoints=r.hello.endpoints, info=r.hello.info)
+                    for r in replicas
+                ],
+                states=window[name],
+                queues=dict(queues),
+                counters=dict(counters),
+                version=version,
+                behind=None if version is None else self.version - version,
+            )
+        return Status(
+            run_id=self.run_id,
+            state=self.state,
+            error=self.error,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            address=self.address,
+            elapsed_s=round(time.monotonic() - self.started, 2),
+            step=self.ledger.steps_done,
+            steps=self.config.run.steps,
+            samples=sum(r.samples for r in self.stats.rows),
+            version=self.version,
+            mode=self.config.run.mode,
+            max_staleness=self.config.run.staleness,
+            staleness_check=self.config.run.staleness_check,
+            groups=self._group_counts(),
+            last_step=self.stats.rows[-1] if self.stats.rows else None,
+            last_eval=self.stats.evals[-1] if self.stats.evals else None,
+            roles=roles,
+            controller=self._controller_stats(),
+        )
+
+    def _group_counts(self) -> GroupCounts:
+        counts = self.ledger.counts()
+        return GroupCounts(
+            queued=counts["queued"],
+            generating=counts["generating"],
+            downstream=counts["downstream"],
+            trained=self.ledger.trained_count,
+            granted=self.ledger.granted,
+            reissued=self.ledger.reissued,
+        )
+
+    def _controller_stats(self) -> ControllerStats:
+        elapsed = max(time.monotonic() - self.started, 1e-9)
+        (thread0, proc0), (thread, proc) = self._cpu0, process_cpu()
+        messages = sum(self.received_by_type.values())
+        router = self._router
+        return ControllerStats(
+            messages_received=messages,
+            messages_per_s=round(messages / elapsed, 2),
+            bytes_received=router.bytes_received if router else 0,
+            bytes_sent=router.bytes_sent if router else 0,
+            rejected=dict(router.rejected) if router else {},
+            ignored=dict(self.ignored),
+            by_type=dict(self.received_by_type),
+            cpu_s=round(thread - thread0, 4),
+            cpu_share=round((thread - thread0) / elapsed, 5),
+            process_cpu_share=round((proc - proc0) / elapsed, 5),
+        )
+
+    def _write_status(self) -> None:
+        status = self.status()
+        write_json(self.run_dir.status, status)
+        if self.on_status is not None:
+            self.on_status(status)
+
+    def summary(self) -> Summary:
+        wall = time.monotonic() - (self.training_started or self.started)
+        return self.stats.summary(
+            wall,
+            run_id=self.run_id,
+            state=self.state,
+            error=self.error,
+            stop_reason=self.stop_reason,
+            mode=self.config.run.mode,
+            max_staleness=self.config.run.staleness,
+            staleness_check=self.config.run.staleness_check,
+            steps=self.ledger.steps_done,
+            groups=self._group_counts(),
+            controller=self._controller_stats(),
+        )
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """The one exception that says why the run ended, out of trio's groups:
+    an interrupt first, then a `RunFailed`; anything else as it came."""
+    if not isinstance(exc, BaseExceptionGroup):
+        return exc
+    for kind in (KeyboardInterrupt, RunFailed):
+        match, _ = exc.split(kind)
+        if match is not None:
+            return next(leaves(match))
+    return exc
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(_describe(e) for e in exc.exceptions)
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, RunFailed) else str(exc)

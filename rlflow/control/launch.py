@@ -1,0 +1,81 @@
+"""One training run from start to finish: paths, Ray, pools, services, controller.
+
+`run` is what `rlflow up` calls. It resolves every path of the config once
+(the "default" model to its directory, relative paths to absolute ones) and
+writes that resolved config into the run directory: what the services get,
+so that a service on another node needs nothing from the launcher's machine
+but the paths themselves. Then it joins or starts Ray, reserves the pools,
+runs the controller (which starts the services) until the last step, and,
+whatever happened, stops every service and removes every actor and
+placement group.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import secrets
+from collections.abc import Callable
+
+import msgspec
+import trio
+
+from rlflow.config import Config, ConfigError, to_toml
+from rlflow.control import placement
+from rlflow.control.controller import Controller
+from rlflow.rundir import RunDir, Status, Summary
+
+
+def new_run_id(run_dir: pathlib.Path) -> str:
+    return f"{run_dir.name}-{secrets.token_hex(3)}"
+
+
+def resolve(config: Config) -> Config:
+    """`config` with the model resolved and every path absolute.
+
+    Raises `ConfigError` naming the key of a path that does not hold what it should.
+    """
+    from rlflow.tools.model import resolve_model
+
+    run = config.run
+    if run.resume:
+        run = msgspec.structs.replace(run, resume=os.path.abspath(run.resume))
+    rollout = config.roles.rollout
+    if config.needs_model:
+        try:
+            model = str(resolve_model(rollout.model).resolve())
+        except FileNotFoundError as exc:
+            raise ConfigError("roles.rollout.model", rollout.model, str(exc)) from None
+        rollout = msgspec.structs.replace(rollout, model=model)
+    roles = msgspec.structs.replace(config.roles, rollout=rollout)
+    return msgspec.structs.replace(config, run=run, roles=roles)
+
+
+def run(
+    config: Config,
+    run_dir: str | os.PathLike,
+    *,
+    on_status: Callable[[Status], None] | None = None,
+    run_id: str | None = None,
+) -> Summary:
+    """Run `config` to its last step in `run_dir`; the summary."""
+    config = resolve(config)
+    folder = RunDir(run_dir)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    folder.config.write_text(to_toml(config))
+    run_id = run_id or new_run_id(folder.path)
+    started_ray = not placement.ray.is_initialized()
+    placement.start_ray(config.cluster)
+    pools = placement.PoolManager(config, run_id)
+    secret = secrets.token_hex(16)
+    launcher = placement.RayLauncher(config, run_id, str(folder.path.resolve()), pools, secret=secret)
+    try:
+        pools.create()
+        controller = Controller(config, folder, run_id, launcher, on_status=on_status, secret=secret)
+        return trio.run(controller.run)
+    finally:
+        launcher.stop()
+        pools.remove()
+        placement.wait_until_gone(run_id)
+        if started_ray:
+            placement.stop_ray()

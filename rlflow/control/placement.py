@@ -1,0 +1,336 @@
+"""Placement on Ray: role -> pool -> placement group -> one actor per replica.
+
+`PoolManager` checks the cluster's resources against what every pool asks
+for (and fails naming the pool, the resource, asked and available), then
+reserves one placement group per pool. `RayLauncher` starts one named Ray
+actor per replica of each role, scheduled into a bundle of its pool's group,
+with WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its
+environment, thread counts from its bundle, and on CPU its own cores where
+the node has enough; the actor then runs the role's service until it is
+shut down.
+
+This is the only module that imports Ray.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlflow.data import transport
+from rlflow.data.net import free_port
+from rlflow.config import ClusterConfig, Config, PoolConfig
+from rlflow.control.spec import ServiceSpec
+
+log = logging.getLogger("rlflow.control.placement")
+
+NAMESPACE = "rlflow"
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RLFLOW_NUM_THREADS")
+
+
+class PlacementError(Exception):
+    """The cluster cannot hold what the config asks for."""
+
+
+def start_ray(cluster: ClusterConfig) -> dict[str, Any]:
+    """Join the configured Ray cluster, or start a local one; its resources."""
+    if ray.is_initialized():
+        return ray.cluster_resources()
+    kwargs: dict[str, Any] = {"namespace": NAMESPACE, "log_to_driver": False, "configure_logging": False}
+    if cluster.address:
+        ray.init(address=cluster.address, **kwargs)
+    else:
+        ray.init(num_cpus=cluster.num_cpus or os.cpu_count(), include_dashboard=cluster.dashboard, **kwargs)
+    return ray.cluster_resources()
+
+
+def stop_ray() -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+
+
+def _bundle(pool: PoolConfig) -> dict[str, float]:
+    bundle = {"CPU": pool.cpus_per_bundle}
+    if pool.gpus_per_bundle:
+        bundle["GPU"] = pool.gpus_per_bundle
+    bundle.update(pool.resources)
+    return {k: v for k, v in bundle.items() if v > 0}
+
+
+def check_resources(config: Config, available: dict[str, float], nodes: list[dict[str, float]]) -> None:
+    """Fail, naming the pool, the resource, asked and available, if the pools
+    cannot fit in a cluster with `available` resources on `nodes`."""
+    asked: dict[str, float] = defaultdict(float)
+    takers: dict[str, list[str]] = defaultdict(list)
+    for name, pool in config.pools.items():
+        bundle = _bundle(pool)
+        for resource, amount in bundle.items():
+            total = amount * pool.bundles
+            before = asked[resource]
+            asked[resource] += total
+            takers[resource].append(name)
+            have = available.get(resource, 0.0)
+            if asked[resource] > have + 1e-9:
+                earlier = f" after {', '.join(takers[resource][:-1])} took {before:g}" if before else ""
+                raise PlacementError(
+                    f"pool {name!r} asks for {total:g} {resource} ({pool.bundles} bundles x {amount:g}); "
+                    f"the cluster has {have:g} {resource}{earlier}"
+                )
+            largest = max((n.get(resource, 0.0) for n in nodes), default=0.0)
+            if amount > largest + 1e-9:
+                raise PlacementError(
+                    f"pool {name!r} asks for bundles of {amount:g} {resource}; the largest node has {largest:g}"
+                )
+
+
+@dataclass
+class Slot:
+    """Where one replica runs: its pool's group, a bundle, its share of it."""
+
+    pool: str
+    group: PlacementGroup
+    bundle: int
+    resources: dict[str, float]
+    cores: tuple[int, int] | None
+    """(first, count) of the node's CPUs it may use, or None to share them all."""
+    threads: int
+    node: str = ""
+
+
+@dataclass
+class PoolManager:
+    """One placement group per pool, checked against the cluster first."""
+
+    config: Config
+    run_id: str
+    groups: dict[str, PlacementGroup] = field(default_factory=dict)
+
+    def create(self) -> None:
+        check_resources(
+            self.config,
+            ray.available_resources(),
+            [n["Resources"] for n in ray.nodes() if n.get("Alive")],
+        )
+        for name, pool in self.config.pools.items():
+            self.groups[name] = placement_group(
+                [_bundle(pool)] * pool.bundles, strategy=pool.strategy, name=f"rlflow:{self.run_id}:{name}"
+            )
+        deadline = self.config.cluster.placement_timeout_s
+        for name, group in self.groups.items():
+            ready, _ = ray.wait([group.ready()], timeout=deadline)
+            if not ready:
+                raise PlacementError(
+                    f"pool {name!r} was not placed within {deadline:g} s (cluster.placement_timeout_s); "
+                    f"strategy {self.config.pools[name].strategy} may be impossible on this cluster"
+                )
+
+    def slots(self) -> dict[str, list[Slot]]:
+        """Role -> the slot of each replica. Replicas of the roles on one pool
+        share its bundles round-robin, and split each bundle's resources."""
+        per_bundle: dict[tuple[str, int], list[tuple[str, int]]] = defaultdict(list)
+        for role, cfg in self.config.role_items():
+            bundles = self.config.pools[cfg.pool].bundles
+            for rank in range(cfg.replicas):
+                per_bundle[(cfg.pool, rank % bundles)].append((role, rank))
+        cores = self._cores()
+        out: dict[str, list[Slot]] = defaultdict(list)
+        for (pool_name, bundle), members in sorted(per_bundle.items()):
+            pool = self.config.pools[pool_name]
+            share = {k: v / len(members) for k, v in _bundle(pool).items()}
+            for role, rank in members:
+                out[role].append(
+                    Slot(
+                        pool=pool_name,
+                        group=self.groups[pool_name],
+                        bundle=bundle,
+                        resources=share,
+                        cores=cores.get((pool_name, bundle)),
+                        threads=max(1, math.ceil(pool.cpus_per_bundle)),
+                    )
+                )
+        return {role: sorted(slots, key=lambda s: s.bundle) for role, slots in out.items()}
+
+    def _cores(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """CPU ranges per bundle where the node has a core for each; bundles
+        of under one CPU share a core with their neighbour."""
+        table = ray.util.placement_group_table()
+        by_node: dict[str, list[tuple[str, int, float]]] = defaultdict(list)
+        for name, group in self.groups.items():
+            info = table.get(group.id.hex(), {})
+            for bundle, node in sorted(info.get("bundles_to_node_id", {}).items()):
+                by_node[node].append((name, int(bundle), self.config.pools[name].cpus_per_bundle))
+        node_cpus = {n["NodeID"]: n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")}
+        out = {}
+        for node, bundles in by_node.items():
+            if sum(c for _, _, c in bundles) > node_cpus.get(node, 0) + 1e-9:
+                continue
+            start = 0.0
+            for name, bundle, cpus in bundles:
+                if cpus <= 0:
+                    continue
+                first, last = math.floor(start + 1e-9), math.ceil(start + cpus - 1e-9)
+                out[(name, bundle)] = (first, max(1, last - first))
+                start += cpus
+        return out
+
+    def remove(self) -> None:
+        for group in self.groups.values():
+            try:
+                remove_placement_group(group)
+            except Exception as exc:  # already gone with a dead cluster
+                log.warning("removing a placement group failed: %s", exc)
+        self.groups.clear()
+
+
+class ServiceHost:
+    """The Ray actor that hosts one replica's service process."""
+
+    def __init__(self, cores: tuple[int, int] | None):
+        if cores is not None and hasattr(os, "sched_setaffinity"):
+            available = sorted(os.sched_getaffinity(0))
+            first, count = cores
+            if first + count <= len(available):
+                os.sched_setaffinity(0, available[first : first + count])
+
+    def address(self) -> tuple[str, int]:
+        """This node's IP and a free port, for MASTER_ADDR / MASTER_PORT."""
+        return ray.util.get_node_ip_address(), free_port()
+
+    def run(self, spec: bytes, master: tuple[str, int]) -> str:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
+        # The services are started by name: the control plane does not import them.
+        importlib.import_module("rlflow.services").main(spec)
+        return "exited"
+
+
+@dataclass
+class _Running:
+    role: str
+    rank: int
+    actor: Any
+    ref: Any
+
+
+class RayLauncher:
+    """Starts, watches and stops the services of one run on Ray."""
+
+    def __init__(self, config: Config, run_id: str, run_dir: str, pools: PoolManager, *, secret: str = ""):
+        self.config = config
+        self.secret = secret
+        self.run_id = run_id
+        self.run_dir = run_dir
+        self.pools = pools
+        self.running: list[_Running] = []
+        self._stopping = False
+
+    def actor_name(self, role: str, rank: int) -> str:
+        return f"rlflow:{self.run_id}:{role}:{rank}"
+
+    def start(self, controller_address: str) -> None:
+        host_cls = ray.remote(ServiceHost)
+        slots = self.pools.slots()
+        for role, cfg in self.config.role_items():
+            actors = []
+            local_ranks: dict[tuple[str, int], int] = defaultdict(int)
+            for rank, slot in enumerate(slots[role][: cfg.replicas]):
+                local_rank = local_ranks[(slot.pool, slot.bundle)]
+                local_ranks[(slot.pool, slot.bundle)] += 1
+                env = {
+                    **transport.PROCESS_ENV,
+                    **dict.fromkeys(_THREAD_VARS, str(slot.threads)),
+                    "WORLD_SIZE": str(cfg.replicas),
+                    "RANK": str(rank),
+                    "LOCAL_RANK": str(local_rank),
+                    "RLFLOW_RUN_ID": self.run_id,
+                }
+                options: dict[str, Any] = {
+                    "name": self.actor_name(role, rank),
+                    "namespace": NAMESPACE,
+                    "num_cpus": slot.resources.get("CPU", 0),
+                    "num_gpus": slot.resources.get("GPU", 0),
+                    "resources": {k: v for k, v in slot.resources.items() if k not in ("CPU", "GPU")},
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(slot.group, slot.bundle),
+                    "runtime_env": {"env_vars": env},
+                    "max_restarts": 0,
+                    "max_concurrency": 2,
+                }
+                actors.append(host_cls.options(**options).remote(slot.cores))
+            master = ray.get(actors[0].address.remote())
+            for rank, actor in enumerate(actors):
+                spec = ServiceSpec(
+                    role=role,
+                    rank=rank,
+                    replicas=cfg.replicas,
+                    run_id=self.run_id,
+                    controller=controller_address,
+                    config=self.config,
+                    run_dir=self.run_dir,
+                    secret=self.secret,
+                )
+                self.running.append(_Running(role, rank, actor, actor.run.remote(spec.encode(), master)))
+
+    def failures(self) -> list[str]:
+        """Services whose process has ended on its own (an error, or a death)."""
+        if not self.running or self._stopping:
+            return []
+        refs = [r.ref for r in self.running]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        out = []
+        for item in self.running:
+            if item.ref in done:
+                try:
+                    ray.get(item.ref)
+                    out.append(f"{item.role}-{item.rank} exited before the run ended")
+                except Exception as exc:
+                    out.append(f"{item.role}-{item.rank} died: {_first_line(exc)}")
+        return out
+
+    def stop(self, wait_s: float = 20.0) -> None:
+        """Let services that are shutting down finish, then kill what is left."""
+        self._stopping = True
+        if self.running:
+            ray.wait([r.ref for r in self.running], num_returns=len(self.running), timeout=wait_s)
+        for item in self.running:
+            ray.kill(item.actor, no_restart=True)
+        self.running.clear()
+        self.pools.remove()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    # Ray wraps the service's own error; its last line names it.
+    return (lines[-1] if lines else type(exc).__name__)[:500]
+
+
+def alive_actors(run_id: str | None = None) -> list[str]:
+    """Names of rlflow actors Ray still has alive (for one run, or any)."""
+    prefix = f"rlflow:{run_id}:" if run_id else "rlflow:"
+    named = ray.util.list_named_actors(all_namespaces=True)
+    return [a["name"] for a in named if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)]
+
+
+def live_placement_groups(run_id: str | None = None) -> list[str]:
+    """Names of rlflow placement groups not yet removed."""
+    prefix = f"rlflow:{run_id}:" if run_id else "rlflow:"
+    table = ray.util.placement_group_table()
+    return [g["name"] for g in table.values() if g["name"].startswith(prefix) and g["state"] != "REMOVED"]
+
+
+def wait_until_gone(run_id: str, timeout_s: float = 30.0) -> None:
+    """Block until the run's actors and placement groups are gone."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive_actors(run_id) and not live_placement_groups(run_id):
+            return
+        time.sleep(0.2)

@@ -1,0 +1,36 @@
+"""What a service process is started with: its role, rank, the controller's
+address, the resolved config and the run's secret (passed to it as bytes)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from rlflow.config import Config
+
+
+class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything a service process needs to start (passed to it as bytes)."""
+
+    role: str
+    rank: int
+    replicas: int
+    run_id: str
+    controller: str
+    """The controller's ROUTER address."""
+    config: Config
+    run_dir: str = ""
+    """Where the service writes its log (``logs/<role>-<rank>.log``); empty: stderr."""
+    incarnation: int = 0
+    secret: str = ""
+    """The run's secret, shown to the controller in `Hello`."""
+
+    def encode(self) -> bytes:
+        return msgspec.msgpack.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes) -> ServiceSpec:
+        return msgspec.msgpack.decode(data, type=cls)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.rank}"

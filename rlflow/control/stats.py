@@ -1,0 +1,181 @@
+"""What the controller knows of a run's progress, kept in memory: each
+replica's heartbeats, the rows of the steps and evaluations so far, and the
+status and summary built from them.
+
+Getters have no side effects. The one place where a window moves is
+`close_step`, a command: it makes the step's row and starts the next step's
+window.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlflow.protocol import Heartbeat, StepDone
+from rlflow.rundir import EvalRow, Shares, StepRow, Summary
+
+STATES = ("busy", "starved", "blocked", "loading")
+#: Heartbeats of each replica kept for the live window.
+WINDOW = 32
+
+
+@dataclass
+class ReplicaClock:
+    """One replica's heartbeats: the first, the one at the last step, the latest few."""
+
+    first: Heartbeat
+    at_step: Heartbeat
+    recent: collections.deque[Heartbeat] = field(default_factory=lambda: collections.deque(maxlen=WINDOW))
+
+    @property
+    def last(self) -> Heartbeat:
+        return self.recent[-1]
+
+
+def _shares(pairs: list[tuple[Heartbeat, Heartbeat]]) -> Shares:
+    """Shares of each state between the (earlier, later) heartbeats of each replica."""
+    sums = dict.fromkeys(STATES, 0.0)
+    for first, last in pairs:
+        for key in STATES:
+            sums[key] += getattr(last, f"{key}_s") - getattr(first, f"{key}_s")
+    total = sum(sums.values())
+    return Shares(**{k: (v / total if total > 0 else 0.0) for k, v in sums.items()})
+
+
+class RunStats:
+    """Heartbeat windows per replica and the run's rows (see the module)."""
+
+    def __init__(self, roles: list[str]):
+        self.roles = roles
+        self.clocks: dict[tuple[str, int], ReplicaClock] = {}
+        self.rows: list[StepRow] = []
+        self.evals: list[EvalRow] = []
+        self.load_seconds: list[float] = []
+
+    # -- input ----------------------------------------------------------------
+
+    def heartbeat(self, role: str, rank: int, beat: Heartbeat) -> None:
+        clock = self.clocks.get((role, rank))
+        if clock is None or beat.seq < clock.last.seq:  # the first, or a new incarnation's
+            clock = self.clocks[(role, rank)] = ReplicaClock(first=beat, at_step=beat)
+        clock.recent.append(beat)
+
+    def forget(self, role: str, rank: int) -> None:
+        """A replica is gone; a new incarnation starts counting afresh."""
+        self.clocks.pop((role, rank), None)
+
+    def close_step(self, msg: StepDone, time_s: float, messages: int) -> StepRow:
+        """The row of the step the trainer just finished; the next step's
+        window starts here."""
+        metrics = dict(msg.metrics)
+        known = {name: metrics.pop(name, None) for name in ("samples", "tokens", "reward_mean", "staleness_mean",
+                                                            "staleness_max", "train_s", "checkpoint")}
+        reward = known["reward_mean"]
+        row = StepRow(
+            step=msg.step,
+            version=msg.version,
+            time_s=round(time_s, 4),
+            samples=int(known["samples"] or 0),
+            tokens=int(known["tokens"] or 0),
+            reward_mean=reward if reward is not None and math.isfinite(reward) else None,
+            staleness_mean=known["staleness_mean"] or 0.0,
+            staleness_max=known["staleness_max"] or 0.0,
+            train_s=known["train_s"] or 0.0,
+            occupancy=self._occupancy(),
+            roles={role: self._role_shares(role, "step") for role in self.roles},
+            train=metrics,
+            controller_msgs=messages,
+        )
+        for clock in self.clocks.values():
+            clock.at_step = clock.last
+        self.rows.append(row)
+        return row
+
+    def evaluated(self, row: EvalRow) -> None:
+        self.evals.append(row)
+
+    def weights_loaded(self, seconds: float) -> None:
+        self.load_seconds.append(seconds)
+
+    # -- views ------------------------------------------------------------------
+
+    def replicas(self, role: str) -> list[ReplicaClock]:
+        return [clock for (name, _), clock in sorted(self.clocks.items()) if name == role]
+
+    def _role_shares(self, role: str, since: str) -> Shares:
+        if since == "step":
+            pairs = [(c.at_step, c.last) for c in self.replicas(role)]
+        elif since == "window":
+            pairs = [(c.recent[0], c.last) for c in self.replicas(role)]
+        else:
+            pairs = [(c.first, c.last) for c in self.replicas(role)]
+        return _shares(pairs)
+
+    def window(self) -> dict[str, Shares]:
+        """Each role's shares over its last few heartbeats (the live table)."""
+        return {role: self._role_shares(role, "window") for role in self.roles}
+
+    def whole_run(self) -> dict[str, Shares]:
+        """Each role's shares since its first heartbeat."""
+        return {role: self._role_shares(role, "run") for role in self.roles}
+
+    def _occupancy(self) -> float | None:
+        """Share of the rollout's slots in use since the last step (engines
+        that count slot time)."""
+        used = capacity = 0.0
+        for clock in self.replicas("rollout"):
+            last, first = clock.last, clock.at_step
+            if "slot_s" not in last.counters:
+                return None
+            elapsed = sum(getattr(last, f"{k}_s") - getattr(first, f"{k}_s") for k in STATES)
+            used += last.counters["slot_s"] - first.counters.get("slot_s", 0.0)
+            capacity += elapsed * last.counters.get("slots", 0.0)
+        return round(used / capacity, 4) if capacity > 0 else None
+
+    def latest(self, role: str) -> list[Heartbeat]:
+        return [clock.last for clock in self.replicas(role)]
+
+    def summary(self, wall_s: float, **fields: Any) -> Summary:
+        """The run's summary from its rows in memory."""
+        rows = self.rows
+        samples = sum(r.samples for r in rows)
+        tokens = sum(r.tokens for r in rows)
+        rewards = [r.reward_mean for r in rows if r.reward_mean is not None]
+        accuracy = [e.accuracy for e in self.evals if e.accuracy is not None]
+        tail = accuracy[-3:]
+        last3 = sum(tail) / len(tail) if tail else None
+        return Summary(
+            samples=samples,
+            tokens=tokens,
+            wall_time_s=round(wall_s, 3),
+            samples_per_s=round(samples / wall_s, 3) if wall_s > 0 else 0.0,
+            tokens_per_s=round(tokens / wall_s, 3) if wall_s > 0 else 0.0,
+            staleness_max=max((r.staleness_max for r in rows), default=0.0),
+            staleness_mean=_mean([r.staleness_mean for r in rows]),
+            reward_mean=_mean(rewards) if rewards else None,
+            weights_load_s_mean=_mean(self.load_seconds),
+            evals=self.evals,
+            accuracy_before=accuracy[0] if accuracy else None,
+            accuracy_after=accuracy[-1] if accuracy else None,
+            accuracy_last3_mean=last3,
+            gain_points=round(100 * (last3 - accuracy[0]), 2) if accuracy else None,
+            data_bytes=int(sum(b.counters.get("bytes_out", 0) for b in self.latest("rollout"))),
+            roles=self.whole_run(),
+            **fields,
+        )
+
+
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / len(values), 6) if values else 0.0
+
+
+def process_cpu() -> tuple[float, float]:
+    """(this thread's CPU seconds, the process's), for the controller's own load."""
+    import psutil
+
+    times = psutil.Process().cpu_times()
+    return time.thread_time(), times.user + times.system

@@ -1,0 +1,209 @@
+"""Tasks: where prompts come from and how answers are scored.
+
+Two tasks ship: ``sim`` (random tokens, random rewards: for simulated runs)
+and ``arith`` (the embedded default: addition written out column by column,
+verifiable, with long-tailed response lengths).
+
+A task turns a group id into a prompt, deterministically (from the run's
+seed), so that the controller hands out ids, never data, and a group that has
+to be reissued is the same prompt again. The rollout role asks the task for
+prompts; the reward role asks it for scores.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Protocol
+
+import numpy as np
+
+from rlflow.config import ArithTask, Config, SimTask
+from rlflow.protocol import GroupInfo, PromptGroup
+
+
+class Task(Protocol):
+    name: str
+
+    def prompt(self, group_id: int, n: int, min_version: int = 0) -> PromptGroup:
+        """The prompt of group `group_id`, to be answered `n` times."""
+        ...
+
+    def score(self, group: GroupInfo, index: int, response_ids: np.ndarray) -> tuple[float, dict[str, float]]:
+        """Reward of one response, and its named components."""
+        ...
+
+
+class SimTaskImpl:
+    """Random token prompts; each answer is right with probability `reward_p`."""
+
+    name = "sim"
+
+    def __init__(self, cfg: SimTask, seed: int):
+        self.cfg = cfg
+        self.seed = seed
+
+    def prompt(self, group_id: int, n: int, min_version: int = 0) -> PromptGroup:
+        rng = np.random.default_rng((self.seed, group_id))
+        ids = rng.integers(0, self.cfg.vocab_size, self.cfg.prompt_len)
+        return PromptGroup(group_id=group_id, prompt_ids=ids.tolist(), n=n, task=self.name, min_version=min_version)
+
+    def score(self, group: GroupInfo, index: int, response_ids: np.ndarray) -> tuple[float, dict[str, float]]:
+        rng = np.random.default_rng((self.seed, group.group_id, index, 1))
+        correct = float(rng.random() < self.cfg.reward_p)
+        return correct, {"correct": correct}
+
+
+class Arith:
+    """Addition written out column by column, least significant column first.
+
+    ``57+68=`` is answered ``7+8=15,5+6+1=12,#125``: one column per digit of
+    the longer operand (``+1`` when a carry comes in), then ``#`` and the sum.
+    The reward is 1 when the number after the last ``#`` is the sum. Harder
+    items (more digits) need proportionally longer answers, and the number of
+    digits is drawn from a skewed distribution, so response lengths have a
+    long tail.
+
+    Prompts are a pure function of (seed, group id); the held-out set is drawn
+    from its own stream and never appears among training prompts.
+    """
+
+    name = "arith"
+    #: Characters of the task's language (the tokenizer adds its special tokens).
+    ALPHABET = "0123456789+=,#"
+
+    def __init__(
+        self, digit_weights: tuple[float, ...], seed: int = 0, heldout_size: int = 1000, heldout_seed: int = 1234
+    ):
+        weights = np.asarray(digit_weights, dtype=float)
+        if weights.ndim != 1 or len(weights) == 0 or (weights < 0).any() or weights.sum() <= 0:
+            raise ValueError(f"digit weights must be non-negative with a positive sum, got {digit_weights!r}")
+        self.p = weights / weights.sum()
+        self.max_digits = len(weights)
+        self.seed = seed
+        self.heldout = [self.problem(np.random.default_rng((heldout_seed, 1, i))) for i in range(heldout_size)]
+        self._heldout_set = set(self.heldout)
+
+    # -- problems -----------------------------------------------------------
+
+    def problem(self, rng: np.random.Generator, digits: int | None = None) -> tuple[int, int]:
+        """Two operands: the first has `digits` digits (drawn if None), the
+        second between 1 and as many."""
+        d = int(digits) if digits is not None else int(rng.choice(self.max_digits, p=self.p)) + 1
+        e = int(rng.integers(1, d + 1))
+        return _number(rng, d), _number(rng, e)
+
+    def fresh_problem(self, rng: np.random.Generator, *, uniform_digits: bool = False) -> tuple[int, int]:
+        """A problem that is not in the held-out set; `uniform_digits`: every
+        number of digits equally likely (not the skewed task distribution)."""
+        while True:
+            digits = int(rng.integers(1, self.max_digits + 1)) if uniform_digits else None
+            problem = self.problem(rng, digits)
+            if problem not in self._heldout_set:
+                return problem
+
+    def training_problem(self, group_id: int) -> tuple[int, int]:
+        """The problem of group `group_id` (never one of the held-out set)."""
+        return self.fresh_problem(np.random.default_rng((self.seed, 2, group_id)))
+
+    @staticmethod
+    def prompt_text(a: int, b: int) -> str:
+        return f"{a}+{b}="
+
+    @staticmethod
+    def solution(a: int, b: int) -> str:
+        """The worked answer, as the model should write it."""
+        xs, ys = str(a)[::-1], str(b)[::-1]
+        columns, carry = [], 0
+        for i in range(max(len(xs), len(ys))):
+            x = int(xs[i]) if i < len(xs) else 0
+            y = int(ys[i]) if i < len(ys) else 0
+            total = x + y + carry
+            columns.append(f"{x}+{y}" + ("+1" if carry else "") + f"={total}")
+            carry = total // 10
+        return ",".join(columns) + f",#{a + b}"
+
+    @staticmethod
+    def answer(text: str) -> int | None:
+        """The number after the last ``#``, or None if there is none."""
+        _, sep, tail = text.rpartition("#")
+        if not sep:
+            return None
+        digits = tail.strip()
+        return int(digits) if digits.isdigit() and len(digits) <= 40 else None
+
+    @staticmethod
+    def check(reference: str, text: str) -> tuple[float, dict[str, float]]:
+        """Reward of `text` as an answer to a problem whose sum is `reference`."""
+        got = Arith.answer(text)
+        correct = float(got is not None and str(got) == reference)
+        return correct, {"correct": correct, "formatted": float(got is not None)}
+
+
+def _number(rng: np.random.Generator, digits: int) -> int:
+    if digits == 1:
+        return int(rng.integers(0, 10))
+    return int(rng.integers(10 ** (digits - 1), 10**digits))
+
+
+class ArithTaskImpl:
+    """`Arith` behind the `Task` interface: prompts as token ids, scores from ids."""
+
+    name = "arith"
+
+    def __init__(self, cfg: ArithTask, seed: int, tokenizer):
+        self.cfg = cfg
+        self.arith = Arith(cfg.digit_weights, seed=seed, heldout_size=cfg.heldout_size, heldout_seed=cfg.heldout_seed)
+        self.tokenizer = tokenizer
+
+    def prompt(self, group_id: int, n: int, min_version: int = 0) -> PromptGroup:
+        a, b = self.arith.training_problem(group_id)
+        ids = self.tokenizer.encode(Arith.prompt_text(a, b), add_special_tokens=False)
+        return PromptGroup(
+            group_id=group_id, prompt_ids=list(ids), n=n, reference=str(a + b), task=self.name, min_version=min_version
+        )
+
+    def score(self, group: GroupInfo, index: int, response_ids: np.ndarray) -> tuple[float, dict[str, float]]:
+        text = self.tokenizer.decode(response_ids.tolist(), skip_special_tokens=True)
+        return self.arith.check(group.reference, text)
+
+    def heldout_prompts(self) -> list[list[int]]:
+        """Token ids of every held-out prompt."""
+        return [
+            self.tokenizer.encode(Arith.prompt_text(a, b), add_special_tokens=False) for a, b in self.arith.heldout
+        ]
+
+    def heldout_metrics(self, responses: list[list[int]]) -> dict[str, float]:
+        """Accuracy on the held-out set, overall and by number of digits."""
+        right: dict[int, list[bool]] = {}
+        for (a, b), ids in zip(self.arith.heldout, responses):
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            right.setdefault(len(str(a)), []).append(Arith.check(str(a + b), text)[0] == 1.0)
+        every = [x for values in right.values() for x in values]
+        out = {"accuracy": float(np.mean(every)) if every else 0.0, "problems": float(len(every))}
+        out.update({f"accuracy.digits_{d}": float(np.mean(v)) for d, v in sorted(right.items())})
+        return out
+
+
+def needs_tokenizer(config: Config) -> bool:
+    """Whether the task speaks text (and so needs the model's tokenizer)."""
+    return not isinstance(config.task, SimTask)
+
+
+def load_tokenizer(path: str | os.PathLike):
+    """The tokenizer of the model directory at `path`."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def make_task(config: Config, tokenizer=None) -> Task:
+    """The task the config names; tasks that speak text need the policy's
+    tokenizer (see `needs_tokenizer`)."""
+    match config.task:
+        case SimTask() as cfg:
+            return SimTaskImpl(cfg, config.run.seed)
+        case ArithTask() as cfg:
+            if tokenizer is None:
+                raise ValueError("the arith task needs the model's tokenizer")
+            return ArithTaskImpl(cfg, config.run.seed, tokenizer)
+    raise ValueError(f"unknown task {config.task!r}")

@@ -1,0 +1,387 @@
+"""The run directory, as a contract: every file a run writes, named once, and
+the typed records in the JSON files.
+
+    config.toml          the resolved config the services got (absolute paths)
+    controller.json      the controller's address, pid and the run's secret (owner-only)
+    status.json          `Status`, rewritten twice a second; what `rlflow status` reads
+    metrics.jsonl        one `StepRow` per optimizer step
+    evals.jsonl          one `EvalRow` per held-out evaluation
+    summary.json         `Summary`, at the end
+    run.log, run.pid     the detached run's output and process (`rlflow up --detach`)
+    logs/ROLE-RANK.log   each service's log
+    trace/ROLE-RANK.json each service's state timeline; trace/lengths-RANK.jsonl the trained lengths
+    checkpoints/step-NNNNNN/   a Hugging Face model directory plus trainer and controller state
+    tensorboard/         event files, when TensorBoard is installed
+    timeline.png, trace.json, curves.png   written by `rlflow report`
+
+Nothing else in rlflow spells these names.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Any, TypeVar
+
+import msgspec
+
+# ---------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------
+
+
+class Record(msgspec.Struct, kw_only=True, frozen=True):
+    """Base of the run directory's JSON records."""
+
+
+class Shares(Record):
+    """Shares of a role's time in each state (they add up to 1 when it reported)."""
+
+    busy: float = 0.0
+    starved: float = 0.0
+    blocked: float = 0.0
+    loading: float = 0.0
+
+
+class StepRow(Record):
+    """One optimizer step, as the controller saw it (a line of metrics.jsonl)."""
+
+    step: int
+    version: int
+    time_s: float
+    """Seconds since training started."""
+    samples: int = 0
+    tokens: int = 0
+    reward_mean: float | None = None
+    """Mean reward of the step's samples (None: none had one)."""
+    staleness_mean: float = 0.0
+    """Versions between each trained token's policy and the trainer's, averaged over tokens."""
+    staleness_max: float = 0.0
+    train_s: float = 0.0
+    """Seconds the trainer computed (forward, backward, optimizer)."""
+    occupancy: float | None = None
+    """Share of the rollout's slots in use over the step (engines that count slot time)."""
+    roles: dict[str, Shares] = {}
+    """Each role's time over the step."""
+    train: dict[str, float] = {}
+    """The trainer engine's own statistics (loss, gradient norm, clipped share, ...)."""
+    controller_msgs: int = 0
+    """Messages the controller had received by then."""
+
+
+class EvalRow(Record):
+    """One held-out evaluation (a line of evals.jsonl)."""
+
+    step: int
+    version: int
+    """Policy version held when it started."""
+    version_end: int
+    """Policy version held when it ended (weights may change while it runs)."""
+    seconds: float
+    metrics: dict[str, float]
+    """``accuracy`` and its breakdown (e.g. ``accuracy.digits_3``)."""
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.metrics.get("accuracy")
+
+
+class Placed(Record):
+    """Where one replica runs."""
+
+    rank: int
+    host: str
+    pid: int
+    incarnation: int = 0
+    endpoints: dict[str, str] = {}
+    info: dict[str, str] = {}
+
+
+class RoleStatus(Record):
+    """One role, now."""
+
+    replicas: int
+    up: int
+    placed: list[Placed] = []
+    states: Shares = Shares()
+    """Over the last few heartbeats."""
+    queues: dict[str, int] = {}
+    counters: dict[str, float] = {}
+    version: int | None = None
+    """Oldest policy version its replicas hold (None: the role holds no policy)."""
+    behind: int | None = None
+    """Versions that is behind the trainer (None: the role holds no policy)."""
+
+
+class ControllerStats(Record):
+    """The controller's own load."""
+
+    messages_received: int = 0
+    messages_per_s: float = 0.0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    rejected: dict[str, int] = {}
+    """Messages rejected by the protocol's checks, by kind."""
+    ignored: dict[str, int] = {}
+    """Well-formed messages ignored: from an unknown sender, or without the run's secret."""
+    by_type: dict[str, int] = {}
+    cpu_s: float = 0.0
+    cpu_share: float = 0.0
+    process_cpu_share: float = 0.0
+
+
+class GroupCounts(Record):
+    """The ledger's groups."""
+
+    queued: int = 0
+    generating: int = 0
+    downstream: int = 0
+    trained: int = 0
+    granted: int = 0
+    reissued: int = 0
+
+
+class Status(Record):
+    """A run now (status.json)."""
+
+    run_id: str
+    state: str
+    """starting, evaluating, running, stopped, failed, interrupted (and, said by
+    `rlflow status` of a run whose controller is gone, dead)."""
+    error: str | None = None
+    pid: int = 0
+    host: str = ""
+    address: str | None = None
+    elapsed_s: float = 0.0
+    step: int = 0
+    steps: int = 0
+    samples: int = 0
+    """Samples trained on so far (this session of the run)."""
+    version: int = 0
+    mode: str = ""
+    max_staleness: int = 0
+    staleness_check: str = ""
+    groups: GroupCounts = GroupCounts()
+    last_step: StepRow | None = None
+    last_eval: EvalRow | None = None
+    roles: dict[str, RoleStatus] = {}
+    controller: ControllerStats = ControllerStats()
+
+
+class Summary(Record):
+    """A finished run (summary.json)."""
+
+    run_id: str
+    state: str
+    error: str | None = None
+    stop_reason: str = ""
+    mode: str = ""
+    max_staleness: int = 0
+    staleness_check: str = ""
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    wall_time_s: float = 0.0
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    staleness_max: float = 0.0
+    staleness_mean: float = 0.0
+    reward_mean: float | None = None
+    weights_load_s_mean: float = 0.0
+    evals: list[EvalRow] = []
+    accuracy_before: float | None = None
+    accuracy_after: float | None = None
+    accuracy_last3_mean: float | None = None
+    """Mean of the last three evaluations (one run's readings move by a few points)."""
+    gain_points: float | None = None
+    """accuracy_last3_mean - accuracy_before, in percentage points."""
+    groups: GroupCounts = GroupCounts()
+    data_bytes: int = 0
+    """Bytes the rollout sent downstream."""
+    roles: dict[str, Shares] = {}
+    """Each role's time over the whole run."""
+    controller: ControllerStats = ControllerStats()
+
+
+class ControllerInfo(Record):
+    """How to reach a run's controller (controller.json, owner-only)."""
+
+    run_id: str
+    pid: int
+    address: str
+    secret: str
+
+
+R = TypeVar("R", bound=Record)
+
+
+# ---------------------------------------------------------------------------
+# The directory
+# ---------------------------------------------------------------------------
+
+
+class RunDir:
+    """The files of one run (see the module docstring)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = pathlib.Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    @property
+    def config(self) -> pathlib.Path:
+        return self.path / "config.toml"
+
+    @property
+    def controller(self) -> pathlib.Path:
+        return self.path / "controller.json"
+
+    @property
+    def status(self) -> pathlib.Path:
+        return self.path / "status.json"
+
+    @property
+    def metrics(self) -> pathlib.Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def evals(self) -> pathlib.Path:
+        return self.path / "evals.jsonl"
+
+    @property
+    def summary(self) -> pathlib.Path:
+        return self.path / "summary.json"
+
+    @property
+    def run_log(self) -> pathlib.Path:
+        return self.path / "run.log"
+
+    @property
+    def run_pid(self) -> pathlib.Path:
+        return self.path / "run.pid"
+
+    @property
+    def logs(self) -> pathlib.Path:
+        return self.path / "logs"
+
+    @property
+    def traces(self) -> pathlib.Path:
+        return self.path / "trace"
+
+    @property
+    def checkpoints(self) -> pathlib.Path:
+        return self.path / "checkpoints"
+
+    @property
+    def tensorboard(self) -> pathlib.Path:
+        return self.path / "tensorboard"
+
+    @property
+    def timeline_png(self) -> pathlib.Path:
+        return self.path / "timeline.png"
+
+    @property
+    def trace_json(self) -> pathlib.Path:
+        return self.path / "trace.json"
+
+    @property
+    def curves_png(self) -> pathlib.Path:
+        return self.path / "curves.png"
+
+    def service_log(self, name: str) -> pathlib.Path:
+        """``logs/<role>-<rank>.log``."""
+        return self.logs / f"{name}.log"
+
+    def service_trace(self, name: str) -> pathlib.Path:
+        """``trace/<role>-<rank>.json``: a service's state timeline."""
+        return self.traces / f"{name}.json"
+
+    def lengths(self, rank: int) -> pathlib.Path:
+        """``trace/lengths-<rank>.jsonl``: what a trainer rank trained on, per step."""
+        return self.traces / f"lengths-{rank}.jsonl"
+
+    def checkpoint(self, step: int) -> pathlib.Path:
+        return self.checkpoints / f"step-{step:06d}"
+
+    def latest_checkpoint(self) -> pathlib.Path | None:
+        """The newest checkpoint that both trainer and controller finished."""
+        done = sorted(p.parent for p in self.checkpoints.glob(f"step-*/{CONTROLLER_STATE}"))
+        return done[-1].resolve() if done else None
+
+    # -- records ---------------------------------------------------------------
+
+    def read_status(self) -> Status | None:
+        return read_json(self.status, Status)
+
+    def read_summary(self) -> Summary | None:
+        return read_json(self.summary, Summary)
+
+    def read_controller(self) -> ControllerInfo | None:
+        return read_json(self.controller, ControllerInfo)
+
+    def read_metrics(self) -> list[StepRow]:
+        return read_jsonl(self.metrics, StepRow)
+
+    def read_evals(self) -> list[EvalRow]:
+        return read_jsonl(self.evals, EvalRow)
+
+
+#: Beside a checkpoint's model: the controller's ledger and clock.
+CONTROLLER_STATE = "controller_state.json"
+#: Beside a checkpoint's model: the trainer's optimizer, RNG and step.
+TRAINER_STATE = "trainer_state.pt"
+#: Beside a checkpoint's model: the trainer's step and version.
+RUN_STATE = "run_state.json"
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(record: Record) -> bytes:
+    return _encoder.encode(record)
+
+
+def write_json(path: pathlib.Path, record: Any, *, private: bool = False) -> None:
+    """Replace `path` atomically with `record` as JSON (owner-only if `private`)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(msgspec.json.format(_encoder.encode(record), indent=1))
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: pathlib.Path, record: Any) -> None:
+    with open(path, "ab") as f:
+        f.write(_encoder.encode(record) + b"\n")
+
+
+def read_json(path: pathlib.Path, kind: type[R]) -> R | None:
+    """The record in `path`; None if it is missing or not (yet) complete."""
+    try:
+        return msgspec.json.decode(path.read_bytes(), type=kind)
+    except (OSError, msgspec.DecodeError):
+        return None
+
+
+def read_jsonl(path: pathlib.Path, kind: type[R]) -> list[R]:
+    """Every record of a JSON-lines file (a torn last line is left out)."""
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError:
+        return []
+    decoder = msgspec.json.Decoder(kind)
+    out = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(decoder.decode(line))
+        except msgspec.DecodeError:
+            if i == len(lines) - 1:
+                break  # being written
+            raise
+    return out

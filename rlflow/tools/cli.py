@@ -1,0 +1,415 @@
+"""The `rlflow` command: up, status, down.
+
+Exit status: 0 done, 1 the run failed, 2 bad configuration or a cluster that
+cannot hold it (one line, no traceback), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import msgspec
+
+from rlflow import __version__
+
+#: States of a run whose controller is still at work.
+LIVE_STATES = ("starting", "evaluating", "running")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rlflow",
+        description="Asynchronous RL post-training for language models on Ray resource pools.",
+    )
+    parser.add_argument("--version", action="version", version=f"rlflow {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    up = sub.add_parser("up", help="start a run (in the foreground unless --detach)")
+    up.add_argument("--config", type=pathlib.Path, help="TOML config (default: the embedded default)")
+    up.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                    help="override one config value (repeatable)")
+    up.add_argument("--steps", type=int, help="optimizer steps (same as --set run.steps=N)")
+    up.add_argument("--run-dir", type=pathlib.Path, help="where the run writes its files")
+    up.add_argument("--resume", type=pathlib.Path, metavar="RUN_DIR",
+                    help="continue a run from its newest checkpoint (its config, plus --set / --steps)")
+    up.add_argument("--detach", action="store_true", help="return once the run is up; see `status` and `down`")
+    up.add_argument("--no-display", action="store_true", help="no live table (log lines only)")
+
+    status = sub.add_parser("status", help="live table of a run's roles")
+    status.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
+    status.add_argument("--once", action="store_true", help="print the table once and exit")
+
+    model = sub.add_parser("model", help="the embedded default model")
+    model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    build = model_sub.add_parser("build", help="build and warm-start the default model (cached)")
+    build.add_argument("--force", action="store_true", help="rebuild even if it is cached")
+    model_sub.add_parser("path", help="print where the default model is cached")
+
+    rep = sub.add_parser("report", help="where each role's time went, and the bottleneck")
+    rep.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
+
+    planner = sub.add_parser("plan", help="predict the best split of N devices from a run's unit costs")
+    planner.add_argument("run_dir", type=pathlib.Path, help="a finished run to take unit costs from")
+    planner.add_argument("--devices", type=int, required=True, help="devices to split between rollout and trainer")
+    planner.add_argument("--steps", type=int, default=30, help="optimizer steps to simulate per layout")
+
+    down = sub.add_parser("down", help="stop a detached run")
+    down.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
+    down.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a clean stop")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    commands = {
+        "up": cmd_up, "status": cmd_status, "down": cmd_down, "model": cmd_model, "report": cmd_report, "plan": cmd_plan,
+    }
+    return commands[args.command](args)
+
+
+# ------------------------------------------------------------------------- up
+
+
+def _load_config(args: argparse.Namespace):
+    from rlflow.config import ConfigError, load
+    from rlflow.rundir import RunDir
+
+    overrides = list(args.overrides)
+    if args.steps is not None:
+        overrides.append(f"run.steps={args.steps}")
+    if getattr(args, "resume", None) is not None:
+        folder = RunDir(args.resume)
+        checkpoint = folder.latest_checkpoint()
+        if checkpoint is None:
+            raise ConfigError("--resume", str(args.resume), "has no complete checkpoint under checkpoints/")
+        overrides.append(f'run.resume="{checkpoint}"')
+        return load(folder.config, overrides)
+    path = args.config or default_config_path()
+    return load(path, overrides)
+
+
+def default_config_path() -> pathlib.Path:
+    return pathlib.Path(__file__).resolve().parent.parent / "defaults" / "default.toml"
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from rlflow.config import ConfigError, resolve_run_dir
+    from rlflow.control.launch import resolve
+
+    try:
+        config = _load_config(args)
+        if config.needs_model and config.roles.rollout.model == "default" and not config.run.resume:
+            _build_default_model(force=False)
+        resolve(config)  # a model or path that is not there is a config error now, not in a service
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    run_dir = args.resume or resolve_run_dir(config, str(args.run_dir) if args.run_dir else None)
+    if args.detach:
+        return _detach(args, run_dir)
+    return _foreground(config, run_dir, display=not args.no_display)
+
+
+#: Seconds between progress lines when the output is not a terminal.
+PROGRESS_EVERY_S = 5.0
+
+
+def progress_line(status) -> str:
+    """One line of a run's progress, for logs (where the live table cannot go)."""
+    parts = [f"[rlflow] {status.state}: step {status.step}/{status.steps}"]
+    last = status.last_step
+    if last is not None:
+        if last.reward_mean is not None:
+            parts.append(f"reward {last.reward_mean:.3f}")
+        if last.time_s > 0:
+            parts.append(f"{status.samples / last.time_s:.1f} samples/s")
+    if status.last_eval is not None and status.last_eval.accuracy is not None:
+        parts.append(f"held-out {100 * status.last_eval.accuracy:.1f}% (step {status.last_eval.step})")
+    return ", ".join(parts)
+
+
+def _foreground(config, run_dir: pathlib.Path, *, display: bool) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from rlflow.control.launch import run
+    from rlflow.control.placement import PlacementError
+    from rlflow.errors import RunFailed
+    from rlflow.tools.display import render
+
+    console = Console(stderr=True)
+    live = Live(console=console, refresh_per_second=4, transient=False) if display and console.is_terminal else None
+    last_line = [0.0]
+
+    def on_status(status) -> None:
+        if live is not None:
+            live.update(render(status))
+        elif time.monotonic() - last_line[0] >= PROGRESS_EVERY_S:
+            last_line[0] = time.monotonic()
+            print(progress_line(status), file=sys.stderr, flush=True)
+
+    print(f"[rlflow] run dir {run_dir}", file=sys.stderr)
+    try:
+        if live is not None:
+            live.start()
+        summary = run(config, run_dir, on_status=on_status)
+    except PlacementError as exc:
+        print(f"placement error: {exc}", file=sys.stderr)
+        return 2
+    except RunFailed as exc:
+        print(f"run failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("[rlflow] interrupted; every service was stopped", file=sys.stderr)
+        return 130
+    finally:
+        if live is not None:
+            live.stop()
+    from rlflow.tools.report import report
+
+    body, files = report(run_dir)
+    print(body, file=sys.stderr)
+    print(f"  wrote {', '.join(str(f) for f in files)}", file=sys.stderr)
+    print(
+        f"[rlflow] {summary.steps} steps, {summary.samples} samples, {summary.tokens} tokens "
+        f"in {summary.wall_time_s:.1f} s; staleness max {summary.staleness_max:g}; "
+        f"controller {summary.controller.messages_per_s:.0f} msg/s, "
+        f"{100 * summary.controller.cpu_share:.2f}% CPU",
+        file=sys.stderr,
+    )
+    return 0 if summary.state == "stopped" else 1
+
+
+def _detach(args: argparse.Namespace, run_dir: pathlib.Path) -> int:
+    """Start the same `rlflow up` in a process of its own; return once it is running."""
+    from rlflow.rundir import RunDir
+
+    folder = RunDir(run_dir)
+    folder.path.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "rlflow", "up", "--no-display"]
+    if args.resume is not None:
+        argv += ["--resume", str(args.resume)]
+    else:
+        argv += ["--run-dir", str(run_dir)]
+    if args.config:
+        argv += ["--config", str(args.config)]
+    for item in args.overrides:
+        argv += ["--set", item]
+    if args.steps is not None:
+        argv += ["--steps", str(args.steps)]
+    log = open(folder.run_log, "ab")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    folder.run_pid.write_text(str(proc.pid))
+    started = time.time()
+    while True:
+        if proc.poll() is not None:
+            print(f"the run exited with status {proc.returncode}; its log ({folder.run_log}) ends:", file=sys.stderr)
+            print("".join(folder.run_log.read_text().splitlines(True)[-20:]), file=sys.stderr)
+            return 1
+        status = _read_status(folder)
+        # A resumed run's directory holds the last run's status until this one writes its own.
+        if status is not None and status.state in ("running", "stopped") and folder.status.stat().st_mtime >= started:
+            break
+        time.sleep(0.2)
+    print(f"[rlflow] run {run_dir} is up (pid {proc.pid}); `rlflow status {run_dir}` shows it, "
+          f"`rlflow down {run_dir}` stops it", file=sys.stderr)
+    return 0
+
+
+def _build_default_model(force: bool) -> pathlib.Path:
+    """The default model's directory; built first (with a progress bar) if needed."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from rlflow.tools.model import build_default, default_model_dir
+
+    path = default_model_dir()
+    if (path / "config.json").exists() and not force:
+        return path
+    print(f"[rlflow] building the default model into {path} (once; a few minutes)", file=sys.stderr)
+    if not sys.stderr.isatty():  # a log, not a terminal: a line every 15 s
+        last = [0.0]
+
+        def log_line(text: str, fraction: float) -> None:
+            if time.monotonic() - last[0] >= 15 or fraction >= 1.0:
+                last[0] = time.monotonic()
+                print(f"[rlflow] {100 * fraction:3.0f}% {text}", file=sys.stderr, flush=True)
+
+        build_default(path, progress=log_line)
+        return path
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), transient=False
+    ) as progress:
+        task = progress.add_task("warm start", total=1.0)
+
+        def report(text: str, fraction: float) -> None:
+            progress.update(task, completed=fraction, description=text)
+
+        build_default(path, progress=report)
+    return path
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from rlflow.tools.report import report
+
+    run_dir = _find_run(args.run_dir)
+    if run_dir is None:
+        print("no run directory given and none in runs/", file=sys.stderr)
+        return 1
+    try:
+        body, files = report(run_dir)
+    except FileNotFoundError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print(body)
+    for path in files:
+        print(f"  wrote {path}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from rlflow.tools.plan import plan, table
+
+    try:
+        ranked, pools = plan(args.run_dir, args.devices, args.steps)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"plan: {exc}", file=sys.stderr)
+        return 2
+    print(f"predicted from the unit costs of {args.run_dir}, {args.devices} devices:")
+    print(table(ranked))
+    best = ranked[0]
+    print(f"\nbest: {best.layout} ({best.samples_per_s:.1f} samples/s). Its pools:\n")
+    print(pools)
+    if best.layout != "colocated" and best.trainer_devices > 1:
+        print("note: a trainer on several devices trains data-parallel, which rlflow does not do yet")
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from rlflow.tools.model import default_model_dir
+
+    if args.model_command == "path":
+        print(default_model_dir())
+        return 0
+    path = _build_default_model(force=args.force)
+    info = json.loads((path / "rlflow_build.json").read_text())
+    print(
+        f"[rlflow] default model at {path}: {info['parameters']:,} parameters, "
+        f"development-set accuracy {info['dev_accuracy']:.1%} after {info['steps']} warm-start steps "
+        f"({info['seconds']:.0f} s)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+# --------------------------------------------------------------- status, down
+
+
+def _read_status(folder):
+    """A run's status, as its controller last wrote it; a run said to be going
+    whose controller process is gone (killed before it could write) is "dead"."""
+    status = folder.read_status()
+    if status is None:
+        return None
+    here = status.host == socket.gethostname()
+    if status.state in LIVE_STATES and here and status.pid and not _alive(status.pid):
+        error = status.error or f"the controller (pid {status.pid}) is gone without saying why (killed?)"
+        status = msgspec.structs.replace(status, state="dead", error=error)
+    return status
+
+
+def _find_run(run_dir: pathlib.Path | None):
+    """The run directory given, or the newest one under runs/."""
+    from rlflow.rundir import RunDir
+
+    if run_dir is not None:
+        return RunDir(run_dir)
+    runs = sorted(pathlib.Path("runs").glob("*/status.json"), key=lambda p: p.stat().st_mtime)
+    return RunDir(runs[-1].parent) if runs else None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from rlflow.tools.display import render
+
+    folder = _find_run(args.run_dir)
+    status = _read_status(folder) if folder else None
+    if status is None:
+        print(f"no run status in {folder or 'runs/'}", file=sys.stderr)
+        return 1
+    console = Console()
+    if args.once or not console.is_terminal:
+        console.print(render(status))
+        return 0
+    try:
+        with Live(render(status), console=console, refresh_per_second=2) as live:
+            while status.state in LIVE_STATES:
+                time.sleep(0.5)
+                status = _read_status(folder) or status
+                live.update(render(status))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie nobody has reaped yet does not)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    import trio
+
+    from rlflow.data import transport
+    from rlflow.protocol import Shutdown
+
+    folder = _find_run(args.run_dir)
+    info = folder.read_controller() if folder else None
+    if info is None:
+        print(f"no running controller in {folder or 'runs/'}", file=sys.stderr)
+        return 1
+    pid = int(folder.run_pid.read_text()) if folder.run_pid.exists() else info.pid
+
+    async def ask() -> None:
+        async with transport.open_dealer(connect=info.address, name="down") as dealer:
+            await dealer.send(Shutdown(reason="rlflow down", secret=info.secret))
+            await trio.sleep(0.2)
+
+    if _alive(pid):
+        trio.run(ask)
+    deadline = time.monotonic() + args.timeout
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(pid):
+        print(f"the run did not stop within {args.timeout:g} s; sending SIGTERM to {pid}", file=sys.stderr)
+        os.kill(pid, signal.SIGTERM)
+        time.sleep(5)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    status = folder.read_status()
+    print(f"[rlflow] run {folder.path} {status.state if status else 'stopped'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The embedded default model: a small Qwen2 that rlflow builds locally.
+
+`build_default` makes a character-level tokenizer for the `arith` task, a
+4-layer Qwen2 (untied embeddings, float32, 4.2M parameters) and warm-starts
+it with a short supervised phase on worked additions until it solves a
+fixed share of a development set, so that RL starts clearly below the
+ceiling. Nothing is downloaded. The result is an ordinary Hugging Face
+directory (safetensors, tokenizer, generation config) that vLLM and
+transformers load as they are, cached under ``~/.cache/rlflow/models``
+(``$RLFLOW_CACHE`` to move it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+#: Bump when the recipe below changes, so that caches rebuild.
+BUILD_VERSION = 1
+DEFAULT_NAME = "arith-qwen2-4x256"
+SPECIAL = ("<pad>", "<eos>", "<unk>")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How the default model is built and warm-started."""
+
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    ffn: int = 1024
+    max_positions: int = 256
+    seed: int = 0
+    lr: float = 1e-3
+    batch: int = 32
+    target_accuracy: float = 0.33
+    """Stop the warm start once greedy accuracy on the development set reaches this."""
+    max_seconds: float = 270.0
+    """Or after this long."""
+    eval_every: int = 24
+    dev_size: int = 300
+
+
+def cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("RLFLOW_CACHE", pathlib.Path.home() / ".cache" / "rlflow"))
+
+
+def default_model_dir() -> pathlib.Path:
+    return cache_dir() / "models" / f"{DEFAULT_NAME}-v{BUILD_VERSION}"
+
+
+def resolve_model(name: str) -> pathlib.Path:
+    """A model directory: "default" is the built default model."""
+    if name == "default":
+        path = default_model_dir()
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"the default model is not built yet ({path}); run `rlflow model build`")
+        return path
+    path = pathlib.Path(name).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def build_tokenizer(alphabet: str):
+    """A character-level fast tokenizer over `alphabet` plus pad / eos / unk."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([*SPECIAL, *alphabet])}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", clean_up_tokenization_spaces=False
+    )
+
+
+def _config(recipe: Recipe, tokenizer):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden,
+        intermediate_size=recipe.ffn,
+        num_hidden_layers=recipe.layers,
+        num_attention_heads=recipe.heads,
+        num_key_value_heads=recipe.heads,
+        max_position_embeddings=recipe.max_positions,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+        architectures=["Qwen2ForCausalLM"],
+    )
+
+
+def greedy_accuracy(model, tokenizer, problems: list[tuple[int, int]], max_new_tokens: int = 100) -> float:
+    """Share of `problems` whose greedy answer is right (transformers, no vLLM)."""
+    import torch
+
+    from rlflow.data.tasks import Arith
+
+    tokenizer.padding_side = "left"
+    prompts = [Arith.prompt_text(a, b) for a, b in problems]
+    right = 0
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(prompts), 100):
+            chunk = prompts[start : start + 100]
+            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            out = model.generate(
+                **enc,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
+            for (a, b), text in zip(problems[start : start + 100], texts):
+                right += Arith.check(str(a + b), text)[0] == 1.0
+    model.train()
+    return right / len(problems)
+
+
+def build_default(
+    out: pathlib.Path | None = None,
+    recipe: Recipe = Recipe(),
+    progress: Callable[[str, float], None] | None = None,
+) -> pathlib.Path:
+    """Build, warm-start and save the default model; its directory.
+
+    `progress(text, fraction)` is called as it goes.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    from rlflow.config import ArithTask
+    from rlflow.data.tasks import Arith
+
+    out = out or default_model_dir()
+    report = progress or (lambda text, fraction: None)
+    torch.manual_seed(recipe.seed)
+    task_cfg = ArithTask()
+    arith = Arith(task_cfg.digit_weights, seed=recipe.seed, heldout_seed=task_cfg.heldout_seed)
+    tokenizer = build_tokenizer(Arith.ALPHABET)
+    model = Qwen2ForCausalLM(_config(recipe, tokenizer))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98))
+    rng = np.random.default_rng((recipe.seed, 3))
+    dev_rng = np.random.default_rng((recipe.seed, 4))
+    dev = [arith.fresh_problem(dev_rng) for _ in range(recipe.dev_size)]
+    eos = tokenizer.eos_token
+
+    def batch():
+        # Supervised data covers every length evenly, so the warm start is
+        # sloppy at all of them rather than blind beyond a few digits.
+        texts, prompts = [], []
+        while len(texts) < recipe.batch:
+            a, b = arith.fresh_problem(rng, uniform_digits=True)
+            prompt = Arith.prompt_text(a, b)
+            texts.append(prompt + Arith.solution(a, b) + eos)
+            prompts.append(len(prompt))
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        labels = enc["input_ids"].clone()
+        labels[enc["attention_mask"] == 0] = -100
+        for row, n in enumerate(prompts):
+            labels[row, :n] = -100  # learn the answer, not the question
+        return enc, labels
+
+    started = time.monotonic()
+    accuracy, step, history = 0.0, 0, []
+    while True:
+        enc, labels = batch()
+        warm = min(1.0, (step + 1) / 20)
+        for group in optimizer.param_groups:
+            group["lr"] = recipe.lr * warm
+        loss = model(**enc, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        elapsed = time.monotonic() - started
+        if step % recipe.eval_every == 0:
+            accuracy = greedy_accuracy(model, tokenizer, dev)
+            history.append({"step": step, "seconds": round(elapsed, 1), "loss": round(loss.item(), 4), "dev_accuracy": accuracy})
+        fraction = max(min(accuracy / recipe.target_accuracy, 1.0), min(elapsed / recipe.max_seconds, 1.0))
+        report(f"warm start: step {step}, loss {loss.item():.3f}, dev accuracy {accuracy:.1%}", fraction)
+        if accuracy >= recipe.target_accuracy or elapsed >= recipe.max_seconds:
+            break
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        GenerationConfig(
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
+        ).save_pretrained(tmp)
+        info = {
+            "name": DEFAULT_NAME,
+            "build_version": BUILD_VERSION,
+            "recipe": asdict(recipe),
+            "steps": step,
+            "seconds": round(time.monotonic() - started, 1),
+            "dev_accuracy": accuracy,
+            "history": history,
+            "parameters": sum(p.numel() for p in model.parameters()),
+        }
+        (tmp / "rlflow_build.json").write_text(json.dumps(info, indent=1))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    report(f"built in {time.monotonic() - started:.0f} s: dev accuracy {accuracy:.1%}", 1.0)
+    return out
+
+
+def ensure_default(progress: Callable[[str, float], None] | None = None) -> pathlib.Path:
+    """The default model's directory, building it first if it is missing."""
+    path = default_model_dir()
+    if not (path / "config.json").exists():
+        build_default(path, progress=progress)
+    return path
+
+

@@ -1,0 +1,345 @@
+"""`rlflow plan RUN_DIR --devices N`: which split of N devices runs fastest.
+
+A discrete-event model of the pipeline, with the semantics of rlflow's own
+services (continuous batching over slots with one token per sequence per
+decode step, credits within the staleness bound, a sync barrier at zero
+staleness, weight updates reaching the rollout after a delay and, with the
+strict staleness check, restarts and drops of groups past the bound)
+replays the unit costs measured in a run: the decode-step time and slots of a
+rollout replica, the response lengths, the trainer's time per token, the
+weight-update delay. It predicts the throughput of each split of N devices
+between rollout and trainer, and of the colocated layout (all devices
+generate, then all train, synchronously), ranks them, and prints the pools
+section of the best one.
+
+`simulate` is also what `bench/longtail.py` uses for its overlap bound's
+sanity check, and what a test holds against real runs.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import math
+import pathlib
+from dataclasses import dataclass
+
+import numpy as np
+import tomli_w
+
+from rlflow.config import SimRollout, SimTrainer, load
+from rlflow.rundir import RunDir
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Unit costs and shape of a run, per device."""
+
+    slots_per_device: int
+    """Concurrent sequences one rollout device decodes."""
+    step_s: float
+    """Decode-step time with one active sequence."""
+    step_s_per_seq: float
+    """Extra decode-step time per active sequence."""
+    trainer_device_s_per_token: float
+    """Trainer time per token on one device (halves with two)."""
+    step_overhead_s: float = 0.0
+    """Fixed trainer time per optimizer step."""
+    update_s: float = 0.0
+    """From the trainer publishing a version to the rollout generating with it."""
+    reward_s: float = 0.0
+    """Scoring delay per group between rollout and trainer."""
+    batch_size: int = 32
+    samples_per_prompt: int = 8
+    max_staleness: int = 2
+    strict: bool = False
+    """`staleness_check = "strict"`: groups past the bound are generated again."""
+    lengths: tuple[int, ...] = (256,)
+    """Response lengths to draw from (the run's, or a distribution's)."""
+
+
+@dataclass
+class Prediction:
+    layout: str
+    rollout_devices: int
+    trainer_devices: int
+    samples_per_s: float
+    step_s: float
+    trainer_idle: float
+    rollout_occupancy: float
+    reissued: int = 0
+
+
+@dataclass
+class _Seq:
+    group: int
+    length: int
+    min_version: int
+    remaining: int = 0
+    first_version: int = 0
+
+
+def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int = 20, *,
+             colocated: bool = False, seed: int = 0) -> Prediction:
+    """Run the model for `steps` optimizer steps; throughput after the first few.
+
+    Colocated: every device generates, then every device trains, with a
+    barrier between steps (synchronous).
+    """
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(w.lengths)
+    B, n = w.batch_size, w.samples_per_prompt
+    k = 0 if colocated else w.max_staleness
+    slots = w.slots_per_device * rollout_devices
+    s_per_token = w.trainer_device_s_per_token / trainer_devices
+
+    def step_time(active: int) -> float:
+        return w.step_s + w.step_s_per_seq * active
+
+    now = 0.0
+    rollout_version = trainer_version = steps_done = next_group = reissued = 0
+    pending: list[_Seq] = []  # submitted requests waiting for a slot, in order
+    active: list[_Seq] = []
+    left: dict[int, int] = {}
+    tokens_of: dict[int, int] = {}
+    first_of: dict[int, int] = {}
+    ready: list[tuple[float, int]] = []  # (reaches the trainer, group)
+    buffer: list[int] = []
+    updates: list[tuple[float, int]] = []  # (the rollout has it, version)
+    trainer_busy = slot_time = 0.0
+    training, train_end = False, math.inf
+    step_ends: list[float] = []
+
+    def submit(group: int, min_version: int) -> None:
+        left[group], tokens_of[group], first_of[group] = n, 0, 1 << 30
+        for length in rng.choice(lengths, n):
+            pending.append(_Seq(group, int(length), min_version))
+
+    def grant() -> None:
+        nonlocal next_group
+        limit = min(B * (steps_done + k + 1), B * (steps + 4))
+        while next_group < limit:
+            submit(next_group, max(0, next_group // B - k))
+            next_group += 1
+
+    def admit() -> None:
+        while pending and len(active) < slots and pending[0].min_version <= rollout_version:
+            seq = pending.pop(0)
+            seq.remaining, seq.first_version = seq.length, rollout_version
+            active.append(seq)
+
+    grant()
+    admit()
+    while steps_done < steps:
+        t_seq = now + min(q.remaining for q in active) * step_time(len(active)) if active else math.inf
+        t_next = min(t_seq, ready[0][0] if ready else math.inf, train_end if training else math.inf,
+                     updates[0][0] if updates else math.inf)
+        if t_next == math.inf:
+            raise RuntimeError("the modelled pipeline stalled")
+        if active:
+            advanced = int((t_next - now) / step_time(len(active)) + 1e-9)
+            slot_time += len(active) * (t_next - now)
+            for q in active:
+                q.remaining -= advanced
+        now = t_next
+        while updates and updates[0][0] <= now:
+            _, version = heapq.heappop(updates)
+            rollout_version = max(rollout_version, version)
+            # Strict: groups already too stale whatever happens start again, whole.
+            doomed: set[int] = set()
+            if w.strict:
+                doomed = {q.group for q in active if rollout_version - q.first_version > k}
+                doomed |= {g for g, first in first_of.items() if left.get(g, 0) > 0 and rollout_version - first > k}
+            for q in active:
+                if q.group in doomed:
+                    q.length = q.remaining = int(rng.choice(lengths))
+                    q.first_version = rollout_version
+            for group in doomed:
+                done = n - left[group] - sum(1 for q in pending if q.group == group) - sum(1 for q in active if q.group == group)
+                for _ in range(max(done, 0)):
+                    pending.insert(0, _Seq(group, int(rng.choice(lengths)), 0))
+                left[group] = n
+                tokens_of[group] = 0
+                first_of[group] = 1 << 30
+        finished = [q for q in active if q.remaining <= 0]
+        if finished:
+            active = [q for q in active if q.remaining > 0]
+            for q in finished:
+                left[q.group] -= 1
+                tokens_of[q.group] += q.length
+                first_of[q.group] = min(first_of[q.group], q.first_version)
+                if left[q.group] == 0:
+                    heapq.heappush(ready, (now + w.reward_s, q.group))
+        while ready and ready[0][0] <= now:
+            buffer.append(heapq.heappop(ready)[1])
+        if training and now >= train_end:
+            training = False
+            steps_done += 1
+            trainer_version += 1
+            step_ends.append(now)
+            heapq.heappush(updates, (now + w.update_s, trainer_version))
+            grant()
+        if not training:
+            # Strict: the trainer drops what has passed the bound (reissued).
+            # It takes the oldest first.
+            for group in [g for g in buffer if w.strict and trainer_version - first_of[g] > k]:
+                buffer.remove(group)
+                reissued += 1
+                submit(group, max(0, trainer_version - k))
+            buffer.sort(key=lambda g: first_of[g])
+        if not training and len(buffer) >= B:
+            taken, buffer = buffer[:B], buffer[B:]
+            duration = w.step_overhead_s + s_per_token * sum(tokens_of[g] for g in taken)
+            training, train_end = True, now + duration
+            trainer_busy += duration
+        admit()
+    warm = min(3, max(len(step_ends) - 2, 0))
+    measured = len(step_ends) - 1 - warm
+    step_s = (step_ends[-1] - step_ends[warm]) / measured if measured > 0 else now / max(steps_done, 1)
+    return Prediction(
+        layout="colocated" if colocated else f"{rollout_devices}+{trainer_devices}",
+        rollout_devices=rollout_devices,
+        trainer_devices=trainer_devices,
+        samples_per_s=B * n / step_s,
+        step_s=step_s,
+        trainer_idle=max(0.0, 1 - trainer_busy / now) if now else 0.0,
+        rollout_occupancy=slot_time / (slots * now) if now else 0.0,
+        reissued=reissued,
+    )
+
+
+def candidates(w: Workload, devices: int, steps: int = 20) -> list[Prediction]:
+    """Every split of `devices` between rollout and trainer, and colocated; fastest first."""
+    out = [simulate(w, r, devices - r, steps) for r in range(1, devices)]
+    out.append(simulate(w, devices, devices, steps, colocated=True))
+    return sorted(out, key=lambda p: -p.samples_per_s)
+
+
+# ---------------------------------------------------------------------------
+# Unit costs from a run directory
+# ---------------------------------------------------------------------------
+
+
+def workload_from_run(run_dir: str | pathlib.Path) -> tuple[Workload, int, int]:
+    """The run's unit costs per device, and its rollout and trainer device counts."""
+
+    folder = RunDir(run_dir)
+    path = folder.path
+    config = load(folder.config)
+    rows = folder.read_metrics()
+    summary = folder.read_summary()
+    if not rows or summary is None:
+        raise ValueError(f"{path} has no finished steps to learn unit costs from")
+    lengths: list[int] = []
+    for file in sorted(folder.traces.glob("lengths-*.jsonl")):
+        for line in file.read_text().splitlines():
+            lengths += json.loads(line)["lengths"]
+    rollout = config.roles.rollout
+    rollout_devices = _devices(config, "rollout")
+    trainer_devices = _devices(config, "trainer")
+    # Trainer: measured seconds per consumed token (the model charges every
+    # token of a step's groups), times its devices.
+    train_s = sum(r.train_s for r in rows)
+    tokens = sum(r.tokens for r in rows)
+    trainer_cost = train_s / max(tokens, 1) * trainer_devices
+    if not lengths:  # no per-sample record: every response of the mean length
+        lengths = [max(1, round(tokens / max(sum(r.samples for r in rows), 1)))]
+    counters: dict[str, float] = {}
+    busy_s = 0.0
+    for file in sorted(folder.traces.glob("rollout-*.json")):
+        trace = json.loads(file.read_text())
+        for key, value in trace.get("counters", {}).items():
+            counters[key] = counters.get(key, 0.0) + value
+        events = trace.get("events", [])
+        busy_s += sum(b[0] - a[0] for a, b in zip(events, events[1:]) if a[1] == "busy")
+    if isinstance(rollout.engine, SimRollout):
+        slots = rollout.engine.slots * rollout.replicas
+        step_s, per_seq = rollout.engine.step_s, rollout.engine.step_s_per_seq
+        if busy_s and counters.get("tokens"):
+            # What the engine really did while busy, its own overheads
+            # included: the decode step that gives its measured tokens/s.
+            step_s, per_seq = slots * busy_s / (rollout.replicas * counters["tokens"]), 0.0
+    else:
+        # A real engine: its measured tokens per busy second at its batch size.
+        slots = getattr(rollout.engine, "max_num_seqs", 64) * rollout.replicas
+        rollout_shares = summary.roles.get("rollout")
+        busy = (rollout_shares.busy if rollout_shares is not None else 1.0) * summary.wall_time_s
+        step_s, per_seq = slots * busy / max(summary.tokens, 1), 0.0
+    # The trainer's time between steps beyond its compute (collecting,
+    # publishing), from steps where it did not wait for input.
+    gaps = [
+        b.time_s - a.time_s - b.train_s
+        for a, b in zip(rows, rows[1:])
+        if "trainer" in b.roles and b.roles["trainer"].starved < 0.05
+    ]
+    overhead = float(np.median(gaps)) if gaps else 0.0
+    if isinstance(config.roles.trainer.engine, SimTrainer):
+        overhead = max(overhead, config.roles.trainer.engine.step_overhead_s)
+    workload = Workload(
+        slots_per_device=max(1, slots // max(rollout_devices, 1)),
+        step_s=step_s,
+        step_s_per_seq=per_seq,
+        trainer_device_s_per_token=trainer_cost,
+        step_overhead_s=overhead,
+        update_s=summary.weights_load_s_mean,
+        batch_size=config.run.batch_size,
+        samples_per_prompt=config.run.samples_per_prompt,
+        max_staleness=config.run.staleness,
+        strict=config.run.staleness_check == "strict",
+        lengths=tuple(lengths),
+    )
+    return workload, rollout_devices, trainer_devices
+
+
+def _devices(config, role: str) -> int:
+    """A role's devices: GPUs of its replicas' bundles, else its replicas."""
+    cfg = dict(config.role_items())[role]
+    pool = config.pools[cfg.pool]
+    if pool.gpus_per_bundle:
+        return max(1, round(pool.gpus_per_bundle * cfg.replicas))
+    return cfg.replicas
+
+
+def pools_section(best: Prediction, w: Workload, gpus: bool) -> str:
+    """The pools and role placement for a layout, as TOML to paste into a config."""
+    unit = "gpus_per_bundle" if gpus else "cpus_per_bundle"
+    if best.layout == "colocated":
+        table = {
+            "pools": {"all": {"bundles_per_node": best.rollout_devices, unit: 1.0}},
+            "run": {"mode": "sync"},  # colocated: generate with everything, then train with everything
+            "roles": {"rollout": {"pool": "all", "replicas": best.rollout_devices}, "trainer": {"pool": "all"}},
+        }
+    else:
+        table = {
+            "pools": {
+                "generate": {"bundles_per_node": best.rollout_devices, unit: 1.0},
+                "train": {"bundles_per_node": best.trainer_devices, unit: 1.0},
+            },
+            "roles": {
+                "rollout": {"pool": "generate", "replicas": best.rollout_devices},
+                "trainer": {"pool": "train"},
+            },
+        }
+    return tomli_w.dumps(table)
+
+
+def plan(run_dir: str | pathlib.Path, devices: int, steps: int = 20) -> tuple[list[Prediction], str]:
+    workload, rollout_devices, trainer_devices = workload_from_run(run_dir)
+    if devices < 2:
+        raise ValueError("--devices must be at least 2 (one to generate, one to train)")
+    ranked = candidates(workload, devices, steps)
+
+    config = load(RunDir(run_dir).config)
+    gpus = any(p.gpus_per_bundle for p in config.pools.values())
+    return ranked, pools_section(ranked[0], workload, gpus)
+
+
+def table(ranked: list[Prediction]) -> str:
+    lines = [f"{'layout':<12}{'rollout':>8}{'trainer':>8}{'samples/s':>11}{'step s':>8}{'trainer idle':>13}{'occupancy':>10}"]
+    for p in ranked:
+        lines.append(
+            f"{p.layout:<12}{p.rollout_devices:>8}{p.trainer_devices:>8}{p.samples_per_s:>11.1f}"
+            f"{p.step_s:>8.2f}{p.trainer_idle:>13.0%}{p.rollout_occupancy:>10.0%}"
+        )
+    return "\n".join(lines)
+

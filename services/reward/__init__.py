@@ -1,0 +1,1 @@
+"""The reward process: scores every response of a batch and passes it on."""

@@ -1,0 +1,76 @@
+"""What the rollout service needs of an engine (`RolloutEngine`), and how an
+engine is chosen from the config.
+
+An engine gets an `EngineContext` (config, rank, clock, counters), never the
+service. It generates the groups it is given with continuous batching and
+hands each finished group, with one `Response` per sample, to the service
+through its `finished` channel. Weights reach it between two of its steps.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import trio
+
+from rlflow.config import SimRollout, VllmRollout
+from rlflow.protocol import ParamSpec, PromptGroup, Response, WeightTransfer
+from rlflow.services.base import EngineContext
+
+#: What an engine hands the service: a group and one response per sample.
+Finished = tuple[PromptGroup, list[Response]]
+
+
+class RolloutEngine(Protocol):
+    """A generator of responses that takes new weights while it runs."""
+
+    version: int
+    """The policy version of the weights it generates with."""
+    finished: trio.MemoryReceiveChannel[Finished]
+    """Each group, the moment its last sample is done."""
+    eval_concurrency: int
+    """Held-out prompts to have in flight at once."""
+
+    async def start(self) -> None:
+        """Load the model (blocking work goes to a thread)."""
+
+    def hello_info(self) -> dict[str, str]:
+        """What the controller should know (``slots``: sequences decoded at once)."""
+
+    async def set_version(self, version: int) -> None:
+        """Label the weights held now (above 0 when the run resumes)."""
+
+    async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec]) -> None:
+        """Get ready to receive weights as the controller's welcome says."""
+
+    async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """The engine's loop, until cancelled."""
+
+    def submit(self, group: PromptGroup, issued_at: float) -> None:
+        """Generate `group` (not before its `min_version` is held)."""
+
+    async def update_weights(self, version: int, transfer: WeightTransfer | None) -> int:
+        """Receive `version` (joining `transfer` first, if given) and apply it
+        between two steps; the version now held."""
+
+    async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
+        """One answer to a held-out prompt (not a training sample)."""
+
+    def queues(self) -> dict[str, int]:
+        """Requests waiting and running now."""
+
+    async def close(self) -> None:
+        """Release the engine."""
+
+
+def make_engine(ctx: EngineContext) -> RolloutEngine:
+    match ctx.config.roles.rollout.engine:
+        case SimRollout() as cfg:
+            from rlflow.services.rollout.sim import SimEngine
+
+            return SimEngine(cfg, ctx)
+        case VllmRollout() as cfg:
+            from rlflow.services.rollout.vllm_engine import VllmEngine
+
+            return VllmEngine(cfg, ctx)
+    raise ValueError(f"unknown rollout engine {ctx.config.roles.rollout.engine!r}")

@@ -1,0 +1,447 @@
+"""The rollout's vLLM engine, driven from trio.
+
+vLLM's `AsyncLLM` runs on an asyncio event loop of its own thread; every
+call from the trio service is bridged there and back (`AsyncioBridge`).
+Cancelling the trio side cancels the asyncio task, which aborts the vLLM
+request; results delivered after the trio side has gone are dropped.
+
+Each prompt group is one request with ``n`` samples; the group is sent on
+the moment its last sample finishes. Every sampled token comes with its
+log-probability under the sampling distribution and the policy version that
+produced it (vLLM's weight-version spans). A request that fails becomes
+failed samples in the batch (`FinishReason.ERROR`), and the engine goes on.
+
+Weights, on CPU: a gloo process group with the trainer, received by
+rlflow's own weight-transfer backend inside vLLM's engine-core process
+(`vllm_worker`). An update pauses the engine with its requests kept,
+receives and loads the flat buffer, and resumes: requests in flight go on
+over their KV cache (or recompute it under the new weights,
+``kv_on_update = "recompute"``) and their later tokens carry the new version.
+
+With `vllm_worker`, this module is the only place that imports vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import trio
+
+from rlflow.algo.staleness import too_stale
+from rlflow.config import VllmRollout
+from rlflow.protocol import FinishReason, ParamSpec, PromptGroup, Response, Stage, WeightsGloo, WeightTransfer
+from rlflow.protocol.batch import N_STAGES
+from rlflow.services.base import EngineContext, cpu_ranges
+from rlflow.services.rollout.vllm_worker import BACKEND
+
+
+class AsyncioBridge:
+    """An asyncio loop on its own thread, and a way to await its coroutines from trio."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._serve, name="vllm-asyncio", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    async def run(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        """Run `make()` on the asyncio loop and wait for it from trio.
+
+        Cancelling the trio caller cancels the asyncio task.
+        """
+        future = asyncio.run_coroutine_threadsafe(_call(make), self.loop)
+        token = trio.lowlevel.current_trio_token()
+        done = trio.Event()
+
+        def wake(_: Any) -> None:
+            try:
+                token.run_sync_soon(done.set)
+            except trio.RunFinishedError:  # the trio side is gone: drop the result
+                pass
+
+        future.add_done_callback(wake)
+        try:
+            await done.wait()
+        except trio.Cancelled:
+            future.cancel()
+            raise
+        return future.result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+async def _call(make: Callable[[], Awaitable[Any]]) -> Any:
+    return await make()
+
+
+class VllmBackend:
+    """vLLM's AsyncLLM on its asyncio thread, with the calls the rollout needs.
+
+    Its coroutines may be awaited from any trio run (a test session shares
+    one backend across tests; a service owns one).
+    """
+
+    def __init__(self, cfg: VllmRollout, model_path: str, seed: int = 0):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.seed = seed
+        self.bridge: AsyncioBridge | None = None
+        self.llm = None
+
+    def engine_args(self):
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        return AsyncEngineArgs(
+            model=self.model_path,
+            dtype=self.cfg.dtype,
+            max_num_seqs=self.cfg.max_num_seqs,
+            kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
+            tensor_parallel_size=self.cfg.tensor_parallel_size,
+            enforce_eager=self.cfg.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            weight_transfer_config={"backend": BACKEND},
+            worker_extension_cls="rlflow.services.rollout.vllm_worker.WorkerExtension",
+            seed=self.seed,
+            disable_log_stats=True,
+            enable_prefix_caching=False,
+        )
+
+    def start_blocking(self) -> None:
+        """Start vLLM (its engine core is a process of its own); blocks."""
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if hasattr(os, "sched_getaffinity") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM-CPU binds its threads to a whole NUMA node by default; keep
+            # it on the cores placement gave this replica.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_ranges(sorted(os.sched_getaffinity(0)))
+        # Idle OpenMP threads sleep instead of spinning, so that a role
+        # sharing a core with the engine still gets it when the engine waits.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+        self.bridge = AsyncioBridge()
+        args = self.engine_args()
+
+        async def create():
+            return AsyncLLM.from_engine_args(args)
+
+        self.llm = asyncio.run_coroutine_threadsafe(create(), self.bridge.loop).result()
+
+    def close(self) -> None:
+        """Stop vLLM (on its own loop, so that its output task ends cleanly)."""
+        if self.llm is not None and self.bridge is not None:
+            llm, self.llm = self.llm, None
+
+            async def stop() -> None:
+                llm.shutdown()
+
+            asyncio.run_coroutine_threadsafe(stop(), self.bridge.loop).result(timeout=60)
+        if self.bridge is not None:
+            self.bridge.close()
+            self.bridge = None
+
+    async def call(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        assert self.bridge is not None, "start the backend first"
+        return await self.bridge.run(make)
+
+    async def set_version(self, version: int) -> None:
+        """Label the weights held now (tokens generated with them carry it)."""
+        llm = self.llm
+        await self.call(lambda: llm.update_weight_version(str(version)))
+
+    async def join_weights(self, host: str, port: int, rank: int, world_size: int) -> None:
+        """Join the trainer's gloo weight group (returns once all have joined)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        llm = self.llm
+        request = WeightTransferInitRequest(
+            init_info={"host": host, "port": port, "rank": rank, "world_size": world_size}
+        )
+        await self.call(lambda: llm.init_weight_transfer_engine(request))
+
+    async def update(self, version: int, layout: list[ParamSpec], nbytes: int, *, kv: str | None = None) -> None:
+        """Pause with requests kept, receive and load `version`, resume.
+
+        `kv` (default: the config's `kv_on_update`): "keep" the KV cache of
+        requests in flight or "recompute" it under the new weights."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        update = {
+            "names": [p.name for p in layout],
+            "dtypes": [p.dtype for p in layout],
+            "shapes": [list(p.shape) for p in layout],
+            "offsets": [p.offset for p in layout],
+            "nbytes": nbytes,
+        }
+        llm = self.llm
+        clear = (kv or self.cfg.kv_on_update) == "recompute"
+        await self.call(lambda: llm.pause_generation(mode="keep", clear_cache=clear))
+        try:
+            await self.call(llm.start_weight_update)
+            await self.call(lambda: llm.update_weights(WeightTransferUpdateRequest(update_info=update)))
+            await self.call(lambda: llm.finish_weight_update(weight_version=str(version)))
+        finally:
+            await self.call(llm.resume_generation)
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        n: int,
+        temperature: float,
+        *,
+        max_tokens: int | None = None,
+        ignore_eos: bool = False,
+        first_token: trio.Event | None = None,
+    ):
+        """The final RequestOutput of one request with `n` samples (`ignore_eos`:
+        run to `max_tokens` without changing the sampling distribution;
+        `first_token` is set once every sample has its first token)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=self.cfg.top_p if temperature > 0 else 1.0,
+            max_tokens=max_tokens or self.cfg.max_tokens,
+            ignore_eos=ignore_eos,
+            logprobs=0 if temperature > 0 else None,
+            # Only the final output, unless someone waits for the first tokens.
+            output_kind=RequestOutputKind.FINAL_ONLY if first_token is None else RequestOutputKind.CUMULATIVE,
+            detokenize=False,  # the roles downstream read token ids
+        )
+        request_id = uuid.uuid4().hex
+        llm = self.llm
+        trio_token = trio.lowlevel.current_trio_token()
+
+        async def run():
+            final, told = None, first_token is None
+            async for out in llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
+                final = out
+                if not told and len(out.outputs) == n and all(c.token_ids for c in out.outputs):
+                    trio_token.run_sync_soon(first_token.set)
+                    told = True
+            return final
+
+        return await self.call(run)
+
+
+@dataclass
+class _Group:
+    group: PromptGroup
+    issued_at: float
+    submitted_version: int = 0
+    scope: trio.CancelScope | None = None  # of its generation, while running
+
+
+class VllmEngine:
+    """Generates prompt groups with vLLM (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: VllmRollout,
+        ctx: EngineContext,
+        backend: VllmBackend | None = None,
+        joined: tuple[WeightsGloo, list[ParamSpec]] | None = None,
+    ) -> None:
+        """`backend`: a started engine to share (tests, benches), `joined`: the
+        weight group it has already joined."""
+        self.cfg = cfg
+        self.ctx = ctx
+        self.clock = ctx.clock
+        run = ctx.config.run
+        self.staleness = run.staleness
+        self.strict = run.staleness_check == "strict"
+        self.backend = backend or VllmBackend(cfg, ctx.config.policy_path, run.seed + ctx.rank)
+        self._owns_backend = backend is None
+        self.version = 0
+        self.pending: deque[_Group] = deque()
+        self.running: dict[int, _Group] = {}
+        self._send, self.finished = trio.open_memory_channel(2)
+        self._wake = trio.Event()
+        self._weights: WeightsGloo | None = None
+        self._layout: list[ParamSpec] = []
+        self._weights_ready = trio.Event()
+        if joined is not None:
+            (self._weights, self._layout) = joined
+            self._weights_ready.set()
+        self._updating = False
+
+    @property
+    def eval_concurrency(self) -> int:
+        return self.cfg.max_num_seqs
+
+    def queues(self) -> dict[str, int]:
+        return {"pending": len(self.pending), "running": len(self.running)}
+
+    def hello_info(self) -> dict[str, str]:
+        return {"model": self.backend.model_path, "slots": str(self.cfg.max_num_seqs)}
+
+    # -- start-up ---------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.backend.llm is None:
+            await trio.to_thread.run_sync(self.backend.start_blocking)
+        await self.set_version(self.version)
+
+    async def set_version(self, version: int) -> None:
+        self.version = version
+        await self.backend.set_version(version)
+
+    async def close(self) -> None:
+        if self._owns_backend:
+            await trio.to_thread.run_sync(self.backend.close)
+
+    async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec]) -> None:
+        """Join the trainer's weight group (returns once the trainer has joined too)."""
+        if not isinstance(transfer, WeightsGloo):
+            raise ValueError(f"the vLLM rollout on CPU receives weights over gloo; the trainer offers {transfer!r}")
+        self._layout = layout or self._layout
+        await self.backend.join_weights(transfer.host, transfer.port, transfer.rank, transfer.world_size)
+        self._weights = transfer
+        self._weights_ready.set()
+
+    # -- called by the service ----------------------------------------------------
+
+    def submit(self, group: PromptGroup, issued_at: float) -> None:
+        self.pending.append(_Group(group, issued_at))
+        self._wake.set()
+
+    async def update_weights(self, version: int, transfer: WeightTransfer | None) -> int:
+        if transfer is not None:
+            await self.join_weights(transfer, self._layout)
+        await self._weights_ready.wait()
+        self._updating = True
+        self.clock.set("loading")
+        try:
+            await self.backend.update(version, self._layout, self._weights.nbytes, kv=self.cfg.kv_on_update)
+        finally:
+            self._updating = False
+        self.version = version
+        if self.strict:
+            self._evict_stale()
+        self._wake.set()
+        return self.version
+
+    def _evict_stale(self) -> None:
+        """Restart groups whose first tokens are already too old to be trained on."""
+        for item in list(self.running.values()):
+            if too_stale(item.submitted_version, self.version, self.staleness) and not item.scope.cancel_called:
+                self.ctx.counters["restarted_groups"] += 1
+                item.scope.cancel()
+                self.pending.appendleft(item)
+
+    # -- the loop -------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with self._send, trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                while self.pending and self.pending[0].group.min_version <= self.version:
+                    item = self.pending.popleft()
+                    item.submitted_version = self.version
+                    scope = item.scope = trio.CancelScope()
+                    self.running[item.group.group_id] = item
+                    nursery.start_soon(self._generate_group, item, scope)
+                self._retime()
+                self._wake = trio.Event()
+                await self._wake.wait()
+
+    def _retime(self) -> None:
+        if self._updating:
+            return
+        if self.running:
+            self.clock.set("busy")
+        elif self.pending:
+            self.clock.set("loading")  # waiting for the weights a barrier asks for
+        else:
+            self.clock.set("starved")
+
+    async def _generate_group(self, item: _Group, scope: trio.CancelScope) -> None:
+        group_id = item.group.group_id
+        try:
+            with scope:
+                started = time.time()
+                try:
+                    output = await self.backend.generate(item.group.prompt_ids, item.group.n, self.cfg.temperature)
+                    responses = self._responses(output, item, started)
+                except Exception as exc:  # per-request: failed samples in the batch, the engine goes on
+                    self.ctx.counters["failed_requests"] += 1
+                    self.ctx.log.warning("[%s] group %d failed: %s: %s", self.ctx.name, group_id, type(exc).__name__, exc)
+                    responses = [_failed(item, started, exc)] * item.group.n
+            if scope.cancelled_caught:
+                return
+        finally:
+            if item.scope is scope:  # not restarted meanwhile
+                del self.running[group_id]
+                item.scope = None
+            self._wake.set()
+        await self._send.send((item.group, responses))
+
+    async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
+        """One answer to `prompt_ids` (for evaluation: not a training sample)."""
+        output = await self.backend.generate(prompt_ids, 1, temperature)
+        return list(output.outputs[0].token_ids)
+
+    def _responses(self, output, item: _Group, started: float) -> list[Response]:
+        out = []
+        for completion in output.outputs:
+            ids = np.asarray(completion.token_ids, dtype=np.int32)
+            logprobs = np.fromiter(
+                (lp[token].logprob for token, lp in zip(completion.token_ids, completion.logprobs or [])),
+                dtype=np.float32,
+                count=len(ids),
+            )
+            versions = np.full(len(ids), item.submitted_version, dtype=np.int32)
+            for span in completion.weight_versions or ():
+                versions[span.start : span.end] = int(span.version)
+            out.append(
+                Response(
+                    token_ids=ids,
+                    logprobs=logprobs,
+                    versions=versions,
+                    finish_reason=_FINISH.get(completion.finish_reason, FinishReason.ABORT),
+                    stamps=_stamps(item, started),
+                )
+            )
+        return out
+
+
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+
+
+def _stamps(item: _Group, started: float) -> np.ndarray:
+    stamps = np.full(N_STAGES, np.nan)
+    stamps[Stage.ISSUED] = item.issued_at
+    stamps[Stage.ROLLOUT_START] = started
+    stamps[Stage.ROLLOUT_END] = time.time()
+    return stamps
+
+
+def _failed(item: _Group, started: float, exc: Exception) -> Response:
+    """A sample of a request the engine could not generate."""
+    empty = np.zeros(0, np.int32)
+    return Response(
+        token_ids=empty,
+        logprobs=np.zeros(0, np.float32),
+        versions=empty,
+        finish_reason=FinishReason.ERROR,
+        stamps=_stamps(item, started),
+        error=f"{type(exc).__name__}: {exc}"[:500],
+    )

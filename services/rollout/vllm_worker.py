@@ -1,0 +1,93 @@
+"""The part of the vLLM rollout that runs inside vLLM's engine-core process.
+
+vLLM imports this module there (it is named in ``worker_extension_cls``),
+which registers rlflow's gloo weight-transfer backend: a flat weight buffer
+received over a standalone gloo group and loaded layer by layer (vLLM's own
+backends need an accelerator). It imports only torch, vLLM, the protocol's
+`ParamSpec` and the weight helpers: nothing of trio, the config or the
+service.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from rlflow.protocol import ParamSpec
+from rlflow.services import compat
+from rlflow.services.weights import GlooGroup, unpack
+
+BACKEND = "rlflow-gloo"
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    host: str
+    port: int
+    rank: int
+    world_size: int
+    timeout_s: float = 600.0
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    offsets: list[int]
+    nbytes: int
+
+
+class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
+    """Receives a flat weight buffer over gloo and loads it layer by layer."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.group: GlooGroup | None = None
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        self.group = GlooGroup(init_info.host, init_info.port, init_info.rank, init_info.world_size, init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        compat.begin_reload(self.model)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        # Overrides the base class's, which synchronizes an accelerator (on
+        # CPU there is none); checked in `compat`.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
+        flat = torch.empty(info.nbytes, dtype=torch.uint8)
+        self.group.broadcast(flat, root=0)
+        specs = [
+            ParamSpec(name=n, dtype=d, shape=s, offset=o)
+            for n, d, s, o in zip(info.names, info.dtypes, info.shapes, info.offsets)
+        ]
+        self.model.load_weights(unpack(flat, specs))
+
+    def finish_weight_update(self) -> None:
+        compat.end_reload(self.model, self.model_config)
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+class WorkerExtension:
+    """Named in vLLM's ``worker_extension_cls`` so that the engine-core process
+    imports this module, which registers the gloo backend."""
+
+
+compat.register_weight_transfer(BACKEND, GlooWeightTransferEngine)

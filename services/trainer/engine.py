@@ -1,0 +1,60 @@
+"""What the trainer service needs of an engine (`TrainerEngine`), and how an
+engine is chosen from the config.
+
+An engine gets an `EngineContext` (config, rank, clock, counters), never the
+service. It takes one optimizer step per batch, publishes the weights of
+each new version, sends them when the controller says so, and saves
+checkpoints into folders the service names.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Protocol
+
+import trio
+
+from rlflow.config import SimTrainer, TorchTrainer
+from rlflow.protocol import ParamSpec, SampleBatch, WeightTransfer
+from rlflow.services.base import EngineContext
+
+
+class TrainerEngine(Protocol):
+    """A policy being trained, and the way its weights leave."""
+
+    checkpoint_every: int
+    """Save a checkpoint every this many steps (0: only at the end)."""
+
+    def offer(self) -> tuple[WeightTransfer, list[ParamSpec]]:
+        """How its weights are sent, and the layout of a collective transfer's buffer."""
+
+    async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Whatever it serves until cancelled (a weight server); started before the hello."""
+
+    async def connect(self, transfer: WeightTransfer | None) -> None:
+        """Set up the weight transfer the controller's welcome describes."""
+
+    async def train(self, batch: SampleBatch) -> dict[str, float]:
+        """One optimizer step on `batch`; its statistics."""
+
+    async def publish(self, version: int) -> int:
+        """Make the current weights `version`, ready to send; their size in bytes."""
+
+    async def send(self, version: int, transfer: WeightTransfer | None) -> None:
+        """Send `version` to the replicas that load weights (hosting `transfer` first, if given)."""
+
+    async def save(self, folder: pathlib.Path, run_state: dict[str, int]) -> bool:
+        """Write a checkpoint into `folder`; whether there was anything to write."""
+
+
+async def make_engine(ctx: EngineContext) -> TrainerEngine:
+    match ctx.config.roles.trainer.engine:
+        case SimTrainer() as cfg:
+            from rlflow.services.trainer.sim import SimTrainerEngine
+
+            return SimTrainerEngine(cfg, ctx)
+        case TorchTrainer() as cfg:
+            from rlflow.services.trainer.torch_engine import TorchTrainerEngine
+
+            return await trio.to_thread.run_sync(TorchTrainerEngine, cfg, ctx)
+    raise ValueError(f"unknown trainer engine {ctx.config.roles.trainer.engine!r}")

@@ -1,0 +1,90 @@
+"""The simulated trainer engine: a product feature for scale runs and the bench.
+
+It trains for `s_per_token` per token; its weights are `weights_bytes` of
+fixed random bytes, in tensors of at most 4 MiB, that really cross the wire:
+the rollout fetches them from this engine's weight server.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import numpy as np
+import trio
+
+from rlflow.config import SimTrainer
+from rlflow.data import transport
+from rlflow.protocol import (
+    Codec,
+    ParamSpec,
+    SampleBatch,
+    Tensor,
+    WeightsMessage,
+    WeightsPayload,
+    WeightsRequest,
+    WeightsZmq,
+    WeightTransfer,
+)
+from rlflow.services.base import EngineContext
+
+#: Largest tensor of a simulated weight payload (a model's layer).
+SIM_TENSOR_BYTES = 4 << 20
+
+
+class SimTrainerEngine:
+    """See the module docstring."""
+
+    checkpoint_every = 0
+
+    def __init__(self, cfg: SimTrainer, ctx: EngineContext):
+        self.cfg = cfg
+        self.ctx = ctx
+        rng = np.random.default_rng((ctx.config.run.seed, 17))
+        data = rng.integers(0, 256, cfg.weights_bytes, dtype=np.uint8)
+        chunks = range(0, cfg.weights_bytes, SIM_TENSOR_BYTES)
+        self.names = [f"layers.{i}.weight" for i in range(len(chunks))]
+        self.tensors = [Tensor.from_numpy(data[a : a + SIM_TENSOR_BYTES]) for a in chunks]
+        self.latest: WeightsPayload | None = None
+        self._published = trio.Event()
+        self.address = ""
+
+    def offer(self) -> tuple[WeightTransfer, list[ParamSpec]]:
+        return WeightsZmq(address=self.address), []
+
+    async def connect(self, transfer: WeightTransfer | None) -> None:
+        """The rollout pulls weights from the server: nothing to join."""
+
+    async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Answer each weight request with the newest version (once it is there)."""
+        async with transport.open_router(
+            bind=transport.tcp_address(self.ctx.host), codec=Codec(WeightsMessage), name="weights"
+        ) as sock:
+            self.address = transport.bound_address(sock)
+            self.ctx.watch(sock)
+            task_status.started()
+            while True:
+                identity, msg = await sock.recv()
+                if not isinstance(msg, WeightsRequest):
+                    continue
+                while self.latest is None or self.latest.version < msg.version:
+                    self._published = trio.Event()
+                    await self._published.wait()
+                await sock.send(identity, self.latest)
+
+    async def train(self, batch: SampleBatch) -> dict[str, float]:
+        seconds = self.cfg.step_overhead_s + self.cfg.s_per_token * batch.n_tokens
+        if seconds > 0:
+            await trio.sleep(seconds)
+        return {"loss": 0.0}
+
+    async def publish(self, version: int) -> int:
+        self.latest = WeightsPayload(version=version, names=self.names, tensors=self.tensors)
+        self._published.set()
+        return sum(t.nbytes for t in self.tensors)
+
+    async def send(self, version: int, transfer: WeightTransfer | None) -> None:
+        """Pulled, not pushed: nothing to do."""
+
+    async def save(self, folder: pathlib.Path, run_state: dict[str, int]) -> bool:
+        """Nothing to save."""
+        return False
