@@ -1,4 +1,5 @@
-# Two entry points: `make up` (train the embedded default) and `make test`.
+# Two entry points: `make up` (train the embedded default) and `make test`
+# (`make test-fast` leaves out vLLM, Ray and slow tests, for the edit-test loop).
 # Both create or refresh .venv first; a second `make venv` with nothing
 # changed installs nothing.
 
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.rlflow-installed
 # the CPU build of torch; text models need none of them.
 BROKEN := torchvision torchaudio torchcodec
 
-.PHONY: venv up test bench clean
+.PHONY: venv up test test-fast bench clean
 
 venv: $(STAMP)
 
@@ -29,6 +30,10 @@ up: venv
 
 test: venv
 	$(BIN)/python -m pytest $(ARGS)
+
+# The edit-test loop: everything but the tests that start vLLM or Ray, or are slow.
+test-fast: venv
+	$(BIN)/python -m pytest -m "not vllm and not ray and not slow" $(ARGS)
 
 bench: venv
 	$(BIN)/python bench/transport.py --quick

@@ -24,46 +24,7 @@ from rlflow.control.launch import run
 from rlflow.rundir import RunDir
 from rlflow.tools.plan import simulate, workload_from_run
 
-CONFIG = """
-[pools.generate]
-bundles_per_node = {rollouts}
-cpus_per_bundle = 0.25
-[pools.score]
-cpus_per_bundle = 0.25
-[pools.train]
-cpus_per_bundle = 0.5
-
-[roles.rollout]
-pool = "generate"
-replicas = {rollouts}
-[roles.rollout.engine]
-kind = "sim"
-slots = 16
-step_s = 0.002
-response_len = {{ kind = "lognormal", median = 48, sigma = 0.5, min = 1, max = 400 }}
-
-[roles.reward]
-pool = "score"
-[roles.reward.engine]
-kind = "sim"
-
-[roles.trainer]
-pool = "train"
-[roles.trainer.engine]
-kind = "sim"
-s_per_token = 1.1e-4
-weights_bytes = 65536
-
-[cluster]
-heartbeat_s = 0.2
-
-[run]
-mode = "async"
-max_staleness = 2
-batch_size = 8
-samples_per_prompt = 4
-steps = {steps}
-"""
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "sim-plan.toml"
 
 
 def steady_samples_per_s(run_dir: pathlib.Path, warmup: int = 3, drain: int = 2) -> float:
@@ -81,7 +42,8 @@ def main() -> None:
     runs = {}
     for rollouts in (1, 2):
         run_dir = work / f"rollouts-{rollouts}"
-        run(C.load(text=CONFIG.format(rollouts=rollouts, steps=args.steps)), run_dir)
+        layout = [f"pools.generate.bundles_per_node={rollouts}", f"roles.rollout.replicas={rollouts}"]
+        run(C.load(EXAMPLE, [*layout, f"run.steps={args.steps}"]), run_dir)
         runs[rollouts] = run_dir
     workload, _, _ = workload_from_run(runs[1])
     errors = {}

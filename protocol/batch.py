@@ -281,7 +281,7 @@ def validate(batch: SampleBatch) -> None:
 
     def need(cond: bool, what: str) -> None:
         if not cond:
-            raise ValueError(f"invalid SampleBatch: {what}")
+            raise ValueError(f"columns disagree: {what}")
 
     for name, dtype in (
         ("prompt_ids", "int32"),

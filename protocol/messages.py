@@ -80,6 +80,12 @@ class Message(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
     """Base of every wire message (never sent itself)."""
 
 
+def _same_length(msg: msgspec.Struct, a: str, b: str) -> None:
+    """Parallel lists must be as long as each other (raised while decoding: `malformed`)."""
+    if len(getattr(msg, a)) != len(getattr(msg, b)):
+        raise ValueError(f"{a} has {len(getattr(msg, a))} entries and {b} {len(getattr(msg, b))}; they must match")
+
+
 class Record(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
     """Base of structs embedded in messages (no tag of their own)."""
 
@@ -180,6 +186,14 @@ class SampleBatch(Message, tag=2):
     failures: list[SampleFailure] = []
     """Samples that failed at some stage; their other fields are not to be trusted."""
 
+    def __post_init__(self) -> None:
+        # The columns must agree (offsets in range, lengths, dtypes), so that
+        # a receiver can index the batch without further checks; a batch whose
+        # columns do not is `malformed`.
+        from .batch import validate
+
+        validate(self)
+
     @property
     def n_samples(self) -> int:
         return self.finish_reason.numel
@@ -214,41 +228,32 @@ class WeightsZmq(Record, tag=1):
     """The weight server's ZeroMQ address (the trainer binds it)."""
 
 
-class WeightsGloo(Record, tag=2):
+class _Collective(Record):
+    """Fields of the collective transfers (a base, never sent itself)."""
+
+    host: str
+    """Address of the rendezvous (the trainer's host)."""
+    port: NonNegInt
+    """TCP port of the rendezvous store."""
+    world_size: NonNegInt = 0
+    """Processes in the group: the trainer and every receiver (0 in the trainer's offer: not known yet)."""
+    rank: NonNegInt = 0
+    """The addressee's rank in the group (0: the trainer)."""
+    nbytes: NonNegInt = 0
+    """Size of the flat buffer of one update."""
+    generation: NonNegInt = 0
+    """Counts the groups made for this run; a new one replaces the last (e.g. when a receiver is replaced)."""
+
+
+class WeightsGloo(_Collective, tag=2):
     """Weights are broadcast over a torch.distributed gloo group (CPU): trainer
     rank 0 is rank 0 of the group and hosts its TCPStore rendezvous at
     `host`:`port`; each receiver joins with its `rank`. Every update is one
     broadcast of a flat uint8 buffer laid out as the layout says."""
 
-    host: str
-    """Address of the rendezvous (the trainer's host)."""
-    port: NonNegInt
-    """TCP port of the rendezvous store."""
-    world_size: NonNegInt = 0
-    """Processes in the group: the trainer and every receiver (0 in the trainer's offer: not known yet)."""
-    rank: NonNegInt = 0
-    """The addressee's rank in the group (0: the trainer)."""
-    nbytes: NonNegInt = 0
-    """Size of the flat buffer of one update."""
-    generation: NonNegInt = 0
-    """Counts the groups made for this run; a new one replaces the last (e.g. when a receiver is replaced)."""
 
-
-class WeightsNccl(Record, tag=3):
+class WeightsNccl(_Collective, tag=3):
     """As `WeightsGloo`, over NCCL between GPUs (vLLM's weight-transfer engine on the receivers)."""
-
-    host: str
-    """Address of the rendezvous (the trainer's host)."""
-    port: NonNegInt
-    """TCP port of the rendezvous store."""
-    world_size: NonNegInt = 0
-    """Processes in the group: the trainer and every receiver (0 in the trainer's offer: not known yet)."""
-    rank: NonNegInt = 0
-    """The addressee's rank in the group (0: the trainer)."""
-    nbytes: NonNegInt = 0
-    """Size of the flat buffer of one update."""
-    generation: NonNegInt = 0
-    """Counts the groups made for this run; a new one replaces the last (e.g. when a receiver is replaced)."""
 
 
 #: How weights move from the trainer to the replicas that load them.
@@ -346,7 +351,10 @@ class Credits(Message, tag=14):
     group_ids: list[NonNegInt]
     """Groups that may start."""
     min_versions: list[NonNegInt]
-    """Oldest policy version each group may start on."""
+    """Oldest policy version each group may start on (as many as `group_ids`)."""
+
+    def __post_init__(self) -> None:
+        _same_length(self, "group_ids", "min_versions")
 
 
 class StepDone(Message, tag=15):
@@ -464,7 +472,10 @@ class WeightsPayload(Message, tag=41):
     names: list[str]
     """Parameter names, as in the model's state dict."""
     tensors: list[Tensor]
-    """The parameters, in the order of `names`."""
+    """The parameters, in the order of `names` (as many)."""
+
+    def __post_init__(self) -> None:
+        _same_length(self, "names", "tensors")
 
 
 class Ack(Message, tag=25):

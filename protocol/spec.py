@@ -63,7 +63,15 @@ def _default(field: msgspec.inspect.Field) -> str:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring written under each field in the class body."""
+    """The docstring written under each field in the class body (or in a base's)."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if issubclass(klass, msgspec.Struct) and klass is not msgspec.Struct:
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
@@ -97,12 +105,11 @@ def generate() -> str:
     """The generated part of SPEC.md."""
     out = [BEGIN, "", "### Messages", ""]
     for tag, cls in sorted(MESSAGE_TYPES.items()):
-        doc = (cls.__doc__ or "").strip().splitlines()[0]
-        out += [f"#### {cls.__name__} (tag {tag})", "", doc, "", *_table(cls), ""]
-    out += ["### Embedded records (no tag)", ""]
-    for cls in sorted(Record.__subclasses__(), key=lambda c: c.__name__):
-        doc = (cls.__doc__ or "").strip().splitlines()[0]
-        out += [f"#### {cls.__name__}", "", doc, "", *_table(cls), ""]
+        out += [f"#### {cls.__name__} (tag {tag})", "", _doc(cls), "", *_table(cls), ""]
+    out += ["### Embedded records", "", "Records have no tag of their own, except the members of a union, whose tag "
+            "is their first element and is unique within the union.", ""]
+    for cls in sorted(_records(), key=lambda c: c.__name__):
+        out += [f"#### {cls.__name__}", "", _doc(cls), "", *_table(cls), ""]
     out += ["### Enumerations", ""]
     for enum_cls in (Role, FinishReason, Stage):
         members = ", ".join(f"{m.name} = {m.value}" for m in enum_cls)
@@ -111,6 +118,22 @@ def generate() -> str:
     out += [f"| `{name}` | {size} |" for name, size in DTYPE_SIZES.items()]
     out += ["", END]
     return "\n".join(out)
+
+
+def _records() -> list[type]:
+    """Every record that is sent (bases whose name starts with _ are not)."""
+    out, todo = [], list(Record.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        todo += cls.__subclasses__()
+        if not cls.__name__.startswith("_"):
+            out.append(cls)
+    return out
+
+
+def _doc(cls: type) -> str:
+    """A class's whole docstring, as one paragraph."""
+    return " ".join((cls.__doc__ or "").split())
 
 
 def write(path: pathlib.Path) -> None:

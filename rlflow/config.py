@@ -511,21 +511,8 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
 
 def _default_table(path: list[str]) -> dict[str, Any]:
     """The default value at `path` as a plain table ({} if it has none)."""
-    insp = msgspec.inspect
-    node: Any = insp.type_info(Config)
-    default: Any = None
-    for part in path:
-        if isinstance(node, insp.UnionType):
-            node = next((m for m in node.types if isinstance(m, insp.StructType)), None)
-        if isinstance(node, insp.StructType):
-            field = next((f for f in node.fields if f.name == part), None)
-            if field is None:
-                return {}
-            node, default = field.type, field.default
-        elif isinstance(node, insp.DictType):
-            node, default = node.value_type, None
-        else:
-            return {}
+    _, field = _walk(path)
+    default = field.default if field is not None else None
     if isinstance(default, msgspec.Struct):
         return _drop_none(msgspec.to_builtins(default))
     return {}
@@ -648,16 +635,7 @@ def _converts(value: Any, node: Any) -> bool:
 def _union_at(path: list[str]) -> Any:
     """The tagged union declared at `path`, if that is what it is."""
     insp = msgspec.inspect
-    node: Any = insp.type_info(Config)
-    for part in path:
-        if isinstance(node, insp.UnionType):
-            node = next((m for m in node.types if isinstance(m, insp.StructType)), None)
-        if isinstance(node, insp.StructType):
-            node = next((f.type for f in node.fields if f.name == part), None)
-        elif isinstance(node, insp.DictType):
-            node = node.value_type
-        else:
-            return None
+    node, _ = _walk(path)
     if isinstance(node, insp.UnionType) and any(getattr(m, "tag", None) for m in node.types):
         return node
     if isinstance(node, insp.StructType) and node.tag is not None:  # a union of one
@@ -688,23 +666,34 @@ def _lookup(raw: Any, path: list[str]) -> Any:
 
 def _type_at(path: list[str], raw: Any) -> msgspec.inspect.Type | None:
     """The declared type at `path` (following tagged unions by the given kind)."""
-    insp = msgspec.inspect
-    node: insp.Type | None = insp.type_info(Config)
-    for i, part in enumerate(path):
-        node = _strip(node, _lookup(raw, path[:i]))
-        if isinstance(node, insp.StructType):
-            node = next((f.type for f in node.fields if f.name == part), None)
-        elif isinstance(node, insp.DictType):
-            node = node.value_type
-        elif isinstance(node, (insp.ListType, insp.VarTupleType)):
-            node = node.item_type
-        else:
-            return None
+    node, _ = _walk(path, raw)
     return _strip(node, _lookup(raw, path))
 
 
+def _walk(path: list[str], raw: Any = _MISSING) -> tuple[Any, Any]:
+    """The declared type at `path` in `Config`, and the struct field it is
+    (None inside tables and lists). A tagged union is followed by the kind
+    `raw` gives there, or, with no data, by its first member."""
+    insp = msgspec.inspect
+    node: Any = insp.type_info(Config)
+    field = None
+    for i, part in enumerate(path):
+        node = _strip(node, _lookup(raw, path[:i]))
+        if isinstance(node, insp.StructType):
+            field = next((f for f in node.fields if f.name == part), None)
+            node = field.type if field is not None else None
+        elif isinstance(node, insp.DictType):
+            node, field = node.value_type, None
+        elif isinstance(node, (insp.ListType, insp.VarTupleType)):
+            node, field = node.item_type, None
+        else:
+            return None, None
+    return node, field
+
+
 def _strip(node: Any, value: Any) -> Any:
-    """Drop None from optional types; pick a tagged union's member by `kind`."""
+    """Drop None from optional types; pick a tagged union's member by `kind`
+    (with no data, its first member)."""
     insp = msgspec.inspect
     if isinstance(node, insp.UnionType):
         members = [m for m in node.types if not isinstance(m, insp.NoneType)]
@@ -715,6 +704,8 @@ def _strip(node: Any, value: Any) -> Any:
                 return chosen[0]
         if len(members) == 1:
             return members[0]
+        if value is _MISSING and structs:
+            return structs[0]
     return node
 
 

@@ -22,14 +22,6 @@ def draw(dist: Distribution, rng: np.random.Generator, size: int | None = None) 
     return float(out[0]) if size is None else out
 
 
-def mean(dist: Distribution, samples: int = 200_000, seed: int = 12345) -> float:
-    """The mean of `dist` after clipping (exact for Fixed, estimated otherwise)."""
-    if isinstance(dist, Fixed):
-        return dist.value
-    values = draw(dist, np.random.default_rng(seed), samples)
-    return float(np.mean(values))
-
-
 def draw_lengths(dist: Distribution, rng: np.random.Generator, size: int) -> np.ndarray:
     """Token counts (at least 1) drawn from `dist`."""
     values = draw(dist, rng, size)

@@ -150,10 +150,12 @@ class Control:
         )
         welcome = await self._dealer.request(
             hello,
-            Welcome,
+            (Welcome, ErrorReport),
             timeout=self.spec.config.cluster.handshake_timeout_s,
             setting="cluster.handshake_timeout_s",
         )
+        if isinstance(welcome, ErrorReport):
+            raise RuntimeError(f"the controller refused {self.spec.name}: {welcome.kind}: {welcome.message}")
         if welcome.schema_version != SCHEMA_VERSION:
             raise RuntimeError(
                 f"controller speaks schema version {welcome.schema_version}, this service {SCHEMA_VERSION}"

@@ -12,7 +12,19 @@ import msgspec
 import numpy as np
 from hypothesis import strategies as st
 
-from rlflow.protocol import DTYPE_SIZES, MESSAGE_TYPES, Tensor
+from rlflow.protocol import (
+    DTYPE_SIZES,
+    MESSAGE_TYPES,
+    Credits,
+    PromptGroup,
+    Response,
+    SampleBatch,
+    SampleFailure,
+    Stage,
+    Tensor,
+    WeightsPayload,
+    build_batch,
+)
 
 _I64 = 2**63 - 1
 
@@ -66,6 +78,8 @@ def _strategy(t: msgspec.inspect.Type) -> st.SearchStrategy:
 
 
 def structs(cls: type) -> st.SearchStrategy:
+    if cls in _CONSISTENT:
+        return _CONSISTENT[cls]()
     info = msgspec.inspect.type_info(cls)
     return st.builds(cls, **{f.name: _strategy(f.type) for f in info.fields})
 
@@ -73,6 +87,55 @@ def structs(cls: type) -> st.SearchStrategy:
 def messages() -> st.SearchStrategy:
     """Any message of any kind."""
     return st.one_of([structs(cls) for cls in MESSAGE_TYPES.values()])
+
+
+@st.composite
+def _parallel(draw, cls: type, a: str, b: str) -> msgspec.Struct:
+    """A message whose lists `a` and `b` are as long as each other."""
+    info = {f.name: f.type for f in msgspec.inspect.type_info(cls).fields}
+    size = draw(st.integers(0, 4))
+    fields = {name: draw(_strategy(t)) for name, t in info.items() if name not in (a, b)}
+    for name in (a, b):
+        fields[name] = draw(st.lists(_strategy(info[name].item_type), min_size=size, max_size=size))
+    return cls(**fields)
+
+
+@st.composite
+def sample_batches(draw) -> SampleBatch:
+    """A consistent batch: groups of responses of any length, optional columns drawn too."""
+    groups = []
+    for g in range(draw(st.integers(0, 3))):
+        responses = []
+        for _ in range(draw(st.integers(0, 3))):
+            t = draw(st.integers(0, 6))
+            floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
+            responses.append(
+                Response(
+                    token_ids=np.asarray(draw(st.lists(st.integers(0, 2**31 - 1), min_size=t, max_size=t)), np.int32),
+                    logprobs=np.asarray(draw(st.lists(floats, min_size=t, max_size=t)), np.float32),
+                    versions=np.asarray(draw(st.lists(st.integers(0, 2**31 - 1), min_size=t, max_size=t)), np.int32),
+                    finish_reason=draw(st.integers(0, 3)),
+                )
+            )
+        prompt = draw(st.lists(st.integers(0, 2**31 - 1), max_size=5))
+        groups.append((PromptGroup(group_id=g, prompt_ids=prompt, n=max(1, len(responses)), reference=draw(st.text(max_size=5))), responses))
+    batch = build_batch(groups)
+    n, t = batch.n_samples, batch.n_tokens
+    if draw(st.booleans()):
+        batch = msgspec.structs.replace(batch, rewards=Tensor.of(draw(st.lists(st.floats(width=32), min_size=n, max_size=n)), "float32"))
+    if draw(st.booleans()):
+        batch = msgspec.structs.replace(batch, teacher_logprobs=Tensor.of(np.zeros(t), "float32"))
+    if n and draw(st.booleans()):
+        failures = [SampleFailure(index=draw(st.integers(0, n - 1)), stage=Stage.REWARD_END, kind="timeout")]
+        batch = msgspec.structs.replace(batch, failures=failures)
+    return batch
+
+
+_CONSISTENT = {
+    SampleBatch: sample_batches,
+    Credits: lambda: _parallel(Credits, "group_ids", "min_versions"),
+    WeightsPayload: lambda: _parallel(WeightsPayload, "names", "tensors"),
+}
 
 
 # -- hostile msgpack ------------------------------------------------------------

@@ -118,3 +118,28 @@ def test_run_dir_template():
     when = datetime.datetime(2026, 1, 2, 3, 4, 5)
     assert C.resolve_run_dir(config, now=when) == pathlib.Path("out/x-20260102-030405")
     assert C.resolve_run_dir(config, "elsewhere") == pathlib.Path("elsewhere")
+
+
+def test_the_launcher_resolves_the_model_and_paths_once(tmp_path, monkeypatch):
+    from rlflow.control.launch import resolve
+    from rlflow.tools.model import default_model_dir
+
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
+    real = C.load(ROOT / "rlflow" / "defaults" / "default.toml")
+    with pytest.raises(C.ConfigError, match="roles.rollout.model = 'default': the default model is not built yet"):
+        resolve(real)
+    built = default_model_dir()
+    built.mkdir(parents=True)
+    (built / "config.json").write_text("{}")
+    assert resolve(real).roles.rollout.model == str(built.resolve())
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text("{}")
+    mine = C.load(ROOT / "rlflow" / "defaults" / "default.toml", ["roles.rollout.model=mine", "run.resume=ckpt"])
+    resolved = resolve(mine)
+    assert resolved.roles.rollout.model == str(tmp_path / "mine")
+    assert resolved.run.resume == str(tmp_path / "ckpt") and resolved.policy_path == str(tmp_path / "ckpt")
+    with pytest.raises(C.ConfigError, match="roles.rollout.model = 'nowhere': .* is not a Hugging Face model directory"):
+        resolve(C.load(ROOT / "rlflow" / "defaults" / "default.toml", ["roles.rollout.model=nowhere"]))
+    # Simulated engines load no model: nothing to resolve.
+    assert resolve(C.load(ROOT / "examples" / "sim.toml")).roles.rollout.model == "default"

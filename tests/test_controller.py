@@ -316,3 +316,45 @@ def test_status_of_a_run_whose_controller_is_gone_says_dead(tmp_path):
         [sys.executable, "-m", "rlflow", "status", str(tmp_path), "--once"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and "dead" in done.stdout
+
+
+class IdleLauncher:
+    """Starts nothing: the controller waits for hellos that never come."""
+
+    def start(self, controller_address: str) -> None:
+        """Nothing to start."""
+
+    def failures(self) -> list[str]:
+        return []
+
+
+async def test_a_peer_that_may_not_join_is_told_why_on_the_wire(tmp_path):
+    from rlflow.data import transport
+    from rlflow.protocol import SCHEMA_VERSION, Codec, ErrorReport, Hello, Role
+
+    controller = Controller(C.load(SIM), tmp_path, "run-x", IdleLauncher(), secret="s3cret")
+
+    def hello(rank: int = 0, **fields) -> Hello:
+        return Hello(role=Role.REWARD, rank=rank, replicas=1, schema_version=SCHEMA_VERSION, **fields)
+
+    async def answer(frames: list) -> ErrorReport:
+        async with transport.open_dealer(connect=controller.address) as dealer:
+            await dealer.send_frames(frames)
+            return await dealer.recv()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(controller.run)
+            while controller.address is None:
+                await trio.sleep(0.01)
+            codec = Codec()
+            refused = await answer(codec.encode(hello(secret="guess")))
+            assert (refused.fatal, refused.kind) == (True, "unauthenticated")
+            refused = await answer(codec.encode(hello(secret="s3cret", rank=5)))
+            assert refused.kind == "unexpected_hello" and "reward-5" in refused.message
+            newer = Codec(schema_version=SCHEMA_VERSION + 1).encode(hello(secret="s3cret"))
+            refused = await answer(newer)
+            assert refused.kind == "wrong_version"
+            assert f"schema version {SCHEMA_VERSION + 1}, this peer speaks {SCHEMA_VERSION}" in refused.message
+            nursery.cancel_scope.cancel()
+    assert controller.ignored == {"unauthenticated": 1, "unexpected_hello": 1, "wrong_version": 1}

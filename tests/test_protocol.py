@@ -133,11 +133,39 @@ def test_concat_keeps_rows_columns_and_failures():
     assert list(both.reward_details) == ["correct"]
 
 
-def test_validate_rejects_inconsistent_offsets():
+def test_a_batch_whose_columns_disagree_cannot_be_made_or_received():
     batch = examples()["SampleBatch"]
-    bad = msgspec.structs.replace(batch, response_offsets=Tensor.of([0, 3, 9], "int64"))
     with pytest.raises(ValueError, match="response_offsets"):
-        P.validate(bad)
+        msgspec.structs.replace(batch, response_offsets=Tensor.of([0, 3, 9], "int64"))
+    frames = wire(Codec().encode(batch))
+    raw = msgspec.msgpack.decode(frames[0])
+    raw[1][3], raw[1][6] = raw[1][6], raw[1][3]  # prompt and response offsets swapped
+    with pytest.raises(MalformedMessage, match="invalid SampleBatch: columns disagree: prompt_offsets"):
+        Codec().decode([msgspec.msgpack.encode(raw), *frames[1:]])
+
+
+def test_numbers_and_trailing_bytes_as_the_spec_says():
+    # An integer where a float is declared; NaN and infinities where no bound forbids them.
+    welcome = Codec().decode([header(SCHEMA_VERSION, [11, SCHEMA_VERSION, "r", {}, 0, 2])])
+    assert welcome.heartbeat_s == 2.0 and isinstance(welcome.heartbeat_s, float)
+    assert math.isnan(Codec().decode([header(SCHEMA_VERSION, [11, 1, "r", {}, 0, math.nan])]).heartbeat_s)
+    with pytest.raises(MalformedMessage, match=">= 0"):
+        Codec().decode([header(SCHEMA_VERSION, [19, 1, math.nan])])  # WeightsLoaded.seconds
+    assert Codec().decode([header(SCHEMA_VERSION, [19, 1, math.inf])]).seconds == math.inf
+    # Unsigned 64-bit integers where the bound allows them; an enum value must be a member.
+    assert Codec().decode([header(SCHEMA_VERSION, [12, 2**64 - 1])]).version == 2**64 - 1
+    with pytest.raises(MalformedMessage, match="invalid Hello"):
+        Codec().decode([header(SCHEMA_VERSION, [10, 9, 0, 1, SCHEMA_VERSION])])  # no role 9
+    # Nothing may follow the message in frame 0.
+    with pytest.raises(MalformedMessage, match="trailing"):
+        Codec().decode([header(SCHEMA_VERSION, [12, 3]) + b"\x00"])
+
+
+def test_parallel_lists_must_be_as_long_as_each_other():
+    with pytest.raises(MalformedMessage, match="group_ids has 2 entries and min_versions 1"):
+        Codec().decode([header(SCHEMA_VERSION, [14, [1, 2], [0]])])
+    with pytest.raises(MalformedMessage, match="names has 2 entries and tensors 1"):
+        Codec().decode([header(SCHEMA_VERSION, [41, 1, ["a", "b"], [["uint8", [1], 1]]]), b"x"])
 
 
 # -- hostile input -------------------------------------------------------------

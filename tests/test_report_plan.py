@@ -17,54 +17,16 @@ from rlflow.control.launch import run
 
 pytestmark = pytest.mark.ray
 
-CONFIG = """
-[pools.generate]
-bundles_per_node = {rollouts}
-cpus_per_bundle = 0.25
-[pools.score]
-cpus_per_bundle = 0.25
-[pools.train]
-cpus_per_bundle = 0.5
-
-[roles.rollout]
-pool = "generate"
-replicas = {rollouts}
-[roles.rollout.engine]
-kind = "sim"
-slots = 16
-step_s = 0.002
-response_len = {{ kind = "lognormal", median = 48, sigma = 0.5, min = 1, max = 400 }}
-
-[roles.reward]
-pool = "score"
-[roles.reward.engine]
-kind = "sim"
-latency_s = {{ kind = "fixed", value = {reward_s} }}
-concurrency = {reward_concurrency}
-
-[roles.trainer]
-pool = "train"
-[roles.trainer.engine]
-kind = "sim"
-s_per_token = 1.1e-4
-weights_bytes = 65536
-
-[cluster]
-heartbeat_s = 0.2
-
-[run]
-mode = "async"
-max_staleness = 2
-batch_size = 8
-samples_per_prompt = 4
-steps = {steps}
-"""
+EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "sim-plan.toml"
 
 
 def sim(tmp_path: pathlib.Path, name: str, *, rollouts: int = 1, reward_s: float = 0.0, reward_concurrency: int = 64,
         steps: int = 14):
-    config = C.load(text=CONFIG.format(rollouts=rollouts, reward_s=reward_s, reward_concurrency=reward_concurrency,
-                                       steps=steps))
+    config = C.load(EXAMPLE, [
+        f"pools.generate.bundles_per_node={rollouts}", f"roles.rollout.replicas={rollouts}",
+        f"roles.reward.engine.latency_s={{kind='fixed', value={reward_s}}}",
+        f"roles.reward.engine.concurrency={reward_concurrency}", f"run.steps={steps}",
+    ])
     run_dir = tmp_path / name
     return run_dir, run(config, run_dir)
 

@@ -44,7 +44,9 @@ from rlflow.protocol import (
     Expired,
     Heartbeat,
     Hello,
+    ProtocolError,
     Ready,
+    SchemaVersionMismatch,
     SendWeights,
     Shutdown,
     Stage,
@@ -76,6 +78,8 @@ log = logging.getLogger("rlflow.controller")
 
 #: Groups a rollout replica may hold, in multiples of what fills its slots.
 HOLD = 16
+#: Peers refused with an answer, at most (more are refused in silence).
+MAX_REFUSED = 4096
 #: Roles that hold the policy (and so can be behind the trainer).
 POLICY_ROLES = ("rollout", "trainer")
 
@@ -164,6 +168,8 @@ class Controller:
         self._round_done = trio.Event()
         self.done = trio.Event()
         self._router: transport.Router | None = None
+        self._refused: set[bytes] = set()
+        self._refusals, self._refusals_out = trio.open_memory_channel(16)
         self._sinks: list[Sink] = []
         self._cpu0 = process_cpu()
 
@@ -177,6 +183,7 @@ class Controller:
         try:
             async with transport.open_router(bind=transport.tcp_address(host), name="controller") as router:
                 self._router = router
+                router.on_reject = self._on_reject
                 self.address = transport.bound_address(router)
                 info = ControllerInfo(run_id=self.run_id, pid=os.getpid(), address=self.address, secret=self.secret)
                 write_json(self.run_dir.controller, info, private=True)
@@ -184,11 +191,15 @@ class Controller:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(self._receive)
                         nursery.start_soon(self._watch)
+                        nursery.start_soon(self._send_refusals)
                         await trio.to_thread.run_sync(self.launcher.start, self.address)
                         await self._handshake()
                         await self._train()
                         nursery.cancel_scope.cancel()
                 except BaseException as exc:
+                    if _only_cancelled(exc):  # stopped from outside: not a failure of the run
+                        self.state, self.error = "interrupted", "cancelled"
+                        raise
                     cause = _unwrap(exc)
                     self.state = "interrupted" if isinstance(cause, KeyboardInterrupt) else "failed"
                     if self.error is None:
@@ -371,16 +382,45 @@ class Controller:
         if self.ignored[kind] <= 3:
             log.warning("[controller] ignored %s", what)
 
+    def _refuse(self, identity: bytes, kind: str, why: str) -> None:
+        """Answer a peer that may not join with a fatal `ErrorReport` (once per
+        identity, so that a flood of bad hellos is not answered in kind)."""
+        self._ignore(kind, why)
+        if identity in self._refused or len(self._refused) >= MAX_REFUSED:
+            return
+        self._refused.add(identity)
+        try:
+            self._refusals.send_nowait((identity, ErrorReport(fatal=True, kind=kind, message=why)))
+        except trio.WouldBlock:
+            pass
+
+    def _on_reject(self, identity: bytes, exc: ProtocolError) -> None:
+        """A peer of another schema version is told so, in this one's."""
+        if isinstance(exc, SchemaVersionMismatch) and identity not in self.by_identity:
+            self._refuse(identity, "wrong_version", str(exc))
+
+    async def _send_refusals(self) -> None:
+        async for identity, report in self._refusals_out:
+            try:
+                await self._router.send(identity, report)
+            except transport.PeerUnreachable:
+                pass
+
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        name = f"{msg.role.label}-{msg.rank}"
+        if msg.schema_version != SCHEMA_VERSION:
+            self._refuse(identity, "wrong_version",
+                         f"{name} speaks schema version {msg.schema_version}, this controller {SCHEMA_VERSION}")
+            return
         if not secrets.compare_digest(msg.secret, self.secret):
-            self._ignore("unauthenticated", f"a hello from {msg.role.label}-{msg.rank} without the run's secret")
+            self._refuse(identity, "unauthenticated", f"a hello from {name} without the run's secret")
             return
         key = (msg.role.label, msg.rank)
         if key not in self.expected:
-            self._ignore("unexpected_hello", f"a hello from {key[0]}-{key[1]}, which the config does not have")
+            self._refuse(identity, "unexpected_hello", f"a hello from {name}, which the config does not have")
             return
         if key in self.replicas:
-            raise RunFailed(f"{key[0]}-{key[1]} said hello twice (restarted?); recovering a replica is not supported")
+            raise RunFailed(f"{name} said hello twice (restarted?); recovering a replica is not supported")
         replica = Replica(role=key[0], rank=key[1], identity=identity, hello=msg, version=self.version)
         if replica.role == "rollout":
             # A group keeps its place until its last sample finishes, so with
@@ -610,6 +650,13 @@ class Controller:
             groups=self._group_counts(),
             controller=self._controller_stats(),
         )
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    """Whether `exc` is trio's cancellation and nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(trio.Cancelled)[1] is None
+    return isinstance(exc, trio.Cancelled)
 
 
 def _unwrap(exc: BaseException) -> BaseException:

@@ -93,6 +93,46 @@ def check_resources(config: Config, available: dict[str, float], nodes: list[dic
                 )
 
 
+def share_bundles(config: Config) -> list[tuple[str, str, int, dict[str, float]]]:
+    """(role, pool, bundle, resources) of every replica, in rank order per role.
+
+    Replicas of the roles on one pool take its bundles round-robin, and the
+    replicas in one bundle split its resources evenly.
+    """
+    members: dict[tuple[str, int], list[tuple[str, int]]] = defaultdict(list)
+    for role, cfg in config.role_items():
+        bundles = config.pools[cfg.pool].bundles
+        for rank in range(cfg.replicas):
+            members[(cfg.pool, rank % bundles)].append((role, rank))
+    out = []
+    for (pool_name, bundle), replicas in members.items():
+        share = {k: v / len(replicas) for k, v in _bundle(config.pools[pool_name]).items()}
+        out += [(role, rank, pool_name, bundle, share) for role, rank in replicas]
+    out.sort(key=lambda item: (item[0], item[1]))
+    return [(role, pool_name, bundle, share) for role, _, pool_name, bundle, share in out]
+
+
+def core_ranges(
+    by_node: dict[str, list[tuple[str, int, float]]], node_cpus: dict[str, float]
+) -> dict[tuple[str, int], tuple[int, int]]:
+    """(first, count) of the CPUs of each (pool, bundle), laid out in order on
+    its node, where the node has a CPU for each CPU its bundles ask for
+    (otherwise its bundles share every CPU). A bundle of under one CPU
+    shares a core with its neighbour."""
+    out = {}
+    for node, bundles in by_node.items():
+        if sum(c for _, _, c in bundles) > node_cpus.get(node, 0) + 1e-9:
+            continue
+        start = 0.0
+        for name, bundle, cpus in bundles:
+            if cpus <= 0:
+                continue
+            first, last = math.floor(start + 1e-9), math.ceil(start + cpus - 1e-9)
+            out[(name, bundle)] = (first, max(1, last - first))
+            start += cpus
+    return out
+
+
 @dataclass
 class Slot:
     """Where one replica runs: its pool's group, a bundle, its share of it."""
@@ -135,34 +175,25 @@ class PoolManager:
                 )
 
     def slots(self) -> dict[str, list[Slot]]:
-        """Role -> the slot of each replica. Replicas of the roles on one pool
-        share its bundles round-robin, and split each bundle's resources."""
-        per_bundle: dict[tuple[str, int], list[tuple[str, int]]] = defaultdict(list)
-        for role, cfg in self.config.role_items():
-            bundles = self.config.pools[cfg.pool].bundles
-            for rank in range(cfg.replicas):
-                per_bundle[(cfg.pool, rank % bundles)].append((role, rank))
+        """Role -> the slot of each replica (see `share_bundles`)."""
         cores = self._cores()
         out: dict[str, list[Slot]] = defaultdict(list)
-        for (pool_name, bundle), members in sorted(per_bundle.items()):
+        for role, pool_name, bundle, share in share_bundles(self.config):
             pool = self.config.pools[pool_name]
-            share = {k: v / len(members) for k, v in _bundle(pool).items()}
-            for role, rank in members:
-                out[role].append(
-                    Slot(
-                        pool=pool_name,
-                        group=self.groups[pool_name],
-                        bundle=bundle,
-                        resources=share,
-                        cores=cores.get((pool_name, bundle)),
-                        threads=max(1, math.ceil(pool.cpus_per_bundle)),
-                    )
+            out[role].append(
+                Slot(
+                    pool=pool_name,
+                    group=self.groups[pool_name],
+                    bundle=bundle,
+                    resources=share,
+                    cores=cores.get((pool_name, bundle)),
+                    threads=max(1, math.ceil(pool.cpus_per_bundle)),
                 )
-        return {role: sorted(slots, key=lambda s: s.bundle) for role, slots in out.items()}
+            )
+        return dict(out)
 
     def _cores(self) -> dict[tuple[str, int], tuple[int, int]]:
-        """CPU ranges per bundle where the node has a core for each; bundles
-        of under one CPU share a core with their neighbour."""
+        """CPU ranges of the bundles Ray placed (see `core_ranges`)."""
         table = ray.util.placement_group_table()
         by_node: dict[str, list[tuple[str, int, float]]] = defaultdict(list)
         for name, group in self.groups.items():
@@ -170,18 +201,7 @@ class PoolManager:
             for bundle, node in sorted(info.get("bundles_to_node_id", {}).items()):
                 by_node[node].append((name, int(bundle), self.config.pools[name].cpus_per_bundle))
         node_cpus = {n["NodeID"]: n["Resources"].get("CPU", 0) for n in ray.nodes() if n.get("Alive")}
-        out = {}
-        for node, bundles in by_node.items():
-            if sum(c for _, _, c in bundles) > node_cpus.get(node, 0) + 1e-9:
-                continue
-            start = 0.0
-            for name, bundle, cpus in bundles:
-                if cpus <= 0:
-                    continue
-                first, last = math.floor(start + 1e-9), math.ceil(start + cpus - 1e-9)
-                out[(name, bundle)] = (first, max(1, last - first))
-                start += cpus
-        return out
+        return core_ranges(by_node, node_cpus)
 
     def remove(self) -> None:
         for group in self.groups.values():

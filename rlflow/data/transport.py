@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import atexit
 import logging
-import math
 import os
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
 import zmq
 
-from rlflow.protocol import AnyMessage, Codec, ControlMessage, DataMessage, Message, ProtocolError, WeightsMessage
+from rlflow.protocol import Codec, ControlMessage, DataMessage, Message, ProtocolError
 
 log = logging.getLogger("rlflow.data.transport")
 
@@ -296,6 +295,10 @@ class Pull(Socket):
 class Router(Socket):
     """The controller's end of the control plane: one peer per identity."""
 
+    #: Called with the sender's identity and the error for each message
+    #: rejected (e.g. to answer a peer of another schema version).
+    on_reject: Callable[[bytes, ProtocolError], None] | None = None
+
     async def send(self, identity: bytes, msg: Message) -> None:
         await self.send_frames(self._codec.encode(msg), identity=identity)
 
@@ -308,9 +311,14 @@ class Router(Socket):
             if len(frames) < 2:
                 self._reject("frame_count", "no frame after the sender's identity")
                 continue
-            msg = self._decode(frames[1:])
-            if msg is not None:
-                return frames[0].bytes, msg
+            try:
+                msg = self._codec.decode(frames[1:])
+            except ProtocolError as exc:
+                self._reject(exc.kind, str(exc))
+                if self.on_reject is not None:
+                    self.on_reject(frames[0].bytes, exc)
+                continue
+            return frames[0].bytes, msg
 
 
 class Dealer(Socket):
@@ -508,20 +516,3 @@ def open_dealer(
         identity=identity,
         name=name,
     )
-
-
-def weights_codec() -> Codec:
-    """Codec for the weight-serving channel."""
-    return Codec(WeightsMessage)
-
-
-def any_codec() -> Codec:
-    return Codec(AnyMessage)
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``1.5 KiB``."""
-    if n < 1024:
-        return f"{int(n)} B"
-    exp = min(int(math.log(n, 1024)), 4)
-    return f"{n / 1024**exp:.1f} {'KMGT'[exp - 1]}iB"

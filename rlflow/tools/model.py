@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 #: Bump when the recipe below changes, so that caches rebuild.
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 DEFAULT_NAME = "arith-qwen2-4x256"
 SPECIAL = ("<pad>", "<eos>", "<unk>")
 
@@ -43,8 +43,10 @@ class Recipe:
     batch: int = 32
     target_accuracy: float = 0.33
     """Stop the warm start once greedy accuracy on the development set reaches this."""
-    max_seconds: float = 270.0
-    """Or after this long."""
+    max_steps: int = 2000
+    """Or after this many steps (never after a time: the model must not depend on the machine's speed)."""
+    threads: int = 2
+    """Torch threads while building: a fixed count, so that sums are added in the same order everywhere."""
     eval_every: int = 24
     dev_size: int = 300
 
@@ -140,16 +142,31 @@ def build_default(
 ) -> pathlib.Path:
     """Build, warm-start and save the default model; its directory.
 
-    `progress(text, fraction)` is called as it goes.
+    `progress(text, fraction)` is called as it goes. The build is a function
+    of the recipe alone: seeded, a fixed thread count, deterministic kernels,
+    and a stopping rule by steps and accuracy, never by time.
     """
+    import torch
+
+    report = progress or (lambda text, fraction: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(recipe.threads)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        return _build(out or default_model_dir(), recipe, report)
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], None]) -> pathlib.Path:
     import torch
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
     from rlflow.config import ArithTask
     from rlflow.data.tasks import Arith
 
-    out = out or default_model_dir()
-    report = progress or (lambda text, fraction: None)
     torch.manual_seed(recipe.seed)
     task_cfg = ArithTask()
     arith = Arith(task_cfg.digit_weights, seed=recipe.seed, heldout_seed=task_cfg.heldout_seed)
@@ -194,9 +211,9 @@ def build_default(
         if step % recipe.eval_every == 0:
             accuracy = greedy_accuracy(model, tokenizer, dev)
             history.append({"step": step, "seconds": round(elapsed, 1), "loss": round(loss.item(), 4), "dev_accuracy": accuracy})
-        fraction = max(min(accuracy / recipe.target_accuracy, 1.0), min(elapsed / recipe.max_seconds, 1.0))
+        fraction = max(min(accuracy / recipe.target_accuracy, 1.0), step / recipe.max_steps)
         report(f"warm start: step {step}, loss {loss.item():.3f}, dev accuracy {accuracy:.1%}", fraction)
-        if accuracy >= recipe.target_accuracy or elapsed >= recipe.max_seconds:
+        if accuracy >= recipe.target_accuracy or step >= recipe.max_steps:
             break
 
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,231 @@
+"""The services and engines one by one, in this process, on real sockets:
+the simulated rollout engine, the stage service's loop and clock, the
+reward and teacher services' work on a batch."""
+
+from __future__ import annotations
+
+import pathlib
+import time
+
+import msgspec
+import numpy as np
+import pytest
+import trio
+from golden import examples
+
+from rlflow import config as C
+from rlflow.control.spec import ServiceSpec
+from rlflow.data import transport
+from rlflow.protocol import (
+    SCHEMA_VERSION,
+    Bye,
+    Hello,
+    PromptGroup,
+    Ready,
+    SampleBatch,
+    SampleFailure,
+    Shutdown,
+    Stage,
+    Welcome,
+    WeightsZmq,
+    build_batch,
+    samples,
+)
+from rlflow.services.base import StageService, standalone_context
+from rlflow.services.reward.service import RewardService
+from rlflow.services.rollout.sim import SimEngine
+from rlflow.services.teacher.service import TeacherService
+from rlflow.services.trainer.sim import SimTrainerEngine
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SIM = ROOT / "examples" / "sim.toml"
+
+
+def sim_config(*overrides: str) -> C.Config:
+    return C.load(SIM, list(overrides))
+
+
+def spec(config: C.Config, role: str, controller: str = "") -> ServiceSpec:
+    return ServiceSpec(role=role, rank=0, replicas=1, run_id="t", controller=controller, config=config, secret="s")
+
+
+# -- the simulated rollout engine -------------------------------------------------------
+
+
+async def collect(engine: SimEngine, count: int) -> dict[int, list]:
+    out = {}
+    async for group, responses in engine.finished:
+        out[group.group_id] = responses
+        if len(out) == count:
+            return out
+    raise AssertionError("the engine stopped")
+
+
+async def test_the_simulated_engine_generates_lengths_from_its_distribution():
+    config = sim_config("roles.rollout.engine.response_len={kind='fixed', value=40}", "roles.rollout.engine.slots=8")
+    ctx = standalone_context(config, "rollout")
+    engine = SimEngine(config.roles.rollout.engine, ctx)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            for g in range(4):
+                engine.submit(PromptGroup(group_id=g, prompt_ids=[1, 2], n=4), time.time())
+            finished = await collect(engine, 4)
+            nursery.cancel_scope.cancel()
+    for responses in finished.values():
+        assert [len(r.token_ids) for r in responses] == [40] * 4
+        for r in responses:
+            assert (r.versions == 0).all() and (r.logprobs <= 0).all()
+            assert r.stamps[Stage.ROLLOUT_START] <= r.stamps[Stage.ROLLOUT_END]
+    # 16 sequences of 40 tokens through 8 slots: every slot busy throughout.
+    assert ctx.counters["slot_s"] == pytest.approx(16 * 40 * 0.001)
+
+
+async def test_weights_arrive_between_steps_and_later_tokens_carry_the_new_version():
+    config = sim_config("roles.rollout.engine.response_len={kind='fixed', value=2000}",
+                        "roles.rollout.engine.step_s=0.0005", "roles.trainer.engine.weights_bytes=4096")
+    trainer = SimTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
+    engine = SimEngine(config.roles.rollout.engine, standalone_context(config, "rollout"))
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trainer.serve)
+            await nursery.start(engine.run)
+            await engine.join_weights(WeightsZmq(address=trainer.address), [])
+            engine.submit(PromptGroup(group_id=0, prompt_ids=[1], n=2), time.time())
+            await trio.sleep(0.2)  # some tokens on version 0
+            await trainer.publish(1)
+            assert await engine.update_weights(1, None) == 1
+            finished = await collect(engine, 1)
+            nursery.cancel_scope.cancel()
+    for r in finished[0]:
+        cut = int(np.argmax(r.versions == 1))
+        assert 0 < cut < 2000 and (r.versions[:cut] == 0).all() and (r.versions[cut:] == 1).all()
+
+
+async def test_strict_staleness_restarts_a_group_that_fell_behind():
+    config = sim_config("run.staleness_check=strict", "run.max_staleness=0",
+                        "roles.rollout.engine.response_len={kind='fixed', value=3000}",
+                        "roles.trainer.engine.weights_bytes=4096")
+    ctx = standalone_context(config, "rollout")
+    trainer = SimTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
+    engine = SimEngine(config.roles.rollout.engine, ctx)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trainer.serve)
+            await nursery.start(engine.run)
+            await engine.join_weights(WeightsZmq(address=trainer.address), [])
+            engine.submit(PromptGroup(group_id=0, prompt_ids=[1], n=1), time.time())
+            await trio.sleep(0.1)
+            await trainer.publish(1)
+            await engine.update_weights(1, None)  # with max_staleness 0 its v0 tokens cannot be trained on
+            finished = await collect(engine, 1)
+            nursery.cancel_scope.cancel()
+    assert ctx.counters["restarted_groups"] == 1 and ctx.counters["restarted_tokens"] > 0
+    assert (finished[0][0].versions == 1).all()  # generated again, wholly on the new weights
+
+
+# -- the stage service ------------------------------------------------------------------------
+
+
+class Slow(StageService):
+    """Takes `seconds` per batch, `max_batches` at once."""
+
+    max_batches = 2
+    seconds = 0.2
+
+    async def process(self, batch: SampleBatch) -> SampleBatch:
+        await trio.sleep(self.seconds)
+        return batch
+
+
+async def test_a_stage_service_registers_works_on_batches_and_accounts_its_time():
+    """A fake controller: hello -> welcome -> ready, batches through, shutdown -> bye."""
+    batch = examples()["SampleBatch"]
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:0") as router,
+        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
+    ):
+        service = Slow(spec(sim_config(), "reward", transport.bound_address(router)))
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.run)
+                identity, hello = await router.recv()
+                assert isinstance(hello, Hello) and hello.secret == "s" and hello.role.label == "reward"
+                welcome = Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
+                                  peers={"out": [transport.bound_address(downstream)]})
+                await router.send(identity, welcome)
+                assert isinstance((await router.recv())[1], Ready)
+                async with transport.open_push(connect=hello.endpoints["in"]) as upstream:
+                    started = time.monotonic()
+                    for _ in range(4):
+                        await upstream.send(batch)
+                    for _ in range(4):
+                        assert (await downstream.recv()).group_ids == batch.group_ids
+                    elapsed = time.monotonic() - started
+                await router.send(identity, Shutdown(reason="done"))
+                while not isinstance((await router.recv())[1], Bye):
+                    pass
+    assert elapsed >= 2 * Slow.seconds  # two at a time, four batches
+    totals = service.clock.totals()
+    assert totals["busy"] >= 2 * Slow.seconds and service.counters["samples"] == 4 * batch.n_samples
+
+
+# -- reward and teacher ----------------------------------------------------------------------
+
+
+def batch_of(groups: int, n: int, length: int = 5) -> SampleBatch:
+    from rlflow.protocol import Response
+
+    rng = np.random.default_rng(0)
+    items = []
+    for g in range(groups):
+        responses = [
+            Response(token_ids=rng.integers(0, 50, length).astype(np.int32),
+                     logprobs=-rng.random(length).astype(np.float32),
+                     versions=np.zeros(length, np.int32), finish_reason=0)
+            for _ in range(n)
+        ]
+        items.append((PromptGroup(group_id=g, prompt_ids=[1, 2, 3], n=n, reference="1"), responses))
+    return build_batch(items)
+
+
+async def test_the_reward_service_scores_every_sample_and_keeps_failed_ones_unscored():
+    service = RewardService(spec(sim_config("roles.reward.engine.latency_s={kind='fixed', value=0.001}"), "reward"))
+    batch = batch_of(3, 4)
+    failed = SampleFailure(index=5, stage=Stage.ROLLOUT_END, kind="engine_error", message="refused")
+    batch = msgspec.structs.replace(batch, failures=[failed])
+    with trio.fail_after(30):
+        scored = await service.process(batch)
+    rewards = scored.rewards.numpy()
+    assert np.isnan(rewards[5]) and not np.isnan(np.delete(rewards, 5)).any()
+    assert set(np.delete(rewards, 5)) <= {0.0, 1.0}
+    assert scored.failures == [failed]
+    assert not np.isnan(scored.stamps.numpy()[:, Stage.REWARD_END]).any()
+
+
+async def test_a_reward_that_hangs_is_a_failed_sample_and_the_service_goes_on():
+    config = sim_config("roles.reward.engine={kind='task', timeout_s=0.2, concurrency=4}")
+    service = RewardService(spec(config, "reward"))
+
+    def score(group, index, response_ids):
+        if index == 1:
+            time.sleep(2)  # a verifier that hangs
+        return 1.0, {"correct": 1.0}
+
+    service.task.score = score
+    with trio.fail_after(30):
+        scored = await service.process(batch_of(1, 3))
+    assert [f.index for f in scored.failures] == [1] and scored.failures[0].kind == "TimeoutError"
+    assert "roles.reward.engine.timeout_s" in scored.failures[0].message
+    assert scored.rewards.tolist()[0] == 1.0 and scored.rewards.tolist()[2] == 1.0
+
+
+async def test_the_teacher_service_adds_a_log_probability_per_token():
+    service = TeacherService(spec(sim_config(), "teacher"))
+    batch = batch_of(2, 2)
+    with trio.fail_after(30):
+        out = await service.process(batch)
+    teacher = out.teacher_logprobs.numpy()
+    assert out.teacher_logprobs.dtype == "float32" and teacher.shape == (batch.n_tokens,)
+    assert (teacher <= 0).all()
+    assert [len(s.teacher_logprobs) for s in samples(out)] == [5] * 4
