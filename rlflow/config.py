@@ -182,6 +182,29 @@ class SimTeacher(Table, tag_field="kind", tag="sim"):
     """Time to score one response token."""
 
 
+class ModelTeacher(Table, tag_field="kind", tag="model"):
+    """A frozen Hugging Face model that scores every response token as batches
+    stream past: the log-probability of the sampled token, and optionally its
+    own top-k tokens, at the rollout's sampling temperature. The trainer reads
+    them for on-policy distillation and for a KL penalty."""
+
+    model: str = "policy"
+    """Model directory of the teacher ("policy": a frozen copy of the policy's starting weights, the
+    reference of a KL penalty). It must use the policy's tokenizer."""
+    backend: Literal["torch", "vllm"] = "torch"
+    """torch: a forward pass; vllm: vLLM's prompt log-probabilities (measured slower on CPU; see README)."""
+    top_k: NonNegInt = 0
+    """Also send the teacher's k most likely tokens and their log-probabilities at each position (0: none)."""
+    batch_tokens: PosInt = 8192
+    """Tokens (prompt and response, padded) per forward pass."""
+    temperature: NonNegFloat | None = None
+    """Temperature the log-probabilities are taken at (default: the rollout's); it must equal the rollout's."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights and activations."""
+    kv_cache_bytes: PosInt = 256 << 20
+    """KV cache size of the vllm backend on CPU."""
+
+
 class SimTrainer(Table, tag_field="kind", tag="sim"):
     """A simulated trainer: a fixed time per trained token, and a weight
     payload of `weights_bytes` that really crosses the wire to the rollout."""
@@ -271,11 +294,23 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """Parameters and compute."""
     checkpoint_every: NonNegInt = 0
     """Write a checkpoint every this many steps (0: only at the end)."""
+    kl_coef: NonNegFloat = 0.0
+    """Weight of a KL penalty to the teacher role's model (a frozen reference; 0: none)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """k1: log(p / ref); k3: ref / p - 1 - log(ref / p) (unbiased, never negative)."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Add the KL penalty as a loss term, or subtract it from each sample's reward."""
+    distill_coef: Fraction = 0.0
+    """Weight of on-policy distillation towards the teacher role's model: 0 is RL alone, 1 distillation
+    alone, in between a mix of the two objectives."""
+    distill: Literal["sampled", "topk"] = "sampled"
+    """sampled: the reverse KL at the sampled token as a per-token advantage; topk: a loss over the
+    teacher's top-k tokens (roles.teacher.engine.top_k > 0)."""
 
 
 RolloutEngine = Union[SimRollout, VllmRollout]
 RewardEngine = Union[SimReward, TaskReward]
-TeacherEngine = Union[SimTeacher]
+TeacherEngine = Union[SimTeacher, ModelTeacher]
 TrainerEngine = Union[SimTrainer, TorchTrainer]
 
 
@@ -400,7 +435,55 @@ class SimTask(Table, tag_field="kind", tag="sim"):
     """Chance that a simulated answer is right."""
 
 
-TaskConfig = Union[SimTask, ArithTask]
+class DatasetTask(Table, tag_field="kind", tag="dataset"):
+    """Prompts from the user's own files, read with the `datasets` library (JSON
+    lines, JSON, Parquet, CSV, or a folder written by `save_to_disk`); nothing is
+    downloaded. Scored by the reward role's functions (`roles.reward.engine.kind =
+    "functions"`), which get each row."""
+
+    train: str
+    """File or folder of the training prompts."""
+    eval: str = ""
+    """File or folder of the evaluation prompts (never trained on); empty: `eval_fraction` of `train`."""
+    eval_fraction: Fraction = 0.0
+    """Share of the training rows held out for evaluation when `eval` is empty (never trained on)."""
+    eval_size: NonNegInt = 0
+    """Evaluate at most this many rows (0: all of the evaluation split)."""
+    prompt: str = "prompt"
+    """Column of the prompt: a string, or a list of chat messages ({role, content} tables)."""
+    answer: str = "answer"
+    """Column of the reference answer the reward functions check against (empty: none)."""
+    chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (and the generation prompt), where it has one;
+    false: plain-text prompts are tokenized as they are."""
+    system_prompt: str = ""
+    """A system message put before each prompt rendered with the chat template."""
+    max_prompt_tokens: PosInt = 1024
+    """Rows whose rendered prompt is longer are left out when the data is loaded (and counted)."""
+
+
+class ReasoningGymTask(Table, tag_field="kind", tag="reasoning_gym"):
+    """Procedural problems of the `reasoning-gym` package, generated locally
+    (the optional extra `rlflow[tasks]`); score them with the reward function
+    `rlflow.rewards:reasoning_gym`, which asks the dataset's own verifier."""
+
+    dataset: str
+    """The reasoning-gym dataset, e.g. "leg_counting" or "basic_arithmetic"."""
+    size: PosInt = 10000
+    """Problems to generate for training (group ids cycle over them, reshuffled each epoch)."""
+    eval_size: NonNegInt = 200
+    """Problems generated for evaluation, from their own seed (never trained on)."""
+    options: dict[str, Union[int, float, str, bool]] = {}
+    """The dataset's own settings (passed to `reasoning_gym.create_dataset`)."""
+    chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (and the generation prompt), where it has one."""
+    system_prompt: str = ""
+    """A system message put before each prompt rendered with the chat template."""
+    max_prompt_tokens: PosInt = 1024
+    """Problems whose rendered prompt is longer are left out (and counted)."""
+
+
+TaskConfig = Union[SimTask, ArithTask, DatasetTask, ReasoningGymTask]
 
 
 class EvalConfig(Table):
@@ -440,8 +523,11 @@ class Config(Table):
 
     @property
     def needs_model(self) -> bool:
-        """Whether a real engine loads the policy (the simulated ones do not)."""
-        return kind_of(self.roles.rollout.engine) != "sim" or kind_of(self.roles.trainer.engine) != "sim"
+        """Whether a real engine loads the policy or its tokenizer (the simulated ones do not)."""
+        engines = [self.roles.rollout.engine, self.roles.trainer.engine]
+        if self.roles.teacher is not None:
+            engines.append(self.roles.teacher.engine)
+        return any(kind_of(engine) != "sim" for engine in engines) or not isinstance(self.task, SimTask)
 
     def role_items(self) -> list[tuple[str, Any]]:
         """(name, role config) of every configured role, in pipeline order."""
@@ -535,11 +621,33 @@ def check(config: Config) -> None:
             raise ConfigError(
                 "run.max_staleness", run.max_staleness, f"must be {implied} (or left out) when run.mode = {run.mode!r}"
             )
+    _check_teacher(config)
     trainer = config.roles.trainer
     if trainer.replicas != 1:
         raise ConfigError(
             "roles.trainer.replicas", trainer.replicas, "the trainer runs as 1 replica (data-parallel trainers are not supported yet)"
         )
+
+
+def _check_teacher(config: Config) -> None:
+    """The trainer's teacher terms need a teacher that sends what they read,
+    scored at the temperature the rollout samples at."""
+    trainer, teacher = config.roles.trainer.engine, config.roles.teacher
+    needs = isinstance(trainer, TorchTrainer) and (trainer.kl_coef > 0 or trainer.distill_coef > 0)
+    if needs and (teacher is None or not isinstance(teacher.engine, ModelTeacher)):
+        key = "roles.trainer.engine.distill_coef" if trainer.distill_coef > 0 else "roles.trainer.engine.kl_coef"
+        value = trainer.distill_coef if trainer.distill_coef > 0 else trainer.kl_coef
+        raise ConfigError(key, value, "needs a teacher that scores with a model ([roles.teacher] with engine.kind = 'model')")
+    if needs and trainer.distill_coef > 0 and trainer.distill == "topk" and teacher.engine.top_k == 0:
+        raise ConfigError("roles.teacher.engine.top_k", 0, "must be at least 1 for roles.trainer.engine.distill = 'topk'")
+    if teacher is not None and isinstance(teacher.engine, ModelTeacher) and teacher.engine.temperature is not None:
+        rollout_t = getattr(config.roles.rollout.engine, "temperature", None)
+        if rollout_t is not None and teacher.engine.temperature != rollout_t:
+            raise ConfigError(
+                "roles.teacher.engine.temperature", teacher.engine.temperature,
+                f"must equal the rollout's sampling temperature ({rollout_t:g}): the teacher scores the distribution "
+                "the student samples from",
+            )
 
 
 def resolve_run_dir(config: Config, override: str | None = None, now: datetime.datetime | None = None) -> pathlib.Path:

@@ -1,8 +1,9 @@
 """Tasks: where prompts come from and how answers are scored.
 
-Two tasks ship: ``sim`` (random tokens, random rewards: for simulated runs)
-and ``arith`` (the embedded default: addition written out column by column,
-verifiable, with long-tailed response lengths).
+Tasks: ``sim`` (random tokens, random rewards: for simulated runs),
+``arith`` (the embedded default: addition written out column by column,
+verifiable, with long-tailed response lengths), ``dataset`` (the user's own
+files) and ``reasoning_gym`` (procedural problems), see `dataset_task`.
 
 A task turns a group id into a prompt, deterministically (from the run's
 seed), so that the controller hands out ids, never data, and a group that has
@@ -17,7 +18,8 @@ from typing import Protocol
 
 import numpy as np
 
-from rlflow.config import ArithTask, Config, SimTask
+from rlflow.config import ArithTask, Config, DatasetTask, ReasoningGymTask, SimTask
+from rlflow.data.dataset_task import DatasetTaskImpl, ReasoningGymTaskImpl
 from rlflow.protocol import GroupInfo, PromptGroup
 
 
@@ -206,4 +208,12 @@ def make_task(config: Config, tokenizer=None) -> Task:
             if tokenizer is None:
                 raise ValueError("the arith task needs the model's tokenizer")
             return ArithTaskImpl(cfg, config.run.seed, tokenizer)
+        case DatasetTask() as cfg:
+            if tokenizer is None:
+                raise ValueError("the dataset task needs the model's tokenizer")
+            return DatasetTaskImpl(cfg, config.run.seed, tokenizer)
+        case ReasoningGymTask() as cfg:
+            if tokenizer is None:
+                raise ValueError("the reasoning_gym task needs the model's tokenizer")
+            return ReasoningGymTaskImpl(cfg, config.run.seed, tokenizer)
     raise ValueError(f"unknown task {config.task!r}")
