@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import msgspec
 import numpy as np
 
+from .checks import validate
 from .messages import GroupInfo, PromptGroup, SampleBatch, SampleFailure, Stage
 from .tensors import Tensor
 
@@ -116,7 +117,7 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
 
     def opt(name: str) -> Tensor | None:
         values = [getattr(b, name) for b in batches]
-        if any(v is None for v in values):
+        if any(v is None for v in values) or len({v.shape[1:] for v in values}) > 1:
             return None
         return Tensor.from_numpy(np.concatenate([v.numpy() for v in values]))
 
@@ -152,7 +153,15 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
         teacher_logprobs=opt("teacher_logprobs"),
         ref_logprobs=opt("ref_logprobs"),
         failures=failures,
+        **_topk(opt("teacher_topk_ids"), opt("teacher_topk_logprobs")),
     )
+
+
+def _topk(ids: Tensor | None, logprobs: Tensor | None) -> dict[str, Tensor | None]:
+    """The top-k columns, kept only if both are there (and of one k)."""
+    if ids is None or logprobs is None or ids.shape != logprobs.shape:
+        return {}
+    return {"teacher_topk_ids": ids, "teacher_topk_logprobs": logprobs}
 
 
 def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
@@ -194,6 +203,8 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
         reward_details={k: per_row(v) for k, v in batch.reward_details.items()},
         teacher_logprobs=tok(batch.teacher_logprobs),
         ref_logprobs=tok(batch.ref_logprobs),
+        teacher_topk_ids=tok(batch.teacher_topk_ids),
+        teacher_topk_logprobs=tok(batch.teacher_topk_logprobs),
         failures=[
             msgspec.structs.replace(f, index=new_index[f.index]) for f in batch.failures if f.index in new_index
         ],
@@ -235,6 +246,8 @@ class SampleView:
     reward: float | None
     teacher_logprobs: np.ndarray | None
     ref_logprobs: np.ndarray | None
+    teacher_topk_ids: np.ndarray | None = None
+    teacher_topk_logprobs: np.ndarray | None = None
 
 
 def samples(batch: SampleBatch) -> Iterator[SampleView]:
@@ -247,6 +260,8 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
     rewards = batch.rewards.numpy() if batch.rewards is not None else None
     teacher = batch.teacher_logprobs.numpy() if batch.teacher_logprobs is not None else None
     ref = batch.ref_logprobs.numpy() if batch.ref_logprobs is not None else None
+    topk_ids = batch.teacher_topk_ids.numpy() if batch.teacher_topk_ids is not None else None
+    topk_lps = batch.teacher_topk_logprobs.numpy() if batch.teacher_topk_logprobs is not None else None
     row = 0
     for g, info in enumerate(batch.groups):
         prompt = prompt_ids[p_off[g] : p_off[g + 1]]
@@ -264,60 +279,10 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
                 reward=None if rewards is None else float(rewards[row]),
                 teacher_logprobs=None if teacher is None else teacher[a:b],
                 ref_logprobs=None if ref is None else ref[a:b],
+                teacher_topk_ids=None if topk_ids is None else topk_ids[a:b],
+                teacher_topk_logprobs=None if topk_lps is None else topk_lps[a:b],
             )
             row += 1
-
-
-def validate(batch: SampleBatch) -> None:
-    """Check that the columns of `batch` agree with each other.
-
-    The codec checks each tensor against its frame; this checks the batch's
-    own invariants (offsets monotone and in range, lengths consistent), so
-    that a consumer can index it without further checks. Raises ValueError.
-    """
-    n = batch.n_samples
-    g = len(batch.groups)
-    t = batch.response_ids.numel
-
-    def need(cond: bool, what: str) -> None:
-        if not cond:
-            raise ValueError(f"columns disagree: {what}")
-
-    for name, dtype in (
-        ("prompt_ids", "int32"),
-        ("prompt_offsets", "int64"),
-        ("sample_index", "int32"),
-        ("response_ids", "int32"),
-        ("response_offsets", "int64"),
-        ("logprobs", "float32"),
-        ("versions", "int32"),
-        ("finish_reason", "uint8"),
-        ("stamps", "float64"),
-    ):
-        tensor = getattr(batch, name)
-        need(tensor.dtype == dtype, f"{name} is {tensor.dtype}, expected {dtype}")
-        need(len(tensor.shape) == (2 if name == "stamps" else 1), f"{name} has shape {list(tensor.shape)}")
-    need(sum(info.size for info in batch.groups) == n, "group sizes do not add up to the sample count")
-    need(batch.prompt_offsets.numel == g + 1, f"prompt_offsets has {batch.prompt_offsets.numel} entries for {g} groups")
-    need(batch.response_offsets.numel == n + 1, f"response_offsets has {batch.response_offsets.numel} entries for {n} samples")
-    for name, off, total in (
-        ("prompt_offsets", batch.prompt_offsets.numpy(), batch.prompt_ids.numel),
-        ("response_offsets", batch.response_offsets.numpy(), t),
-    ):
-        need(off[0] == 0 and off[-1] == total, f"{name} must run from 0 to {total}")
-        need(bool(np.all(np.diff(off) >= 0)), f"{name} must not decrease")
-    for name in ("logprobs", "versions"):
-        need(getattr(batch, name).numel == t, f"{name} has {getattr(batch, name).numel} entries for {t} tokens")
-    for name in ("teacher_logprobs", "ref_logprobs"):
-        tensor = getattr(batch, name)
-        need(tensor is None or (tensor.numel == t and tensor.dtype == "float32"), f"{name} must be float32 [{t}]")
-    need(batch.finish_reason.numel == n and batch.sample_index.numel == n, "per-sample columns must have n entries")
-    need(batch.stamps.shape[0] == n, "stamps must have one row per sample")
-    if batch.rewards is not None:
-        need(batch.rewards.numel == n and batch.rewards.dtype == "float32", f"rewards must be float32 [{n}]")
-    for key, tensor in batch.reward_details.items():
-        need(tensor.numel == n, f"reward_details[{key!r}] must have {n} entries")
-    need(all(f.index < n for f in batch.failures), "a failure names a row past the end")
 
 
 def _cat(arrays: Sequence[np.ndarray], dtype: type) -> np.ndarray:

@@ -27,6 +27,7 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta
 
+from .checks import validate
 from .tensors import Tensor
 
 #: Incompatible changes bump this; compatible ones (appended fields with
@@ -185,13 +186,15 @@ class SampleBatch(Message, tag=2):
     """float32 [T]: a frozen reference policy's log-probability of each token."""
     failures: list[SampleFailure] = []
     """Samples that failed at some stage; their other fields are not to be trusted."""
+    teacher_topk_ids: Tensor | None = None
+    """int32 [T, k]: the teacher's k most likely tokens at each response position."""
+    teacher_topk_logprobs: Tensor | None = None
+    """float32 [T, k]: the teacher's log-probabilities of those tokens (at the sampling temperature)."""
 
     def __post_init__(self) -> None:
         # The columns must agree (offsets in range, lengths, dtypes), so that
         # a receiver can index the batch without further checks; a batch whose
         # columns do not is `malformed`.
-        from .batch import validate
-
         validate(self)
 
     @property

@@ -338,6 +338,13 @@ class StageService(Service):
         self._working = 0
         self._waiting_out = 0
 
+    async def prepare(self) -> None:
+        """Get ready to work (load a model), before saying hello."""
+
+    def hello_info(self) -> dict[str, str]:
+        """What the controller should know of this replica (in its hello)."""
+        return {}
+
     async def process(self, batch: Any) -> Any:
         """The batch with this stage's fields filled in."""
         raise NotImplementedError
@@ -355,9 +362,10 @@ class StageService(Service):
 
     async def main(self, control: Control) -> None:
         bind = transport.tcp_address(bind_host(self.config))
+        await self.prepare()
         async with transport.open_pull(bind=bind, name=f"{self.spec.name}/in") as inbox:
             self.sockets.append(inbox)
-            welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)})
+            welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)}, info=self.hello_info())
             self.say("up, sending to %s", ", ".join(welcome.peers["out"]))
             async with (
                 transport.open_push(connect=welcome.peers["out"], name=f"{self.spec.name}/out") as out,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -80,6 +81,8 @@ log = logging.getLogger("rlflow.controller")
 HOLD = 16
 #: Peers refused with an answer, at most (more are refused in silence).
 MAX_REFUSED = 4096
+#: Teacher replicas whose probe log-probabilities differ by more (nats) do not run together.
+PROBE_TOLERANCE = 1e-4
 #: Roles that hold the policy (and so can be behind the trainer).
 POLICY_ROLES = ("rollout", "trainer")
 
@@ -254,6 +257,7 @@ class Controller:
                 f"no hello from {', '.join(missing)} within {cluster.handshake_timeout_s:g} s; "
                 "raise cluster.handshake_timeout_s if they are slow to start"
             )
+        self._check_teachers()
         for replica in self.replicas.values():
             await self._send(replica, self._welcome(replica))
         with trio.move_on_after(cluster.handshake_timeout_s):
@@ -265,6 +269,20 @@ class Controller:
                 "raise cluster.handshake_timeout_s if they are slow to start"
             )
         log.info("[controller] all %d services ready", len(self.replicas))
+
+    def _check_teachers(self) -> None:
+        """Replicas of the teacher must score alike (each scored the same probe)."""
+        probes = {r.name: json.loads(r.hello.info["probe"]) for r in self._role("teacher") if "probe" in r.hello.info}
+        if len(probes) < 2:
+            return
+        (first, reference), *others = probes.items()
+        for name, values in others:
+            worst = max((abs(a - b) for a, b in zip(values, reference, strict=True)), default=0.0)
+            if not worst <= PROBE_TOLERANCE:  # NaN fails too
+                raise RunFailed(
+                    f"teacher replicas disagree: {name} scores the probe sequence {worst:.2g} nats away from "
+                    f"{first} (at most {PROBE_TOLERANCE:g}); they must load the same model and settings"
+                )
 
     def _welcome(self, replica: Replica) -> Welcome:
         """Who it streams to, the clock, and how weights reach it."""

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import msgspec
 import trio
 
-from rlflow.config import Config, ConfigError, to_toml
+from rlflow.config import Config, ConfigError, ModelTeacher, to_toml
 from rlflow.control import placement
 from rlflow.control.controller import Controller
 from rlflow.rundir import RunDir, Status, Summary
@@ -48,7 +48,33 @@ def resolve(config: Config) -> Config:
             raise ConfigError("roles.rollout.model", rollout.model, str(exc)) from None
         rollout = msgspec.structs.replace(rollout, model=model)
     roles = msgspec.structs.replace(config.roles, rollout=rollout)
+    teacher = config.roles.teacher
+    if teacher is not None and isinstance(teacher.engine, ModelTeacher):
+        engine = teacher.engine
+        if engine.model == "policy":  # the policy's starting weights, not a checkpoint resumed from
+            path = rollout.model
+        else:
+            try:
+                path = str(resolve_model(engine.model).resolve())
+            except FileNotFoundError as exc:
+                raise ConfigError("roles.teacher.engine.model", engine.model, str(exc)) from None
+        _same_tokenizer(path, rollout.model)
+        roles = msgspec.structs.replace(roles, teacher=msgspec.structs.replace(
+            teacher, engine=msgspec.structs.replace(engine, model=path)))
     return msgspec.structs.replace(config, run=run, roles=roles)
+
+
+def _same_tokenizer(teacher: str, policy: str) -> None:
+    """The teacher must score the tokens the policy samples: one vocabulary."""
+    from rlflow.data.tasks import load_tokenizer
+
+    if teacher == policy:
+        return
+    if load_tokenizer(teacher).get_vocab() != load_tokenizer(policy).get_vocab():
+        raise ConfigError(
+            "roles.teacher.engine.model", teacher,
+            f"its tokenizer differs from the policy's ({policy}): the teacher must score the policy's tokens",
+        )
 
 
 def run(

@@ -241,6 +241,27 @@ class VllmBackend:
 
         return await self.call(run)
 
+    async def prompt_logprobs(self, ids: list[int], k: int) -> list:
+        """vLLM's log-probabilities of each token of `ids` given the ones before
+        (temperature 1: prompt tokens skip the sampling processors), with the
+        `k` most likely tokens at each position: one dict {token id: Logprob}
+        per position, None at the first."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=k, output_kind=RequestOutputKind.FINAL_ONLY,
+                                detokenize=False)
+        request_id = uuid.uuid4().hex
+        llm = self.llm
+
+        async def run():
+            final = None
+            async for out in llm.generate({"prompt_token_ids": list(ids)}, params, request_id):
+                final = out
+            return final.prompt_logprobs
+
+        return await self.call(run)
+
 
 @dataclass
 class _Group:
