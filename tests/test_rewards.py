@@ -26,11 +26,13 @@ from rlflow.rewards import (
     Sample,
     Scored,
     Status,
+    check_references,
     check_specs,
     combine,
     load_function,
     open_pool,
 )
+from rlflow.rewards.sandbox import check_isolation
 
 #: The README's example, verbatim: what a user copies.
 README_EXAMPLE = """\
@@ -127,6 +129,9 @@ USER_MODULE = README_EXAMPLE + textwrap.dedent(
     '''
 )
 
+SANDBOX = check_isolation()
+needs_sandbox = pytest.mark.skipif(SANDBOX is not None, reason=f"no sandbox on this machine: {SANDBOX}")
+
 
 @pytest.fixture(scope="session")
 def user_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
@@ -190,6 +195,17 @@ def test_load_function_names_the_path_and_what_is_wrong(path, kwargs, says):
     assert says in str(caught.value)
 
 
+def test_builtins_load_by_path():
+    import rlflow.rewards as rewards
+    from rlflow.rewards import model, programs, text
+
+    assert load_function("rlflow.rewards:math") is text.math is rewards.math
+    assert load_function("rlflow.rewards:exact", {"ignore_case": True}) is text.exact
+    assert load_function("rlflow.rewards:regex", {"pattern": "x"}) is text.regex
+    assert load_function("rlflow.rewards:code") is programs.code
+    assert load_function("rlflow.rewards:reward_model", {"model": "/m"}) is model.reward_model
+
+
 def test_spec_defaults_and_checks():
     assert spec("rlflow.rewards:math").name == "math"
     assert spec("pkg.mod:Scorer.score").name == "score"
@@ -228,6 +244,87 @@ def test_combine_weights_parts_and_failures():
     assert combine(timed_out, specs).reward is None
     with pytest.raises(ValueError, match="result of 'fmt' where 'acc' was expected"):
         combine(ok[1:] + ok[:1], specs)
+
+
+# -- built-ins, called directly (this is the main thread: math-verify's alarms work) --
+
+
+@pytest.mark.parametrize("reference", ["1/2", "0.5", "\\frac{1}{2}"])
+@pytest.mark.parametrize("answer", ["1/2", "0.5", "\\frac{1}{2}", "\\dfrac12", "2/4"])
+def test_math_agrees_on_equal_values(reference, answer):
+    from rlflow.rewards import math as math_reward
+
+    assert math_reward(sample(f"so \\boxed{{{answer}}}", reference)) == (1.0, {"extracted": 1.0})
+    assert math_reward(sample("so \\boxed{0.49}", reference)) == (0.0, {"extracted": 1.0})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "response", "expected"),
+    [
+        ({}, "first \\boxed{3} then \\boxed{\\frac{6}{2}} done", (1.0, 1.0)),
+        ({}, "the last box wins: \\boxed{3} \\boxed{4}", (0.0, 1.0)),
+        ({}, "a cut-off box \\boxed{3} \\boxed{\\frac{1}{", (0.0, 0.0)),
+        ({}, "3, no box", (0.0, 0.0)),
+        ({"extract": "last_number"}, "2 apples and 1 more make 3 apples.", (1.0, 1.0)),
+        ({"extract": "last_number"}, "it is 3, not 4", (0.0, 1.0)),
+        ({"extract": "last_number"}, "three", (0.0, 0.0)),
+        ({"extract": "marker"}, "1+2 = 3\n#### 3\nthanks", (1.0, 1.0)),
+        ({"extract": "marker", "marker": "Answer:"}, "Answer: 6/2", (1.0, 1.0)),
+        ({"extract": "marker"}, "no marker, 3", (0.0, 0.0)),
+        ({"extract": "none"}, "The answer is $3$.", (1.0, 1.0)),
+    ],
+)
+def test_math_extraction_modes(kwargs, response, expected):
+    from rlflow.rewards import math as math_reward
+
+    value, parts = math_reward(sample(response, "3"), **kwargs)
+    assert (value, parts["extracted"]) == expected
+
+
+def test_math_reference_that_does_not_parse_is_an_error():
+    from rlflow.rewards import math as math_reward
+
+    with pytest.raises(ValueError, match="cannot parse the reference answer 'what\\?' as math"):
+        math_reward(sample("\\boxed{3}", "what?"))
+    with pytest.raises(ValueError, match="extract must be one of"):
+        math_reward.prepare(extract="first")
+
+
+def test_exact_and_regex():
+    from rlflow.rewards import exact, regex
+
+    assert exact(sample("  Paris \n", "Paris")) == (1.0, {"extracted": 1.0})
+    assert exact(sample("New   York", "New York")) == (1.0, {"extracted": 1.0})
+    assert exact(sample("new york", "New York"))[0] == 0.0
+    assert exact(sample("new york", "New York"), ignore_case=True)[0] == 1.0
+    assert exact(sample("NewYork", "New York"), whitespace="ignore")[0] == 1.0
+    assert exact(sample("New  York", "New York"), whitespace="strip")[0] == 0.0
+    assert exact(sample("it is \\boxed{Paris}", "Paris"), extract="boxed")[0] == 1.0
+    fmt = r"(?s)^<think>.+</think>\s*<answer>.+</answer>$"
+    assert regex(sample("<think>hm</think>\n<answer>4</answer>"), pattern=fmt) == 1.0
+    assert regex(sample("<answer>4</answer>"), pattern=fmt) == 0.0
+    assert regex(sample("x 42 y"), pattern=r"\d+") == 1.0
+    assert regex(sample("x 42 y"), pattern=r"\d+", full=True) == 0.0
+
+
+@needs_sandbox
+def test_code_scores_the_share_of_tests_passed():
+    from rlflow.rewards import code
+
+    program = "```python\nn = int(input())\nprint(n * 2 if n < 3 else n)\n```"
+    io_tests = [{"input": f"{n}\n", "output": f"{2 * n}\n"} for n in (1, 2, 3, 4)]
+    response = f"Here it is:\n```text\nnot this\n```\n{program}\nDone."
+    assert code(sample(response, tests=io_tests)) == (0.5, {"passed": 2.0, "tests": 4.0})
+    # Tests as statements after the program, as a JSON string.
+    asserts = '["assert double(2) == 4", "assert double(-1) == -2", "assert double(0) == 1"]'
+    assert code(sample("def double(x):\n    return 2 * x\n", tests=asserts))[0] == pytest.approx(2 / 3)
+    # Exiting early, however cleanly, passes nothing.
+    for leave in ("import sys\nsys.exit(0)", "import os\nos._exit(0)"):
+        assert code(sample(f"{leave}\n", tests=["assert False"]))[0] == 0.0
+    # A program that never ends fails its test at the sandbox's limit.
+    assert code(sample("while True: pass", tests=["pass"]), timeout_s=0.5)[0] == 0.0
+    with pytest.raises(ValueError, match="no tests under 'tests'"):
+        code(sample("print(1)"))
 
 
 # -- the pool ----------------------------------------------------------------
@@ -346,6 +443,45 @@ async def test_a_batched_function_gets_the_samples_that_arrive_together():
     assert status is Status.ERROR and message.startswith("returned 1 results for a batch of")
 
 
+async def test_the_builtins_run_in_the_pool_by_path():
+    specs = [
+        spec("rlflow.rewards:math", kwargs={"extract": "marker"}),
+        spec("rlflow.rewards:exact", kwargs={"extract": "marker", "ignore_case": True}),
+        spec("rlflow.rewards:regex", name="format", kwargs={"pattern": r"#### \S+$"}),
+    ]
+    if SANDBOX is None:
+        specs.append(spec("rlflow.rewards:code"))
+    row = {"tests": [{"input": "", "output": "0.5"}]}
+    with trio.fail_after(60):
+        async with open_pool(specs) as pool:
+            right, wrong = await pool.score_many(
+                [sample("print(1/2)\n#### 1/2", "0.5", **row), sample("print(1/3)\n#### 1/3", "0.5", **row)]
+            )
+    assert [(s.function, s.status, s.value) for s in right][:3] == [
+        ("math", Status.OK, 1.0),
+        ("exact", Status.OK, 0.0),  # "1/2" is not the string "0.5"
+        ("format", Status.OK, 1.0),
+    ]
+    assert [s.value for s in wrong][:3] == [0.0, 0.0, 1.0]
+    if SANDBOX is None:
+        assert (right[3].value, wrong[3].value) == (1.0, 0.0)
+        assert right[3].parts == {"passed": 1.0, "tests": 1.0}
+
+
+async def test_math_verify_times_itself_out_in_a_worker():
+    # Its alarm needs the main thread, which a worker gives the function: the
+    # call ends as TIMEOUT at math-verify's own limit, and the worker stays.
+    hard = sample("\\boxed{10^{10^{10}}}", "9^{9^{9^{9}}}")
+    with trio.fail_after(60):
+        async with open_pool([spec("rlflow.rewards:math", kwargs={"timeout_s": 1})]) as pool:
+            (result,) = await pool.score(hard)
+            (easy,) = await pool.score(sample("\\boxed{2}", "2"))
+            assert pool.restarts == {"math": 0}
+    assert result.status is Status.TIMEOUT
+    assert result.message.startswith("TimeoutError: math-verify took longer than timeout_s = 1 s")
+    assert (easy.status, easy.value) == (Status.OK, 1.0)
+
+
 async def test_a_function_that_cannot_start_stops_the_pool_with_its_reason():
     with trio.fail_after(60):
         with pytest.raises(PoolError, match=r"'user_rewards:missing': 'user_rewards' has no attribute 'missing'"):
@@ -354,9 +490,37 @@ async def test_a_function_that_cannot_start_stops_the_pool_with_its_reason():
         with pytest.raises(PoolError, match="'cannot_prepare' cannot start: RuntimeError: no model here"):
             async with open_pool([spec("user_rewards:cannot_prepare")]):
                 pytest.fail("the pool opened")
+        with pytest.raises(PoolError, match=r"cannot start: re.error: missing \), unterminated subpattern"):
+            async with open_pool([spec("rlflow.rewards:regex", kwargs={"pattern": "("})]):
+                pytest.fail("the pool opened")
         with pytest.raises(ValueError, match="two reward functions are named 'echo'"):
             async with open_pool([spec("user_rewards:echo"), spec("user_rewards:echo")]):
                 pytest.fail("the pool opened")
+
+
+async def test_check_references_reports_what_cannot_score_its_reference():
+    specs = [
+        spec("rlflow.rewards:math"),  # renders "\boxed{reference}"
+        spec("rlflow.rewards:exact", kwargs={"extract": "marker"}),
+        spec("user_rewards:never_right"),
+        spec("user_rewards:judge"),  # no reference_response: only checked to score
+    ]
+    references = [sample(reference="\\frac{1}{2}"), sample(reference="12"), sample(reference="what?")]
+    with trio.fail_after(60):
+        async with open_pool(specs) as pool:
+            problems = await check_references(pool, references)
+    assert len(problems) == 4, problems
+    assert problems[0] == (
+        "reward function 'never_right': the reference answer of sample 0 ('\\\\frac{1}{2}') scored 0, expected 1"
+    )
+    assert problems[1] == "reward function 'never_right': the reference answer of sample 1 ('12') scored 0, expected 1"
+    assert problems[2].startswith(
+        "reward function 'math': the reference answer of sample 2 ('what?') did not score (error): "
+        "ValueError: math-verify cannot parse the reference answer 'what?'"
+    )
+    assert (
+        problems[3] == "reward function 'never_right': the reference answer of sample 2 ('what?') scored 0, expected 1"
+    )
 
 
 async def test_a_row_that_is_not_plain_data_is_an_error_and_numpy_is_plain():
@@ -406,3 +570,45 @@ def test_workers_die_with_the_process_that_started_them(user_dir):
             pass
         service.kill()
     assert gone([worker])
+
+
+@pytest.mark.slow
+async def test_reward_model_scores_in_batches_as_a_direct_forward_does(tmp_path):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from rlflow.data.tasks import Arith
+    from rlflow.tools.model import build_tokenizer
+
+    tokenizer = build_tokenizer(Arith.ALPHABET)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    model = Qwen2ForSequenceClassification(config).eval()
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    samples = [
+        Sample(prompt=f"{a}+{b}=", response=str(a + b + a % 2)) for a, b in [(1, 2), (34, 5), (678, 90), (1, 1)] * 4
+    ]
+    kwargs = {"model": str(tmp_path), "batch_size": 16}
+    with trio.fail_after(120):
+        async with open_pool(
+            [spec("user_rewards:scored_by_model", max_batch=16, batch_wait_s=0.05, kwargs=kwargs)]
+        ) as pool:
+            scored = [s[0] for s in await pool.score_many(samples)]
+    assert all(s.status is Status.OK for s in scored), scored
+    assert max(s.parts["batch"] for s in scored) > 1
+    with torch.no_grad():
+        direct = [model(**tokenizer(s.prompt, s.response, return_tensors="pt")).logits[0, 0].item() for s in samples]
+    assert [s.value for s in scored] == pytest.approx(direct, abs=1e-5)
+    assert len(set(direct)) > 1  # the check compares something

@@ -1,5 +1,5 @@
-"""Reward functions: the contract, and the pool of worker processes that
-runs them, killably, under a timeout per call.
+"""Reward functions: the contract, the built-ins, and the pool of worker
+processes that runs them, killably, under a timeout per call.
 
 A reward function is named by import path, ``package.module:function``,
 sync or async. It gets one `Sample` (prompt, response text and token ids,
@@ -23,8 +23,18 @@ error, crashed): a function that hangs, crashes or returns NaN fails that
 sample visibly, never as a 0. See `core` for the optional attributes
 (``batched``, ``prepare``, ``reference_response``).
 
+Built in, by the same mechanism (``rlflow.rewards:math`` ...):
+
+* `math`: the answer, extracted (``extract`` = boxed, last_number, marker,
+  none), compared with the reference by math-verify;
+* `exact` and `regex`: string equality, and a format check;
+* `code`: the response's program run in the sandbox against the row's
+  tests; the share passed;
+* `reward_model`: a local Hugging Face sequence-classification model, in
+  batches.
+
 `rlflow.rewards.sandbox` is the code sandbox. Importing this package is
-cheap: the pool loads on first use.
+cheap: the built-ins and the pool load on first use.
 """
 
 from __future__ import annotations
@@ -46,6 +56,12 @@ from rlflow.rewards.core import (
 
 #: Names served on first use, and the module each lives in.
 _LAZY = {
+    "math": "rlflow.rewards.text",
+    "exact": "rlflow.rewards.text",
+    "regex": "rlflow.rewards.text",
+    "code": "rlflow.rewards.programs",
+    "sandbox_problem": "rlflow.rewards.programs",
+    "reward_model": "rlflow.rewards.model",
     "open_pool": "rlflow.rewards.pool",
     "RewardPool": "rlflow.rewards.pool",
     "FunctionInfo": "rlflow.rewards.pool",
