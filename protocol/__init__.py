@@ -25,6 +25,7 @@ from .messages import (
     ControlMessage,
     Credits,
     DataMessage,
+    Dropped,
     ErrorReport,
     EvalDone,
     Evaluate,

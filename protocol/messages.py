@@ -500,6 +500,16 @@ class Evaluate(Message, tag=26):
     """0: greedy."""
 
 
+class Dropped(Message, tag=29):
+    """Groups a role dropped for good (e.g. their reward could not be
+    computed): they are counted with the reason and never granted again."""
+
+    group_ids: list[NonNegInt]
+    """The groups."""
+    reason: str = ""
+    """Why, for the ledger and the log."""
+
+
 class SendWeights(Message, tag=28):
     """Send policy `version` to the replicas that load weights (controller -> every trainer rank)."""
 
@@ -543,6 +553,7 @@ ControlMessage = Union[
     Evaluate,
     EvalDone,
     SendWeights,
+    Dropped,
 ]
 WeightsMessage = Union[WeightsRequest, WeightsPayload]
 AnyMessage = Union[DataMessage, ControlMessage, WeightsMessage]
@@ -572,6 +583,7 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         Evaluate,
         EvalDone,
         SendWeights,
+        Dropped,
         WeightsRequest,
         WeightsPayload,
     )

@@ -22,6 +22,7 @@ import tomli_w
 from msgspec import Meta
 
 from rlflow.protocol.spec import field_docs
+from rlflow.rewards.core import FunctionSpec, check_specs
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -259,6 +260,29 @@ class TaskReward(Table, tag_field="kind", tag="task"):
     """A sample whose scoring takes longer fails (recorded in-band, reward NaN)."""
 
 
+class FunctionsReward(Table, tag_field="kind", tag="functions"):
+    """Reward functions named by import path ("package.module:function", e.g.
+    "rlflow.rewards:math"), run in worker processes under a timeout per call;
+    a sample's reward is the weighted sum of theirs."""
+
+    functions: list[FunctionSpec]
+    """The functions, each a table: path, and optionally name, weight, kwargs, timeout_s, workers."""
+    concurrency: PosInt = 16
+    """Samples scored at once (per replica); at least the functions' workers, to keep them busy."""
+    on_failure: Literal["drop", "retry", "fallback"] = "drop"
+    """A sample a function could not score (timeout, error, crash): drop its group for good (counted, never
+    trained on), retry the call (`retries` times, then drop), or score it `fallback` for that function."""
+    retries: PosInt = 1
+    """Calls retried per sample with on_failure = "retry"."""
+    fallback: float = 0.0
+    """The value a failed call counts as with on_failure = "fallback"."""
+    check_references: NonNegInt = 8
+    """At start, score the reference answers of this many rows as if they were responses, and report a
+    function that does not score them right (0: no check)."""
+    start_timeout_s: PosFloat = 120.0
+    """How long the functions' workers may take to start (importing the functions, loading models)."""
+
+
 class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """A torch trainer on the Hugging Face class of the rollout's model: GRPO
     or RLOO advantages, a PPO-clipped objective with off-policy corrections."""
@@ -309,7 +333,7 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
 
 
 RolloutEngine = Union[SimRollout, VllmRollout]
-RewardEngine = Union[SimReward, TaskReward]
+RewardEngine = Union[SimReward, TaskReward, FunctionsReward]
 TeacherEngine = Union[SimTeacher, ModelTeacher]
 TrainerEngine = Union[SimTrainer, TorchTrainer]
 
@@ -338,6 +362,10 @@ class RewardRole(Table):
     """Replicas; they share the stream."""
     engine: RewardEngine = SimReward()
     """How rewards are computed."""
+    inline: bool = False
+    """Score in the rollout process instead, in line with generation (what AReaL and slime do): its
+    engine waits while each finished group is scored, and the reward replicas pass batches on. A layout
+    to compare against (bench/reward.py); the simulated rollout only."""
 
 
 class TeacherRole(Table):
@@ -497,6 +525,8 @@ class EvalConfig(Table):
     """Evaluate the starting weights before training."""
     after: bool = True
     """Evaluate the final weights after the last step."""
+    pass_reward: float = 1.0
+    """With reward functions: a held-out answer passes when its reward reaches this (the pass rate)."""
 
 
 class Config(Table):
@@ -622,6 +652,21 @@ def check(config: Config) -> None:
                 "run.max_staleness", run.max_staleness, f"must be {implied} (or left out) when run.mode = {run.mode!r}"
             )
     _check_teacher(config)
+    reward = config.roles.reward.engine
+    if isinstance(reward, FunctionsReward):
+        try:
+            check_specs(reward.functions)
+        except ValueError as exc:
+            raise ConfigError("roles.reward.engine.functions", [f.path for f in reward.functions], str(exc)) from None
+    if config.roles.reward.inline and (not isinstance(config.roles.rollout.engine, SimRollout)
+                                       or isinstance(reward, FunctionsReward)):
+        raise ConfigError("roles.reward.inline", True,
+                          "scoring in line is a layout of the simulated rollout with a sim or task reward engine")
+    if isinstance(config.task, (DatasetTask, ReasoningGymTask)) and not isinstance(reward, FunctionsReward):
+        raise ConfigError(
+            "roles.reward.engine.kind", kind_of(reward),
+            f"task.kind = {kind_of(config.task)!r} is scored by reward functions: use kind = 'functions'",
+        )
     trainer = config.roles.trainer
     if trainer.replicas != 1:
         raise ConfigError(
@@ -702,7 +747,8 @@ def _explain(exc: msgspec.ValidationError, raw: dict[str, Any]) -> ConfigError:
         return ConfigError(_join(key_path), _MISSING, f"required: {_describe(field_type)}")
     given = _lookup(raw, path)
     target = _type_at(path, raw)
-    if target is None:
+    # A table that checks itself (a __post_init__) says what is wrong in its own words.
+    if target is None or (isinstance(target, msgspec.inspect.StructType) and not what.startswith("Expected")):
         return ConfigError(_join(path) or "config", given, what)
     return ConfigError(_join(path), given, f"expected {_describe(target)}")
 

@@ -65,6 +65,8 @@ class StepRow(Record):
     """Each role's time over the step."""
     train: dict[str, float] = {}
     """The trainer engine's own statistics (loss, gradient norm, clipped share, ...)."""
+    reward_failed_share: float | None = None
+    """Share of the samples scored over the step whose reward could not be computed."""
     controller_msgs: int = 0
     """Messages the controller had received by then."""
 
@@ -139,6 +141,8 @@ class GroupCounts(Record):
     trained: int = 0
     granted: int = 0
     reissued: int = 0
+    dropped: dict[str, int] = {}
+    """Groups dropped for good, by reason."""
 
 
 class Status(Record):
@@ -166,6 +170,9 @@ class Status(Record):
     last_eval: EvalRow | None = None
     roles: dict[str, RoleStatus] = {}
     controller: ControllerStats = ControllerStats()
+    warnings: list[str] = []
+    """The latest things a person should look at (e.g. rewards failing, a reward
+    function that cannot score a reference answer)."""
 
 
 class Summary(Record):

@@ -337,6 +337,8 @@ class StageService(Service):
         super().__init__(spec)
         self._working = 0
         self._waiting_out = 0
+        #: The control channel, once `main` runs (`process` may tell the controller things).
+        self.control: Control | None = None
 
     async def prepare(self) -> None:
         """Get ready to work (load a model), before saying hello."""
@@ -346,7 +348,7 @@ class StageService(Service):
         return {}
 
     async def process(self, batch: Any) -> Any:
-        """The batch with this stage's fields filled in."""
+        """The batch with this stage's fields filled in (None: nothing of it goes on)."""
         raise NotImplementedError
 
     def queues(self) -> dict[str, int]:
@@ -361,6 +363,7 @@ class StageService(Service):
             self.clock.set("starved")
 
     async def main(self, control: Control) -> None:
+        self.control = control
         bind = transport.tcp_address(bind_host(self.config))
         await self.prepare()
         async with transport.open_pull(bind=bind, name=f"{self.spec.name}/in") as inbox:
@@ -380,6 +383,9 @@ class StageService(Service):
                     finally:
                         self._working -= 1
                         slots.release()
+                    if result is None:
+                        self._retime()
+                        return
                     self._waiting_out += 1
                     self._retime()
                     await done_send.send(result)

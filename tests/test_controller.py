@@ -358,3 +358,15 @@ async def test_a_peer_that_may_not_join_is_told_why_on_the_wire(tmp_path):
             assert f"schema version {SCHEMA_VERSION + 1}, this peer speaks {SCHEMA_VERSION}" in refused.message
             nursery.cancel_scope.cancel()
     assert controller.ignored == {"unauthenticated": 1, "unexpected_hello": 1, "wrong_version": 1}
+
+
+def test_a_dropped_group_is_gone_for_good_and_makes_room_for_a_new_one():
+    ledger = GroupLedger(batch_size=2, max_staleness=0, steps=10)
+    assert [g.group_id for g in ledger.grant({0: 10}, 0)[0]] == [0, 1]
+    ledger.generated(0, [0, 1])
+    assert ledger.drop([1, 1, 7], "reward function 'math': timeout") == [1]
+    assert ledger.dropped == {"reward function 'math': timeout": 1}
+    assert [g.group_id for g in ledger.grant({0: 10}, 0)[0]] == [2]  # the bound of step 0, less the dropped one
+    assert ledger.expired([1]) == []  # never granted again
+    state = ledger.snapshot()
+    assert GroupLedger.restore(state, 2, 0, 10).dropped == {"reward function 'math': timeout": 1}

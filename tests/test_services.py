@@ -215,7 +215,7 @@ async def test_a_reward_that_hangs_is_a_failed_sample_and_the_service_goes_on():
     service.task.score = score
     with trio.fail_after(30):
         scored = await service.process(batch_of(1, 3))
-    assert [f.index for f in scored.failures] == [1] and scored.failures[0].kind == "TimeoutError"
+    assert [f.index for f in scored.failures] == [1] and scored.failures[0].kind == "timeout"
     assert "roles.reward.engine.timeout_s" in scored.failures[0].message
     assert scored.rewards.tolist()[0] == 1.0 and scored.rewards.tolist()[2] == 1.0
 
@@ -229,3 +229,110 @@ async def test_the_teacher_service_adds_a_log_probability_per_token():
     assert out.teacher_logprobs.dtype == "float32" and teacher.shape == (batch.n_tokens,)
     assert (teacher <= 0).all()
     assert [len(s.teacher_logprobs) for s in samples(out)] == [5] * 4
+
+
+# -- reward functions in the reward service ---------------------------------------------------
+
+
+def functions_config(tmp_path: pathlib.Path, on_failure: str = "drop", module: str = "") -> C.Config:
+    from models import tiny_model
+
+    model = tiny_model(tmp_path / "model", tied=True)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+{i}=", "answer": "{2 * i}"}}\n' for i in range(6)))
+    functions = '{path = "rlflow.rewards:math", kwargs = {extract = "marker", marker = "#"}}'
+    if module:
+        functions += f', {{path = "{module}:slow", weight = 0.0, timeout_s = 0.5}}, {{path = "{module}:flaky", timeout_s = 0.5}}'
+    return C.load(text=f"""
+[pools.p]
+[roles.rollout]
+pool = "p"
+model = "{model}"
+engine = {{ kind = "vllm" }}
+[roles.reward]
+pool = "p"
+engine = {{ kind = "functions", on_failure = "{on_failure}", functions = [{functions}] }}
+[roles.trainer]
+pool = "p"
+[task]
+kind = "dataset"
+train = "{data}"
+""")
+
+
+def answers(task, texts: dict[int, list[str]]) -> SampleBatch:
+    """A batch of the given response texts for the given groups."""
+    from rlflow.protocol import Response
+
+    items = []
+    for group_id, responses in texts.items():
+        group = task.prompt(group_id, len(responses))
+        out = []
+        for text in responses:
+            ids = np.asarray(task.tokenizer.encode(text, add_special_tokens=False), np.int32)
+            out.append(Response(ids, np.zeros(len(ids), np.float32), np.zeros(len(ids), np.int32), 0))
+        items.append((group, out))
+    return build_batch(items)
+
+
+async def test_reward_functions_score_the_decoded_response_against_the_reference(tmp_path):
+    from rlflow.control.launch import resolve
+    from rlflow.rewards import open_pool
+
+    config = resolve(functions_config(tmp_path))
+    service = RewardService(spec(config, "reward"))
+    right = str(2 * service.task.index(0))  # group 0's row i asks for i+i
+    with trio.fail_after(120):
+        async with open_pool(config.roles.reward.engine.functions) as pool:
+            service.pool = pool
+            scored = await service.process(answers(service.task, {0: [f"1,#{right}", "#99", "no marker"]}))
+    assert scored.rewards.tolist() == [1.0, 0.0, 0.0]
+    assert scored.reward_details["math"].tolist() == [1.0, 0.0, 0.0]
+    assert service.counters["reward.math.ok"] == 3
+
+
+REWARDS_MODULE = '''
+import os, time
+
+def slow(sample):
+    time.sleep(5)  # hangs: killed at its timeout
+    return 1.0
+
+def flaky(sample):
+    if sample.response.startswith("#0"):
+        raise ValueError("cannot score this one")
+    return 0.5
+'''
+
+
+@pytest.mark.parametrize("policy", ["drop", "fallback"])
+async def test_a_sample_a_function_cannot_score_drops_its_group_or_falls_back(tmp_path, monkeypatch, policy):
+    from rlflow.control.launch import resolve
+    from rlflow.protocol import Dropped
+    from rlflow.rewards import open_pool
+    from rlflow.services.base import Control
+
+    (tmp_path / "user_rewards.py").write_text(REWARDS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = resolve(functions_config(tmp_path, policy, "user_rewards"))
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:0") as router,
+        transport.open_dealer(connect=transport.bound_address(router)) as dealer,
+    ):
+        service = RewardService(spec(config, "reward"))
+        service.control = Control(dealer, service.spec)
+        with trio.fail_after(120):
+            async with open_pool(config.roles.reward.engine.functions) as pool:
+                service.pool = pool
+                scored = await service.process(answers(service.task, {3: ["#0 x", "#1"], 4: ["#2", "#4"]}))
+            if policy == "drop":
+                _, msg = await router.recv()
+    if policy == "drop":
+        assert isinstance(msg, Dropped) and msg.group_ids == [3] and "flaky:error" in msg.reason
+        assert scored.group_ids == [4] and not scored.failures  # the other group goes on
+        assert service.counters["dropped_groups"] == 1
+    else:
+        assert scored.group_ids == [3, 4]
+        assert scored.reward_details["flaky.failed"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    # The weight-0 function that hangs is killed every time and logged, never failing a sample.
+    assert service.counters["reward.slow.timeout"] == 4

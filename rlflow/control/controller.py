@@ -39,6 +39,7 @@ from rlflow.protocol import (
     Ack,
     Bye,
     Credits,
+    Dropped,
     ErrorReport,
     EvalDone,
     Evaluate,
@@ -83,6 +84,10 @@ HOLD = 16
 MAX_REFUSED = 4096
 #: Teacher replicas whose probe log-probabilities differ by more (nats) do not run together.
 PROBE_TOLERANCE = 1e-4
+#: A step where a larger share of the samples' rewards failed is a warning.
+FAILED_SHARE_WARNING = 0.05
+#: Warnings kept for the status.
+WARNINGS_KEPT = 10
 #: Roles that hold the policy (and so can be behind the trainer).
 POLICY_ROLES = ("rollout", "trainer")
 
@@ -161,6 +166,7 @@ class Controller:
         self.error: str | None = None
         self.stop_reason = ""
         self.ignored: collections.Counter[str] = collections.Counter()
+        self.warnings: list[str] = []
         self.received_by_type: collections.Counter[str] = collections.Counter()
         self.started = time.monotonic()
         self.training_started: float | None = None
@@ -362,6 +368,10 @@ class Controller:
                 again = self.ledger.expired(ids)
                 log.info("[controller] %d groups to grant again (%s)", len(again), reason or "expired")
                 await self._grant()
+            case Dropped(group_ids=ids, reason=reason):
+                gone = self.ledger.drop(ids, reason)
+                log.warning("[controller] %s dropped %d groups: %s", replica.name, len(gone), reason or "no reason given")
+                await self._grant()
             case WeightsReady(version=version):
                 self.version = replica.version = version
                 await self._move(self.rounds.publish(version))
@@ -393,6 +403,12 @@ class Controller:
                 replica.state = "bye"
             case _:
                 self._ignore("unexpected", f"a {type(msg).__name__} from {replica.name}")
+
+    def _warn(self, text: str) -> None:
+        """Something a person should look at: logged, and the latest few in the status."""
+        log.warning("[controller] %s", text)
+        self.warnings.append(text)
+        del self.warnings[:-WARNINGS_KEPT]
 
     def _ignore(self, kind: str, what: str) -> None:
         """Count a well-formed message that is not acted on (log the first few)."""
@@ -448,6 +464,8 @@ class Controller:
             replica.capacity = max(1, math.ceil(HOLD * slots / self.config.run.samples_per_prompt))
         self.replicas[key] = replica
         self.by_identity[identity] = replica
+        for problem in json.loads(msg.info.get("reference_problems", "[]")):
+            self._warn(f"{replica.name}: {problem}")
         if len(self.replicas) == len(self.expected):
             self._all_hello.set()
 
@@ -506,6 +524,9 @@ class Controller:
             self._save_state(msg)
         since = self.training_started or self.started
         row = self.stats.close_step(msg, time.monotonic() - since, sum(self.received_by_type.values()))
+        if row.reward_failed_share is not None and row.reward_failed_share > FAILED_SHARE_WARNING:
+            self._warn(f"step {row.step}: the reward of {100 * row.reward_failed_share:.0f}% of the samples could not "
+                       "be computed (see the reward counters in the status)")
         for sink in self._sinks:
             sink.write(row)
         if self.ledger.steps_done >= self.config.run.steps:
@@ -616,6 +637,7 @@ class Controller:
             last_eval=self.stats.evals[-1] if self.stats.evals else None,
             roles=roles,
             controller=self._controller_stats(),
+            warnings=list(self.warnings),
         )
 
     def _group_counts(self) -> GroupCounts:
@@ -627,6 +649,7 @@ class Controller:
             trained=self.ledger.trained_count,
             granted=self.ledger.granted,
             reissued=self.ledger.reissued,
+            dropped=dict(self.ledger.dropped),
         )
 
     def _controller_stats(self) -> ControllerStats:

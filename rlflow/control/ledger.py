@@ -17,7 +17,9 @@ Every group the run will train on passes through it:
   or waits at the trainer).
 * `trained`: an optimizer step used it; it is never granted again.
 * `expired` (a role dropped it unused) and `lost` (the replica holding it
-  went away) queue it again, in front of new groups.
+  went away) queue it again, in front of new groups; `drop` (a role gave up
+  on it, e.g. its reward could not be computed) removes it for good, counted
+  with the reason, and makes room for one more new group.
 
 `snapshot` / `restore` save and reload it with a checkpoint: the groups
 granted but not trained on are queued again on resume, so none is skipped.
@@ -63,6 +65,8 @@ class LedgerState(msgspec.Struct, frozen=True, kw_only=True):
     """Groups created but not trained on: queued again on resume."""
     reissued: int = 0
     """Groups granted more than once so far."""
+    dropped: dict[str, int] = {}
+    """Groups dropped for good, by reason."""
 
 
 def min_version(group_id: int, batch_size: int, max_staleness: int) -> int:
@@ -84,13 +88,17 @@ class GroupLedger:
         self.granted = 0
         self.reissued = 0
         self.trained_count = 0
+        #: Groups dropped for good, by reason.
+        self.dropped: collections.Counter[str] = collections.Counter()
 
     # -- queries ------------------------------------------------------------
 
     @property
     def limit(self) -> int:
-        """Groups that may exist now: the staleness bound, and no more than the run needs."""
-        return min(self.batch_size * (self.steps_done + self.max_staleness + 1), self.batch_size * self.steps)
+        """Groups that may exist now: the staleness bound, and no more than the
+        run needs; a dropped group makes room for one more."""
+        needed = min(self.batch_size * (self.steps_done + self.max_staleness + 1), self.batch_size * self.steps)
+        return needed + sum(self.dropped.values())
 
     def held_by(self, owner: int) -> int:
         """Groups rollout replica `owner` is generating."""
@@ -147,6 +155,15 @@ class GroupLedger:
             if self.groups.pop(group_id, None) is not None:
                 self.trained_count += 1
 
+    def drop(self, group_ids: list[int], reason: str) -> list[int]:
+        """A role dropped these groups for good: they are not trained on, nor
+        granted again. Returns those that were in the ledger."""
+        gone = [g for g in dict.fromkeys(group_ids) if self.groups.pop(g, None) is not None]
+        if gone:
+            self._queue = collections.deque(g for g in self._queue if g in self.groups)
+            self.dropped[reason or "dropped"] += len(gone)
+        return gone
+
     def expired(self, group_ids: list[int]) -> list[int]:
         """A role dropped these groups unused: queue them again, first in
         line. Returns those that were queued (not the ones already trained
@@ -173,7 +190,11 @@ class GroupLedger:
 
     def snapshot(self) -> LedgerState:
         return LedgerState(
-            steps_done=self.steps_done, next_group=self.next_group, untrained=sorted(self.groups), reissued=self.reissued
+            steps_done=self.steps_done,
+            next_group=self.next_group,
+            untrained=sorted(self.groups),
+            reissued=self.reissued,
+            dropped=dict(self.dropped),
         )
 
     @classmethod
@@ -181,6 +202,7 @@ class GroupLedger:
         """The ledger as saved, with every untrained group queued again (in id order)."""
         ledger = cls(batch_size, max_staleness, steps)
         ledger.steps_done, ledger.next_group, ledger.reissued = state.steps_done, state.next_group, state.reissued
+        ledger.dropped.update(state.dropped)
         for group_id in state.untrained:
             ledger._add(group_id)
         return ledger

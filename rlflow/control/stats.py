@@ -86,6 +86,7 @@ class RunStats:
             staleness_max=known["staleness_max"] or 0.0,
             train_s=known["train_s"] or 0.0,
             occupancy=self._occupancy(),
+            reward_failed_share=self._failed_share(),
             roles={role: self._role_shares(role, "step") for role in self.roles},
             train=metrics,
             controller_msgs=messages,
@@ -135,6 +136,16 @@ class RunStats:
             used += last.counters["slot_s"] - first.counters.get("slot_s", 0.0)
             capacity += elapsed * last.counters.get("slots", 0.0)
         return round(used / capacity, 4) if capacity > 0 else None
+
+    def _failed_share(self) -> float | None:
+        """Share of the samples the reward role scored since the last step
+        whose reward could not be computed."""
+        scored = failed = 0.0
+        for clock in self.replicas("reward"):
+            last, first = clock.last.counters, clock.at_step.counters
+            scored += last.get("scored_samples", 0.0) - first.get("scored_samples", 0.0)
+            failed += last.get("failed_samples", 0.0) - first.get("failed_samples", 0.0)
+        return round(failed / scored, 4) if scored > 0 else None
 
     def latest(self, role: str) -> list[Heartbeat]:
         return [clock.last for clock in self.replicas(role)]

@@ -141,9 +141,11 @@ class RowTask:
     dataset and reasoning-gym tasks share."""
 
     name = "dataset"
+    scored_by_functions = True
 
-    def __init__(self, train: Split, heldout: Split, seed: int, answer: str):
+    def __init__(self, train: Split, heldout: Split, seed: int, answer: str, tokenizer: Any):
         _leave_out_heldout(train, heldout)
+        self.tokenizer = tokenizer
         if not len(train):
             raise DatasetError("no training rows are left after loading (see the rows left out, above)")
         self.train, self.heldout, self.seed, self.answer = train, heldout, seed, answer
@@ -180,6 +182,9 @@ class RowTask:
             min_version=min_version,
         )
 
+    def decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+
     def score(self, group: GroupInfo, index: int, response_ids: np.ndarray) -> tuple[float, dict[str, float]]:
         raise TypeError(f"the {self.name} task is scored by reward functions (roles.reward.engine.kind = 'functions')")
 
@@ -187,6 +192,16 @@ class RowTask:
 
     def heldout_prompts(self) -> list[list[int]]:
         return self.heldout.ids
+
+    def heldout_samples(self, responses: list[list[int]]) -> list[Any]:
+        """What reward functions see of each held-out answer."""
+        from rlflow.rewards import Sample
+
+        return [
+            Sample(prompt=text, response=self.decode(np.asarray(ids)), response_ids=tuple(ids),
+                   reference=self.reference(row), row=dict(row))
+            for text, row, ids in zip(self.heldout.texts, self.heldout.rows, responses, strict=True)
+        ]
 
 
 class DatasetTaskImpl(RowTask):
@@ -218,6 +233,7 @@ class DatasetTaskImpl(RowTask):
             renderer.split(heldout_rows, heldout_source, cfg.prompt),
             seed,
             cfg.answer,
+            tokenizer,
         )
 
 
@@ -251,6 +267,7 @@ class ReasoningGymTaskImpl(RowTask):
             renderer.split(generate(cfg.eval_size, 2), source, "question"),
             seed,
             "answer",
+            tokenizer,
         )
 
 

@@ -14,7 +14,8 @@ prompts; the reward role asks it for scores.
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -25,13 +26,29 @@ from rlflow.protocol import GroupInfo, PromptGroup
 
 class Task(Protocol):
     name: str
+    scored_by_functions: bool
+    """True: its answers are scored by the reward role's functions (it has no
+    verifier of its own, and its held-out answers are scored by them too)."""
 
     def prompt(self, group_id: int, n: int, min_version: int = 0) -> PromptGroup:
         """The prompt of group `group_id`, to be answered `n` times."""
         ...
 
     def score(self, group: GroupInfo, index: int, response_ids: np.ndarray) -> tuple[float, dict[str, float]]:
-        """Reward of one response, and its named components."""
+        """Reward of one response, and its named components (tasks scored by
+        reward functions raise)."""
+        ...
+
+    def row(self, group_id: int) -> Mapping[str, Any]:
+        """What reward functions get as the group's dataset row."""
+        ...
+
+    def prompt_text(self, group_id: int) -> str:
+        """The group's prompt, as the model sees it."""
+        ...
+
+    def decode(self, ids: np.ndarray) -> str:
+        """A response's text."""
         ...
 
 
@@ -39,6 +56,7 @@ class SimTaskImpl:
     """Random token prompts; each answer is right with probability `reward_p`."""
 
     name = "sim"
+    scored_by_functions = False
 
     def __init__(self, cfg: SimTask, seed: int):
         self.cfg = cfg
@@ -53,6 +71,15 @@ class SimTaskImpl:
         rng = np.random.default_rng((self.seed, group.group_id, index, 1))
         correct = float(rng.random() < self.cfg.reward_p)
         return correct, {"correct": correct}
+
+    def row(self, group_id: int) -> Mapping[str, Any]:
+        return {}
+
+    def prompt_text(self, group_id: int) -> str:
+        return ""
+
+    def decode(self, ids: np.ndarray) -> str:
+        return " ".join(str(i) for i in ids.tolist())
 
 
 class Arith:
@@ -151,6 +178,7 @@ class ArithTaskImpl:
     """`Arith` behind the `Task` interface: prompts as token ids, scores from ids."""
 
     name = "arith"
+    scored_by_functions = False
 
     def __init__(self, cfg: ArithTask, seed: int, tokenizer):
         self.cfg = cfg
@@ -165,8 +193,17 @@ class ArithTaskImpl:
         )
 
     def score(self, group: GroupInfo, index: int, response_ids: np.ndarray) -> tuple[float, dict[str, float]]:
-        text = self.tokenizer.decode(response_ids.tolist(), skip_special_tokens=True)
-        return self.arith.check(group.reference, text)
+        return self.arith.check(group.reference, self.decode(response_ids))
+
+    def row(self, group_id: int) -> Mapping[str, Any]:
+        a, b = self.arith.training_problem(group_id)
+        return {"a": a, "b": b}
+
+    def prompt_text(self, group_id: int) -> str:
+        return Arith.prompt_text(*self.arith.training_problem(group_id))
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
 
     def heldout_prompts(self) -> list[list[int]]:
         """Token ids of every held-out prompt."""

@@ -1,4 +1,4 @@
-"""The `rlflow` command: up, status, down.
+"""The `rlflow` command: up, status, down, check, report, plan, model.
 
 Exit status: 0 done, 1 the run failed, 2 bad configuration or a cluster that
 cannot hold it (one line, no traceback), 130 interrupted.
@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--force", action="store_true", help="rebuild even if it is cached")
     model_sub.add_parser("path", help="print where the default model is cached")
 
+    chk = sub.add_parser("check", help="load a config's task and reward functions and show what the model will see")
+    chk.add_argument("--config", type=pathlib.Path, help="TOML config (default: the embedded default)")
+    chk.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                     help="override one config value (repeatable)")
+    chk.add_argument("--rows", type=int, default=0, help="score the reference answers of this many rows (0: all)")
+
     rep = sub.add_parser("report", help="where each role's time went, and the bottleneck")
     rep.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
 
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     commands = {
         "up": cmd_up, "status": cmd_status, "down": cmd_down, "model": cmd_model, "report": cmd_report, "plan": cmd_plan,
+        "check": cmd_check,
     }
     return commands[args.command](args)
 
@@ -258,6 +265,26 @@ def _build_default_model(force: bool) -> pathlib.Path:
 
         build_default(path, progress=report)
     return path
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """`rlflow check`: exit 0 when the task and reward functions load, 2 (one line) when not."""
+    from rlflow.config import ConfigError, load
+    from rlflow.tools.check import CheckError, check
+
+    try:
+        config = load(args.config or default_config_path(), args.overrides)
+        if config.needs_model and config.roles.rollout.model == "default":
+            _build_default_model(force=False)
+        figures = check(config, rows=args.rows)
+    except (ConfigError, CheckError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(
+        f"RESULT check rows={figures['rows']} skipped={figures['skipped']} "
+        f"reference_reward_mean={figures['reference_reward_mean']:.4g} failures={figures['failures']}"
+    )
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:

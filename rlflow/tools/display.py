@@ -47,6 +47,8 @@ def render(status: Status) -> Group:
             "-" if info.behind is None else str(info.behind),
         )
     parts: list[Any] = [head, table]
+    for warning in status.warnings[-3:]:
+        parts.append(Text(f"warning: {warning}", style="yellow"))
     if status.error:
         parts.append(Text(f"error: {status.error}", style="red"))
     return Group(*parts)

@@ -13,11 +13,24 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import trio
 
+from rlflow.config import FunctionsReward
 from rlflow.data import transport
 from rlflow.data.tasks import Task
-from rlflow.protocol import Ack, Credits, EvalDone, Evaluate, Shutdown, Stage, UpdateWeights, WeightsLoaded, build_batch
+from rlflow.protocol import (
+    Ack,
+    Credits,
+    EvalDone,
+    Evaluate,
+    SampleBatch,
+    Shutdown,
+    Stage,
+    UpdateWeights,
+    WeightsLoaded,
+    build_batch,
+)
 from rlflow.services.base import Control, Service
 from rlflow.services.rollout.engine import RolloutEngine, make_engine
 
@@ -28,10 +41,31 @@ class RolloutService(Service):
     def __init__(self, spec):
         super().__init__(spec)
         self.engine: RolloutEngine | None = None
+        self.eval_pool = None
+        #: Groups scored in line, waiting to be sent.
+        self._scored: dict[int, SampleBatch] = {}
         self._wanted: UpdateWeights | None = None
         self._update = trio.Event()
 
     async def main(self, control: Control) -> None:
+        task = self.load_task()
+        reward = self.config.roles.reward.engine
+        if task.scored_by_functions and isinstance(reward, FunctionsReward) and self._evaluates():
+            # Held-out answers are scored by the run's reward functions, here.
+            from rlflow.rewards import open_pool
+
+            async with open_pool(reward.functions, start_timeout_s=reward.start_timeout_s, workers=1) as pool:
+                self.eval_pool = pool
+                await self._main(control, task)
+        else:
+            await self._main(control, task)
+
+    def _evaluates(self) -> bool:
+        """Whether this replica evaluates the held-out set (rank 0, if the config asks)."""
+        ev = self.config.eval
+        return self.spec.rank == 0 and (ev.before or ev.after or ev.every_steps > 0)
+
+    async def _main(self, control: Control, task: Task) -> None:
         run = self.config.run
         engine = self.engine = make_engine(self.context())
         try:
@@ -39,11 +73,12 @@ class RolloutService(Service):
             started = time.monotonic()
             await engine.start()
             self.say("%s started in %.1f s", type(engine).__name__, time.monotonic() - started)
-            task = self.load_task()
             welcome = await control.hello(endpoints={}, info=engine.hello_info())
             await engine.set_version(welcome.version)  # above 0 when resuming
             self.version = welcome.version
             await engine.join_weights(welcome.weights, welcome.layout)
+            if self.config.roles.reward.inline:
+                self._score_inline(engine, task)
             self.say("up: %s, sending to %s", type(engine).__name__, ", ".join(welcome.peers["out"]))
             async with (
                 transport.open_push(connect=welcome.peers["out"], name=f"{self.spec.name}/out") as out,
@@ -76,10 +111,22 @@ class RolloutService(Service):
     def queues(self) -> dict[str, int]:
         return self.engine.queues() if self.engine is not None else {}
 
+    def _score_inline(self, engine: RolloutEngine, task: Task) -> None:
+        """Score each finished group in this process, while the engine waits
+        (`roles.reward.inline`)."""
+        from rlflow.services.reward.scorer import Scorer
+
+        scorer = Scorer(self.config.roles.reward.engine, task, self.counters, (self.config.run.seed, self.spec.rank, 11))
+
+        async def inline(group, responses) -> None:
+            self._scored[group.group_id], _ = await scorer.score(build_batch([(group, responses)]))
+
+        engine.inline = inline
+
     async def send_finished(self, out: transport.Push, control: Control) -> None:
         """Send each finished group on, and tell the controller it left."""
         async for group, responses in self.engine.finished:
-            batch = build_batch([(group, responses)])
+            batch = self._scored.pop(group.group_id, None) or build_batch([(group, responses)])
             await out.send(batch)
             self.counters["groups"] += 1
             self.counters["samples"] += len(responses)
@@ -118,7 +165,31 @@ class RolloutService(Service):
         async with trio.open_nursery() as nursery:
             for i in range(len(prompts)):
                 nursery.start_soon(one, i)
-        metrics = task.heldout_metrics(responses)
+        if task.scored_by_functions:
+            metrics = await self._scored_metrics(task.heldout_samples(responses))
+        else:
+            metrics = task.heldout_metrics(responses)
         seconds = time.monotonic() - started
         self.say("eval v%d: accuracy %.3f over %d problems in %.1f s", version, metrics["accuracy"], len(prompts), seconds)
         await control.send(EvalDone(version=version, metrics=metrics, seconds=seconds, version_end=self.engine.version))
+
+    async def _scored_metrics(self, answers: list) -> dict[str, float]:
+        """Mean reward and pass rate of held-out answers under the run's reward
+        functions (``accuracy`` is the pass rate; failed ones count as not passed)."""
+        rewards: list[float | None] = [None] * len(answers)
+
+        async def one(i: int) -> None:
+            rewards[i] = self.eval_pool.combine(await self.eval_pool.score(answers[i])).reward
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(answers)):
+                nursery.start_soon(one, i)
+        scored = [r for r in rewards if r is not None]
+        passed = sum(r >= self.config.eval.pass_reward for r in scored)
+        return {
+            "accuracy": passed / len(answers) if answers else 0.0,
+            "pass_rate": passed / len(answers) if answers else 0.0,
+            "reward_mean": float(np.mean(scored)) if scored else 0.0,
+            "problems": float(len(answers)),
+            "failed": float(len(answers) - len(scored)),
+        }

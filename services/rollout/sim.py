@@ -12,6 +12,7 @@ import contextlib
 import math
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -94,6 +95,9 @@ class SimEngine:
         self._fetching = False
         self._applied = trio.Event()
         self._send, self.finished = trio.open_memory_channel(2)
+        #: Scores a finished group in this process before it is sent on
+        #: (`roles.reward.inline`); no decode step runs meanwhile.
+        self.inline: Callable[[PromptGroup, list[Response]], Awaitable[None]] | None = None
         self._server: str | None = None
         self._weights: transport.Dealer | None = None
         self._sockets: contextlib.AsyncExitStack | None = None
@@ -242,6 +246,9 @@ class SimEngine:
             state.left -= 1
             if state.left == 0:
                 del self.groups[req.group.group_id]
+                if self.inline is not None:
+                    await self.inline(state.group, state.responses)
+                    self._mark = None  # no decoding while it scored
                 with self.clock.state("blocked"):
                     await self._send.send((state.group, state.responses))
 

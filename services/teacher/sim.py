@@ -10,7 +10,7 @@ import trio
 from rlflow.config import SimTeacher
 from rlflow.protocol import SampleBatch
 from rlflow.services.base import EngineContext
-from rlflow.services.teacher.engine import PROBE_IDS, PROBE_PROMPT, Scores
+from rlflow.services.teacher.scores import PROBE_IDS, PROBE_PROMPT, Scores
 
 
 class SimTeacherEngine:

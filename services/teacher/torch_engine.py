@@ -23,7 +23,7 @@ import trio
 from rlflow.config import ModelTeacher
 from rlflow.protocol import SampleBatch, samples
 from rlflow.services.base import EngineContext
-from rlflow.services.teacher.engine import PROBE_IDS, PROBE_PROMPT, Scores
+from rlflow.services.teacher.scores import PROBE_IDS, PROBE_PROMPT, Scores
 
 
 def load_teacher(path: str, dtype: str = "float32"):

@@ -17,7 +17,7 @@ from rlflow.config import ModelTeacher, VllmRollout
 from rlflow.protocol import SampleBatch, samples
 from rlflow.services.base import EngineContext
 from rlflow.services.rollout.vllm_engine import VllmBackend
-from rlflow.services.teacher.engine import PROBE_IDS, PROBE_PROMPT, Scores
+from rlflow.services.teacher.scores import PROBE_IDS, PROBE_PROMPT, Scores
 
 
 class VllmTeacherEngine:
