@@ -31,7 +31,9 @@ Built in, by the same mechanism (``rlflow.rewards:math`` ...):
 * `code`: the response's program run in the sandbox against the row's
   tests; the share passed;
 * `reward_model`: a local Hugging Face sequence-classification model, in
-  batches.
+  batches;
+* `reasoning_gym`: the verifier of the reasoning-gym dataset a problem (a
+  row of the `reasoning_gym` task) came from.
 
 `rlflow.rewards.sandbox` is the code sandbox. Importing this package is
 cheap: the built-ins and the pool load on first use.
@@ -62,6 +64,7 @@ _LAZY = {
     "code": "rlflow.rewards.programs",
     "sandbox_problem": "rlflow.rewards.programs",
     "reward_model": "rlflow.rewards.model",
+    "reasoning_gym": "rlflow.rewards.gym",
     "open_pool": "rlflow.rewards.pool",
     "RewardPool": "rlflow.rewards.pool",
     "FunctionInfo": "rlflow.rewards.pool",

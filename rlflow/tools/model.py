@@ -55,8 +55,16 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("RLFLOW_CACHE", pathlib.Path.home() / ".cache" / "rlflow"))
 
 
-def default_model_dir() -> pathlib.Path:
-    return cache_dir() / "models" / f"{DEFAULT_NAME}-v{BUILD_VERSION}"
+#: The models rlflow builds itself, by name: (folder name, recipe). The
+#: teacher is the default model warm-started far longer (for distillation).
+BUILT = {
+    "default": (DEFAULT_NAME, Recipe()),
+    "default-teacher": (f"{DEFAULT_NAME}-teacher", Recipe(target_accuracy=0.8, max_steps=8000)),
+}
+
+
+def default_model_dir(name: str = "default") -> pathlib.Path:
+    return cache_dir() / "models" / f"{BUILT[name][0]}-v{BUILD_VERSION}"
 
 
 #: A tiny model of random weights over printable ASCII (built at once, on first use).
@@ -66,10 +74,11 @@ TINY_TEXT = "tiny-text"
 def resolve_model(name: str) -> pathlib.Path:
     """A model directory: "default" is the built default model, "tiny-text"
     a tiny text model (`build_tiny_text`)."""
-    if name == "default":
-        path = default_model_dir()
+    if name in BUILT:
+        path = default_model_dir(name)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"the default model is not built yet ({path}); run `rlflow model build`")
+            flag = "" if name == "default" else " --teacher"
+            raise FileNotFoundError(f"the {name} model is not built yet ({path}); run `rlflow model build{flag}`")
         return path
     if name == TINY_TEXT:
         path = cache_dir() / "models" / f"{TINY_TEXT}-v{BUILD_VERSION}"
@@ -270,7 +279,7 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
         ).save_pretrained(tmp)
         info = {
-            "name": DEFAULT_NAME,
+            "name": out.name,
             "build_version": BUILD_VERSION,
             "recipe": asdict(recipe),
             "steps": step,
