@@ -443,9 +443,14 @@ class ErrorReport(Message, tag=23):
     fatal: bool
     """The service is exiting because of it."""
     kind: str
-    """Short class of error (e.g. the exception's type)."""
+    """Short class of error (e.g. the exception's type); `weight_group_broken` (not fatal): a weight broadcast failed, the group must be made anew."""
     message: str
     """What happened, for a person."""
+
+
+#: `ErrorReport.kind` of a trainer or rollout replica whose weight broadcast
+#: failed (a member of the collective group died mid-way).
+WEIGHT_GROUP_BROKEN = "weight_group_broken"
 
 
 class Bye(Message, tag=24):
@@ -510,13 +515,32 @@ class Dropped(Message, tag=29):
     """Why, for the ledger and the log."""
 
 
+class Peers(Message, tag=30):
+    """The addresses to stream to now (controller -> replica), when a replica
+    of the next role has been replaced: connect to the new ones, let go of
+    the others."""
+
+    peers: dict[str, list[str]]
+    """As `Welcome.peers`."""
+
+
+class WeightsGroup(Message, tag=31):
+    """The collective group the trainer now hosts (trainer rank 0 ->
+    controller), after `SendWeights` asked for a new generation: its
+    rendezvous port, for the controller to hand to every receiver."""
+
+    transfer: WeightTransfer
+    """The group (its `generation` the one asked for)."""
+
+
 class SendWeights(Message, tag=28):
     """Send policy `version` to the replicas that load weights (controller -> every trainer rank)."""
 
     version: NonNegInt
     """The policy version to send (one the trainer has published)."""
     transfer: WeightTransfer | None = None
-    """A new collective group to host before sending (nil: the current one)."""
+    """A new collective group to host before sending (nil: the current one): its generation and world
+    size; the trainer picks the port and says so in `WeightsGroup` before it sends."""
 
 
 class EvalDone(Message, tag=27):
@@ -554,6 +578,8 @@ ControlMessage = Union[
     EvalDone,
     SendWeights,
     Dropped,
+    Peers,
+    WeightsGroup,
 ]
 WeightsMessage = Union[WeightsRequest, WeightsPayload]
 AnyMessage = Union[DataMessage, ControlMessage, WeightsMessage]
@@ -584,6 +610,8 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         EvalDone,
         SendWeights,
         Dropped,
+        Peers,
+        WeightsGroup,
         WeightsRequest,
         WeightsPayload,
     )

@@ -118,7 +118,13 @@ class ClusterConfig(Table):
     heartbeat_s: PosFloat = 0.5
     """Seconds between service heartbeats."""
     heartbeat_timeout_s: PosFloat = 60.0
-    """A service silent for this long is declared dead."""
+    """A service silent for this long is presumed dead (a rollout, reward or teacher replica is restarted)."""
+    progress_timeout_s: PosFloat = 300.0
+    """A rollout, reward or teacher replica that holds work but makes no progress (no decode step, no
+    finished group) for this long is presumed hung, and restarted."""
+    max_restarts: NonNegInt = 3
+    """Times a rollout, reward or teacher replica that dies or hangs is restarted before it is given up
+    on (the run goes on with the role's other replicas, if it has any)."""
     placement_timeout_s: PosFloat = 60.0
     """How long to wait for the placement groups of all pools."""
     dashboard: bool = False
@@ -216,6 +222,9 @@ class SimTrainer(Table, tag_field="kind", tag="sim"):
     """Fixed time per optimizer step."""
     weights_bytes: NonNegInt = 1 << 20
     """Size of the weights published after each step."""
+    checkpoint_every: NonNegInt = 0
+    """Write a checkpoint (the run state; there are no weights) every this many steps, so that a
+    simulated run resumes (0: none)."""
 
 
 class VllmRollout(Table, tag_field="kind", tag="vllm"):

@@ -5,6 +5,7 @@ the typed records in the JSON files.
     controller.json      the controller's address, pid and the run's secret (owner-only)
     status.json          `Status`, rewritten twice a second; what `rlflow status` reads
     metrics.jsonl        one `StepRow` per optimizer step
+    ledger.jsonl         every change of the ledger of groups (`rlflow.control.ledger.Event`)
     evals.jsonl          one `EvalRow` per held-out evaluation
     summary.json         `Summary`, at the end
     run.log, run.pid     the detached run's output and process (`rlflow up --detach`)
@@ -104,6 +105,8 @@ class RoleStatus(Record):
 
     replicas: int
     up: int
+    restarts: int = 0
+    """Replicas of the role restarted so far."""
     placed: list[Placed] = []
     states: Shares = Shares()
     """Over the last few heartbeats."""
@@ -138,6 +141,7 @@ class GroupCounts(Record):
     queued: int = 0
     generating: int = 0
     downstream: int = 0
+    received: int = 0
     trained: int = 0
     granted: int = 0
     reissued: int = 0
@@ -254,6 +258,11 @@ class RunDir:
     @property
     def metrics(self) -> pathlib.Path:
         return self.path / "metrics.jsonl"
+
+    @property
+    def ledger(self) -> pathlib.Path:
+        """Every change of the controller's ledger of groups (`rlflow audit` replays it)."""
+        return self.path / "ledger.jsonl"
 
     @property
     def evals(self) -> pathlib.Path:

@@ -36,6 +36,7 @@ from rlflow.protocol import (
     ErrorReport,
     Heartbeat,
     Hello,
+    Peers,
     Ready,
     Role,
     SampleBatch,
@@ -211,6 +212,18 @@ async def open_control(spec: ServiceSpec) -> AsyncIterator[Control]:
     identity = f"{spec.name}-{secrets.token_hex(8)}".encode()
     async with transport.open_dealer(connect=spec.controller, identity=identity, name=f"{spec.name}/control") as dealer:
         yield Control(dealer, spec)
+
+
+def follow(push: transport.Push, current: list[str], peers: list[str]) -> list[str]:
+    """Point `push` at `peers` (after a replica of the next role was replaced):
+    connect the new addresses, let go of the old; the addresses now."""
+    for address in peers:
+        if address not in current:
+            transport.connect(push, address)
+    for address in current:
+        if address not in peers:
+            transport.disconnect(push, address)
+    return list(peers)
 
 
 def bind_host(config: Config) -> str:
@@ -414,8 +427,12 @@ class StageService(Service):
                 nursery.start_soon(send)
                 nursery.start_soon(receive)
                 await control.ready(self.version)
+                peers = welcome.peers["out"]
                 async for msg in control:
-                    if isinstance(msg, Shutdown):
-                        self.say("shutting down (%s)", msg.reason)
-                        break
+                    match msg:
+                        case Peers():
+                            peers = follow(out, peers, msg.peers.get("out", []))
+                        case Shutdown(reason=reason):
+                            self.say("shutting down (%s)", reason)
+                            break
                 nursery.cancel_scope.cancel()

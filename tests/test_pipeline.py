@@ -127,31 +127,69 @@ def test_metrics_also_go_to_tensorboard(three_steps, clean):
     assert samples == [r.samples for r in rows(run_dir)]
 
 
-def test_a_service_dying_midway_fails_the_run_and_leaves_nothing(clean, tmp_path):
+def wait_for_status(run_dir: pathlib.Path, ready, timeout_s: float = 120.0) -> dict:
+    """The run's status.json once `ready(status)` holds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            status = json.loads((run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            status = {}
+        if status and ready(status):
+            return status
+        time.sleep(0.05)
+    raise TimeoutError(f"the run in {run_dir} never got there")
+
+
+def running_at(step: int):
+    return lambda s: s.get("state") == "running" and s.get("step", 0) >= step
+
+
+def test_replicas_killed_with_sigkill_are_restarted_and_nothing_is_lost(clean, tmp_path):
+    """SIGKILL the processes of the rollout, reward and teacher replicas in
+    turn: Ray reports each actor dead, the controller restarts it in its
+    bundle, and the run finishes with every group trained once."""
+    from rlflow.tools.audit import audit
+
+    run_dir = tmp_path / "run"
+    killed = []
+
+    def kill_in_turn() -> None:
+        for n, role in enumerate(("rollout", "reward", "teacher")):
+            status = wait_for_status(run_dir, lambda s, n=n, role=role: running_at(2 + 3 * n)(s)
+                                     and s["roles"][role]["placed"][0]["incarnation"] == 0
+                                     and all(i["up"] == i["replicas"] for i in s["roles"].values()))
+            os.kill(status["roles"][role]["placed"][0]["pid"], signal.SIGKILL)
+            killed.append(role)
+
+    killer = threading.Thread(target=kill_in_turn, daemon=True)
+    killer.start()
+    summary = run(sim_config("run.steps=16", "cluster.heartbeat_timeout_s=10"), run_dir)
+    killer.join()
+    assert killed == ["rollout", "reward", "teacher"]
+    assert summary.state == "stopped" and summary.steps == 16, summary.error
+    status = RunDir(run_dir).read_status()
+    assert {r: s.restarts for r, s in status.roles.items()} == {"rollout": 1, "reward": 1, "teacher": 1, "trainer": 0}
+    assert all(s.placed[0].incarnation == (role != "trainer") for role, s in status.roles.items())
+    result = audit(run_dir)
+    assert (result.lost, result.duplicated, result.trained) == (0, 0, 16 * 8), result
+
+
+def test_with_no_restarts_allowed_a_dead_replica_fails_the_run_and_leaves_nothing(clean, tmp_path):
     import ray
 
     run_dir = tmp_path / "run"
-    config = sim_config("run.steps=100000")
     killed = []
 
     def kill_reward_when_running() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                status = json.loads((run_dir / "status.json").read_text())
-            except (OSError, ValueError):
-                status = {}
-            if status.get("state") == "running" and status.get("step", 0) >= 2:
-                actor = ray.get_actor(f"rlflow:{status['run_id']}:reward:0", namespace="rlflow")
-                ray.kill(actor)
-                killed.append(status["run_id"])
-                return
-            time.sleep(0.1)
+        status = wait_for_status(run_dir, running_at(2))
+        ray.kill(ray.get_actor(f"rlflow:{status['run_id']}:reward:0", namespace="rlflow"))
+        killed.append(status["run_id"])
 
     killer = threading.Thread(target=kill_reward_when_running, daemon=True)
     killer.start()
-    with pytest.raises(RunFailed, match="reward-0 died"):
-        run(config, run_dir)
+    with pytest.raises(RunFailed, match="every reward replica is given up on; the last, reward-0: died"):
+        run(sim_config("run.steps=100000", "cluster.max_restarts=0"), run_dir)
     killer.join()
     assert killed
     assert leftovers(killed[0]) == ([], [])

@@ -55,3 +55,15 @@ class WeightRounds:
     def busy(self) -> bool:
         """Whether a version is moving now."""
         return self.moving is not None
+
+    def abandon(self) -> None:
+        """The round moving cannot complete (its broadcast broke): forget it."""
+        self.moving, self._loaded = None, set()
+
+    def repeat(self) -> int | None:
+        """Move the newest version sent again (e.g. to a replica that joined
+        late, through a new collective group); None if a round is moving."""
+        if self.moving is not None:
+            return None
+        self.moving, self._loaded = self.moved, set()
+        return self.moving

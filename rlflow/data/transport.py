@@ -383,6 +383,11 @@ async def _open(
             sock.setsockopt(zmq.IDENTITY, identity)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if kind == zmq.PUSH:
+            # Queue only to peers that are connected: a message for a peer
+            # that died would wait in its pipe and vanish with it; this way a
+            # send waits (or goes to a live peer) instead.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
         if bind is not None:
             sock.bind(bind)
         for address in [connect] if isinstance(connect, str) else connect or ():

@@ -20,10 +20,13 @@ from rlflow.config import FunctionsReward
 from rlflow.data import transport
 from rlflow.data.tasks import Task
 from rlflow.protocol import (
+    WEIGHT_GROUP_BROKEN,
     Ack,
+    ErrorReport,
     Credits,
     EvalDone,
     Evaluate,
+    Peers,
     SampleBatch,
     Shutdown,
     Stage,
@@ -31,8 +34,9 @@ from rlflow.protocol import (
     WeightsLoaded,
     build_batch,
 )
-from rlflow.services.base import Control, Service
+from rlflow.services.base import Control, Service, follow
 from rlflow.services.rollout.engine import RolloutEngine, make_engine
+from rlflow.errors import WeightGroupBroken
 
 
 class RolloutService(Service):
@@ -89,8 +93,11 @@ class RolloutService(Service):
                 nursery.start_soon(self.send_finished, out, control)
                 nursery.start_soon(self.apply_updates, control)
                 await control.ready(engine.version)
+                peers = welcome.peers["out"]
                 async for msg in control:
                     match msg:
+                        case Peers():
+                            peers = follow(out, peers, msg.peers.get("out", []))
                         case Credits(group_ids=ids, min_versions=mins):
                             now = time.time()
                             for group_id, min_version in zip(ids, mins, strict=True):
@@ -142,10 +149,21 @@ class RolloutService(Service):
             await self._update.wait()
             self._update = trio.Event()
             msg, self._wanted = self._wanted, None
-            if msg is None or msg.version <= self.engine.version:
+            # A new weight group must be joined (and its broadcast taken) even
+            # for a version held already: every member takes part.
+            if msg is None or (msg.version <= self.engine.version and msg.transfer is None):
                 continue
             started = time.monotonic()
-            self.version = await self.engine.update_weights(msg.version, msg.transfer)
+            try:
+                self.version = await self.engine.update_weights(msg.version, msg.transfer)
+            except WeightGroupBroken as exc:
+                # The trainer or another member died mid-broadcast: wait for
+                # the next generation of the group, which the controller makes.
+                self.counters["failed_updates"] += 1
+                self.log.warning("[%s] loading weights v%d failed: %s", self.spec.name, msg.version, exc)
+                await control.send(ErrorReport(fatal=False, kind=WEIGHT_GROUP_BROKEN,
+                                               message=f"loading v{msg.version}: {exc}"[:500]))
+                continue
             seconds = time.monotonic() - started
             self.counters["weight_updates"] += 1
             self.say("weights v%d loaded in %.0f ms", self.version, 1000 * seconds)

@@ -232,6 +232,7 @@ class SimEngine:
         # Slot-seconds in use, for the occupancy the bench reports.
         used = sum(min(steps, r.target - r.generated(self.step)) for r in self.active)
         self.ctx.counters["slot_s"] += used * step_s
+        self.ctx.counters["decode_steps"] += steps
         self.step += steps
 
     async def _finish(self) -> None:

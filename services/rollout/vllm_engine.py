@@ -41,6 +41,7 @@ from rlflow.config import VllmRollout
 from rlflow.protocol import FinishReason, ParamSpec, PromptGroup, Response, Stage, WeightsGloo, WeightTransfer
 from rlflow.protocol.batch import N_STAGES
 from rlflow.services.base import EngineContext, cpu_ranges
+from rlflow.errors import WeightGroupBroken
 from rlflow.services.rollout.vllm_worker import BACKEND
 
 
@@ -330,10 +331,13 @@ class VllmEngine:
             await trio.to_thread.run_sync(self.backend.close)
 
     async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec]) -> None:
-        """Join the trainer's weight group (returns once the trainer has joined too)."""
+        """Join the trainer's weight group (returns once the trainer has joined
+        too); none: a replacement, which joins the next generation of the group."""
+        self._layout = layout or self._layout
+        if transfer is None:
+            return
         if not isinstance(transfer, WeightsGloo):
             raise ValueError(f"the vLLM rollout on CPU receives weights over gloo; the trainer offers {transfer!r}")
-        self._layout = layout or self._layout
         await self.backend.join_weights(transfer.host, transfer.port, transfer.rank, transfer.world_size)
         self._weights = transfer
         self._weights_ready.set()
@@ -352,6 +356,8 @@ class VllmEngine:
         self.clock.set("loading")
         try:
             await self.backend.update(version, self._layout, self._weights.nbytes, kv=self.cfg.kv_on_update)
+        except RuntimeError as exc:  # gloo: "Connection closed by peer", a timeout
+            raise WeightGroupBroken(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._updating = False
         self.version = version

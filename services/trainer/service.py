@@ -22,6 +22,9 @@ import trio
 from rlflow.algo.staleness import too_stale
 from rlflow.data import transport
 from rlflow.protocol import (
+    WEIGHT_GROUP_BROKEN,
+    Ack,
+    ErrorReport,
     Expired,
     SampleBatch,
     SendWeights,
@@ -29,6 +32,7 @@ from rlflow.protocol import (
     Stage,
     StepDone,
     Tensor,
+    WeightsGroup,
     WeightsReady,
     WeightsZmq,
     concat,
@@ -66,6 +70,7 @@ class TrainerService(Service):
                 endpoints["weights"] = weights.address
             welcome = await control.hello(endpoints=endpoints, weights=weights, layout=layout)
             self.step = self.version = welcome.version  # above 0 when resuming
+            self._forget_lengths_from(self.step)
             await engine.connect(welcome.weights)
             self.say("up, engine %s", type(engine).__name__)
             nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
@@ -74,7 +79,10 @@ class TrainerService(Service):
             async for msg in control:
                 match msg:
                     case SendWeights(version=version, transfer=transfer):
-                        nursery.start_soon(engine.send, version, transfer)
+                        if transfer is not None:  # host a new generation of the group: say where first
+                            transfer = engine.new_group(transfer)
+                            await control.send(WeightsGroup(transfer=transfer))
+                        nursery.start_soon(self.send_weights, version, transfer, control)
                     case Shutdown(reason=reason):
                         self.say("shutting down (%s)", reason)
                         break
@@ -116,6 +124,26 @@ class TrainerService(Service):
             self.counters["tokens"] += batch.n_tokens
             await control.send(StepDone(step=self.step - 1, version=self.version, acked=ids, metrics=metrics))
         self.clock.set("idle")
+
+    async def send_weights(self, version: int, transfer, control: Control) -> None:
+        """Send `version`; a send that fails (a receiver died mid-way) is
+        reported: the controller makes a new generation of the group."""
+        try:
+            await self.engine.send(version, transfer)
+        except Exception as exc:
+            self.counters["failed_sends"] += 1
+            self.log.warning("[%s] sending weights v%d failed: %s: %s", self.spec.name, version, type(exc).__name__, exc)
+            await control.send(ErrorReport(fatal=False, kind=WEIGHT_GROUP_BROKEN,
+                                           message=f"sending v{version}: {type(exc).__name__}: {exc}"[:500]))
+
+    def _forget_lengths_from(self, step: int) -> None:
+        """On resume: the records of steps from the checkpoint on went with the
+        weights that took them."""
+        if self.run_dir is None or not self.run_dir.lengths(self.spec.rank).exists():
+            return
+        path = self.run_dir.lengths(self.spec.rank)
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+        path.write_text("".join(line + "\n" for line in kept))
 
     def _record_lengths(self, groups: list[SampleBatch]) -> None:
         """Per step: the response lengths (for `rlflow plan` to replay) and,
@@ -180,6 +208,7 @@ class TrainerService(Service):
             return
         now = time.time()
         failed_groups: list[int] = []
+        received: list[int] = []
         for group in split(msg):
             group_id = group.groups[0].group_id
             if group_id in self.acked or any(b.groups[0].group_id == group_id for b in self.buffer):
@@ -195,5 +224,8 @@ class TrainerService(Service):
             stamps = group.stamps.numpy().copy()
             stamps[:, Stage.TRAINER_RECEIVED] = now
             self.buffer.append(msgspec.structs.replace(group, stamps=Tensor.from_numpy(stamps)))
+            received.append(group_id)
         if failed_groups:
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed"))
+        if received:
+            await control.send(Ack(stage=Stage.TRAINER_RECEIVED, group_ids=received))

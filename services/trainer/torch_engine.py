@@ -21,6 +21,7 @@ import random
 import shutil
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import trio
@@ -303,15 +304,30 @@ class TorchTrainerEngine:
         self.snapshots[version] = flat
         return nbytes
 
+    def new_group(self, transfer: WeightTransfer) -> WeightTransfer:
+        """The next generation of the group, on a port free now."""
+        return msgspec.structs.replace(transfer, host=self.host, port=free_port(self.host), nbytes=self.engine.nbytes)
+
     async def send(self, version: int, transfer: WeightTransfer | None) -> None:
-        """Broadcast the weights of `version` to the rollout replicas."""
+        """Broadcast the weights of `version` to the rollout replicas (joining
+        `transfer`, a new generation of the group, first)."""
         if transfer is not None:
+            self.group = None
             await self.connect(transfer)
         flat = self.snapshots[version]
         for old in [v for v in self.snapshots if v <= version]:
             del self.snapshots[old]
-        if self.group is not None:
-            await trio.to_thread.run_sync(self.group.broadcast, flat)
+        group = self.group
+        if group is not None:
+            try:
+                await trio.to_thread.run_sync(group.broadcast, flat)
+            except Exception:
+                # A receiver died mid-way. Let go of the group now: its
+                # connections close, and the receivers still waiting in this
+                # broadcast return (to join the next generation).
+                if self.group is group:
+                    self.group = None
+                raise
 
     async def save(self, folder: pathlib.Path, run_state: dict[str, int]) -> bool:
         await trio.to_thread.run_sync(self.engine.save, folder, run_state)
