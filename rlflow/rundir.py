@@ -149,6 +149,17 @@ class GroupCounts(Record):
     """Groups dropped for good, by reason."""
 
 
+class Trend(Record):
+    """A training statistic over the latest steps (e.g. the KL to the teacher)."""
+
+    last: float
+    mean: float
+    """Over the last `steps` steps."""
+    steps: int
+    change: float | None = None
+    """`mean` minus the mean of the `steps` steps before (None: not that many yet)."""
+
+
 class Status(Record):
     """A run now (status.json)."""
 
@@ -177,6 +188,8 @@ class Status(Record):
     warnings: list[str] = []
     """The latest things a person should look at (e.g. rewards failing, a reward
     function that cannot score a reference answer)."""
+    trends: dict[str, Trend] = {}
+    """Training statistics to watch as they move (``kl_teacher``: the per-token KL to the teacher)."""
 
 
 class Summary(Record):

@@ -12,6 +12,7 @@ import sys
 
 import msgspec
 import pytest
+import rich.console
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -212,6 +213,35 @@ def test_the_gain_is_in_points():
     summary = stats.summary(1.0, run_id="r", state="stopped")
     assert summary.accuracy_last3_mean == pytest.approx(0.60)
     assert summary.gain_points == pytest.approx(20.0)
+
+
+def test_the_kl_to_the_teacher_is_shown_with_its_trend(tmp_path):
+    """The status, the live table and the log line say where the KL is going;
+    the curves get a panel for it."""
+    from rlflow.rundir import RunDir, Status
+    from rlflow.tools.cli import progress_line
+    from rlflow.tools.display import render
+    from rlflow.tools.report import load, write_curves
+
+    stats = RunStats(["trainer"])
+    assert stats.trends() == {}
+    for step in range(25):  # 1.0 for 8 steps, then 0.5; one step without a teacher's figure
+        metrics = {} if step == 3 else {"kl_teacher": 1.0 if step < 8 else 0.5}
+        stats.close_step(StepDone(step=step, version=step + 1, acked=[], metrics=metrics), float(step), 0)
+    trend = stats.trends()["kl_teacher"]
+    assert (trend.last, trend.mean, trend.steps) == (0.5, 0.5, 10)
+    assert trend.change == pytest.approx(0.5 - (3 * 1.0 + 7 * 0.5) / 10)  # steps 15-24 against 5-14
+    status = Status(run_id="r", state="running", trends=stats.trends())
+    assert "kl_teacher 0.500 (10-step mean 0.500, -0.150)" in progress_line(status)
+    console = rich.console.Console(record=True, width=200)
+    console.print(render(status))
+    assert "kl_teacher 0.500" in console.export_text()
+    folder = RunDir(tmp_path)
+    folder.metrics.write_text("".join(msgspec.json.encode(row).decode() + "\n" for row in stats.rows))
+    png = write_curves(load(tmp_path), tmp_path / "curves.png")
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).shape[1] > 2 * 4.2 * 110  # reward, staleness, and the KL
 
 
 # -- the shell, with real services in this process ----------------------------------------

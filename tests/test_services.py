@@ -102,6 +102,29 @@ async def test_weights_arrive_between_steps_and_later_tokens_carry_the_new_versi
         assert 0 < cut < 2000 and (r.versions[:cut] == 0).all() and (r.versions[cut:] == 1).all()
 
 
+async def test_the_weight_server_outlives_a_replica_that_died_waiting_for_a_version():
+    """A rollout replica asks for a version not published yet and dies; when
+    the version comes, the reply finds no one: the server goes on serving."""
+    from rlflow.protocol import Codec, WeightsMessage, WeightsRequest
+
+    config = sim_config("roles.trainer.engine.weights_bytes=4096")
+    ctx = standalone_context(config, "trainer")
+    trainer = SimTrainerEngine(config.roles.trainer.engine, ctx)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trainer.serve)
+            async with transport.open_dealer(connect=trainer.address, codec=Codec(WeightsMessage)) as doomed:
+                await doomed.send(WeightsRequest(version=1))
+                await trio.sleep(0.2)  # it is parked at the server
+            await trio.sleep(0.3)  # the server has seen it go
+            await trainer.publish(1)
+            async with transport.open_dealer(connect=trainer.address, codec=Codec(WeightsMessage)) as next_one:
+                await next_one.send(WeightsRequest(version=1))
+                assert (await next_one.recv()).version == 1
+            nursery.cancel_scope.cancel()
+    assert ctx.counters["weights_unclaimed"] == 1
+
+
 async def test_strict_staleness_restarts_a_group_that_fell_behind():
     config = sim_config("run.staleness_check=strict", "run.max_staleness=0",
                         "roles.rollout.engine.response_len={kind='fixed', value=3000}",

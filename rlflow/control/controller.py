@@ -895,6 +895,7 @@ class Controller:
             roles=roles,
             controller=self._controller_stats(),
             warnings=list(self.warnings),
+            trends=self.stats.trends(),
         )
 
     def _group_counts(self) -> GroupCounts:

@@ -325,9 +325,11 @@ class RayLauncher:
     def failures(self) -> list[Failure]:
         """Replicas whose process has ended on its own since the last call
         (each reported once)."""
-        if not self.running or self._stopping:
+        if self._stopping:
             return []
-        items = list(self.running.values())
+        items = [item for item in list(self.running.values()) if item.ref is not None]  # not those reported
+        if not items:
+            return []
         done, _ = ray.wait([r.ref for r in items], num_returns=len(items), timeout=0)
         out = []
         for item in items:

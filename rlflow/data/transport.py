@@ -410,11 +410,13 @@ def bound_address(sock: Socket) -> str:
 def connect(sock: Socket, address: str) -> None:
     """Connect an open socket to one more peer (e.g. a replica that came up later)."""
     sock._sock.connect(address)
+    sock._wake()  # a parked send or receive re-checks the socket
 
 
 def disconnect(sock: Socket, address: str) -> None:
     """Stop sending to / receiving from a peer (e.g. a replica that died)."""
     sock._sock.disconnect(address)
+    sock._wake()
 
 
 def tcp_address(host: str = "127.0.0.1") -> str:

@@ -123,8 +123,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     try:
         config = _load_config(args)
-        if config.needs_model and config.roles.rollout.model == "default" and not config.run.resume:
-            _build_default_model(force=False)
+        _build_models(config)
         resolve(config)  # a model or path that is not there is a config error now, not in a service
     except ConfigError as exc:
         print(exc, file=sys.stderr)
@@ -141,6 +140,8 @@ PROGRESS_EVERY_S = 5.0
 
 def progress_line(status) -> str:
     """One line of a run's progress, for logs (where the live table cannot go)."""
+    from rlflow.tools.display import trend_text
+
     parts = [f"[rlflow] {status.state}: step {status.step}/{status.steps}"]
     last = status.last_step
     if last is not None:
@@ -150,6 +151,7 @@ def progress_line(status) -> str:
             parts.append(f"{status.samples / last.time_s:.1f} samples/s")
     if status.last_eval is not None and status.last_eval.accuracy is not None:
         parts.append(f"held-out {100 * status.last_eval.accuracy:.1f}% (step {status.last_eval.step})")
+    parts += [trend_text(key, trend) for key, trend in status.trends.items()]
     return ", ".join(parts)
 
 
@@ -241,6 +243,21 @@ def _detach(args: argparse.Namespace, run_dir: pathlib.Path) -> int:
     return 0
 
 
+def _build_models(config) -> None:
+    """Build the models rlflow makes itself that `config` names and that are
+    not cached yet (the default policy, the default teacher)."""
+    from rlflow.config import ModelTeacher
+    from rlflow.tools.model import BUILT
+
+    if not config.needs_model:
+        return
+    if config.roles.rollout.model == "default" and not config.run.resume:
+        _build_default_model(force=False)
+    teacher = config.roles.teacher
+    if teacher is not None and isinstance(teacher.engine, ModelTeacher) and teacher.engine.model in BUILT:
+        _build_default_model(force=False, name=teacher.engine.model)
+
+
 def _build_default_model(force: bool, name: str = "default") -> pathlib.Path:
     """A model rlflow builds itself ("default", "default-teacher"); built first
     (with a progress bar) if needed."""
@@ -282,8 +299,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     try:
         config = load(args.config or default_config_path(), args.overrides)
-        if config.needs_model and config.roles.rollout.model == "default":
-            _build_default_model(force=False)
+        _build_models(config)
         figures = check(config, rows=args.rows)
     except (ConfigError, CheckError) as exc:
         print(exc, file=sys.stderr)

@@ -72,7 +72,10 @@ class SimTrainerEngine:
                 while self.latest is None or self.latest.version < msg.version:
                     self._published = trio.Event()
                     await self._published.wait()
-                await sock.send(identity, self.latest)
+                try:
+                    await sock.send(identity, self.latest)
+                except transport.PeerUnreachable:  # it died while it waited: its replacement asks again
+                    self.ctx.counters["weights_unclaimed"] += 1
 
     async def train(self, batch: SampleBatch) -> dict[str, float]:
         seconds = self.cfg.step_overhead_s + self.cfg.s_per_token * batch.n_tokens
