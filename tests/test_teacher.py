@@ -70,7 +70,11 @@ def hf_logsoftmax(model, prompt: np.ndarray, response: np.ndarray, temperature: 
     return torch.log_softmax(logits[positions], -1)
 
 
-async def test_teacher_scores_equal_a_float32_forward_and_its_top_k(teacher_path):
+@pytest.mark.parametrize("logit_rows", [1024, 5])  # the logits of a pass at once, or in small pieces
+async def test_teacher_scores_equal_a_float32_forward_and_its_top_k(teacher_path, logit_rows, monkeypatch):
+    from rlflow.services.teacher import torch_engine
+
+    monkeypatch.setattr(torch_engine, "LOGIT_ROWS", logit_rows)
     config = config_for(teacher_path)
     engine = TorchTeacherEngine(config.roles.teacher.engine, standalone_context(config, "teacher"))
     await engine.start()
@@ -232,6 +236,15 @@ def test_a_teacher_with_another_tokenizer_is_refused(teacher_path, tmp_path):
         resolve(config)
     policy = resolve(config_for(teacher_path, "roles.teacher.engine.model=policy"))
     assert policy.roles.teacher.engine.model == str(teacher_path.resolve())
+
+
+def test_a_top_k_beyond_the_teachers_vocabulary_is_refused(teacher_path):
+    from rlflow.control.launch import resolve
+
+    with pytest.raises(C.ConfigError, match=r"roles.teacher.engine.top_k = 32: asks for more tokens than the "
+                                            r"teacher's vocabulary has \(17\)"):
+        resolve(config_for(teacher_path, "roles.teacher.engine.top_k=32"))
+    assert resolve(config_for(teacher_path, "roles.teacher.engine.top_k=17")).roles.teacher.engine.top_k == 17
 
 
 def test_teacher_replicas_that_disagree_on_the_probe_are_refused(teacher_path):

@@ -12,6 +12,8 @@ placement group.
 
 from __future__ import annotations
 
+import json
+
 import os
 import pathlib
 import secrets
@@ -59,9 +61,21 @@ def resolve(config: Config) -> Config:
             except FileNotFoundError as exc:
                 raise ConfigError("roles.teacher.engine.model", engine.model, str(exc)) from None
         _same_tokenizer(path, rollout.model)
+        vocab = _vocab_size(path)
+        if vocab is not None and engine.top_k > vocab:
+            raise ConfigError("roles.teacher.engine.top_k", engine.top_k,
+                              f"asks for more tokens than the teacher's vocabulary has ({vocab})")
         roles = msgspec.structs.replace(roles, teacher=msgspec.structs.replace(
             teacher, engine=msgspec.structs.replace(engine, model=path)))
     return msgspec.structs.replace(config, run=run, roles=roles)
+
+
+def _vocab_size(model: str) -> int | None:
+    """The vocabulary size in a Hugging Face model directory's config (None if it does not say)."""
+    try:
+        return int(json.loads((pathlib.Path(model) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _same_tokenizer(teacher: str, policy: str) -> None:

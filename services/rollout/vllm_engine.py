@@ -98,10 +98,11 @@ class VllmBackend:
     one backend across tests; a service owns one).
     """
 
-    def __init__(self, cfg: VllmRollout, model_path: str, seed: int = 0):
+    def __init__(self, cfg: VllmRollout, model_path: str, seed: int = 0, *, max_logprobs: int = 20):
         self.cfg = cfg
         self.model_path = model_path
         self.seed = seed
+        self.max_logprobs = max_logprobs
         self.bridge: AsyncioBridge | None = None
         self.llm = None
 
@@ -117,6 +118,7 @@ class VllmBackend:
             tensor_parallel_size=self.cfg.tensor_parallel_size,
             enforce_eager=self.cfg.enforce_eager,
             logprobs_mode="processed_logprobs",
+            max_logprobs=self.max_logprobs,
             weight_transfer_config={"backend": BACKEND},
             worker_extension_cls="rlflow.services.rollout.vllm_worker.WorkerExtension",
             seed=self.seed,

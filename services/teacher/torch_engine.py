@@ -26,6 +26,10 @@ from rlflow.services.base import EngineContext
 from rlflow.services.teacher.scores import PROBE_IDS, PROBE_PROMPT, Scores
 
 
+#: Response positions whose vocabulary-sized logits are held at once.
+LOGIT_ROWS = 1024
+
+
 def load_teacher(path: str, dtype: str = "float32"):
     """The frozen model at `path`, for scoring."""
     from transformers import AutoModelForCausalLM
@@ -96,14 +100,27 @@ def _score_pass(model, part, prompts, responses, offsets, t, top_k, logprobs, to
         rows.append(torch.full((len(responses[i]),), row))
         cols.append(torch.arange(start - 1, start - 1 + len(responses[i])))
         targets.append(torch.from_numpy(responses[i].astype(np.int64)))
-    logits = model(input_ids=ids, attention_mask=mask).logits[torch.cat(rows), torch.cat(cols)].float() / t
-    lse = torch.logsumexp(logits, dim=-1)
+    # The vocabulary-sized logits only at response positions, and only
+    # LOGIT_ROWS of them at a time: memory is bounded by that, not by the pass.
+    hidden = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state[torch.cat(rows), torch.cat(cols)]
+    head = model.get_output_embeddings()
+    cap = getattr(model.config, "final_logit_softcapping", None)
     target = torch.cat(targets)
-    sampled = (logits.gather(-1, target[:, None]).squeeze(-1) - lse).numpy()
-    if top_k:
-        values, indices = torch.topk(logits, top_k, dim=-1)
-        top_values = (values - lse[:, None]).numpy()
-        top_indices = indices.to(torch.int32).numpy()
+    sampled = np.empty(len(target), np.float32)
+    top_values = np.empty((len(target), top_k), np.float32)
+    top_indices = np.empty((len(target), top_k), np.int32)
+    for a in range(0, len(target), LOGIT_ROWS):
+        b = min(a + LOGIT_ROWS, len(target))
+        logits = head(hidden[a:b]).float()
+        if cap:
+            logits = cap * torch.tanh(logits / cap)
+        logits = logits / t
+        lse = torch.logsumexp(logits, dim=-1)
+        sampled[a:b] = (logits.gather(-1, target[a:b, None]).squeeze(-1) - lse).numpy()
+        if top_k:
+            values, indices = torch.topk(logits, top_k, dim=-1)
+            top_values[a:b] = (values - lse[:, None]).numpy()
+            top_indices[a:b] = indices.to(torch.int32).numpy()
     at = 0
     for i in part:
         n = len(responses[i])

@@ -31,7 +31,8 @@ class VllmTeacherEngine:
             )
         self.cfg = cfg
         engine = VllmRollout(max_num_seqs=64, max_tokens=1, dtype=cfg.dtype, kv_cache_bytes=cfg.kv_cache_bytes)
-        self.backend = VllmBackend(engine, cfg.model, ctx.config.run.seed + ctx.rank)
+        # vLLM returns at most 20 log-probabilities per position unless told more.
+        self.backend = VllmBackend(engine, cfg.model, ctx.config.run.seed + ctx.rank, max_logprobs=max(20, cfg.top_k))
 
     async def start(self) -> None:
         await trio.to_thread.run_sync(self.backend.start_blocking)
