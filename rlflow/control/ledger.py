@@ -23,7 +23,9 @@ Every group the run will train on passes through it:
   again, in front of new ones. A group that arrives twice is dropped by the
   trainer: nothing is lost, nothing is trained twice.
 * `drop`: a role gave up on a group (e.g. its reward could not be computed);
-  it is counted with the reason and never granted again.
+  it is counted with the reason and never granted again. If another copy of
+  it (granted again after a loss) still reaches the trainer, it counts as
+  received after all, and no longer as dropped.
 
 Every change is also written to `journal`, the events the controller appends
 to the run's ledger file and `rlflow audit` replays. `snapshot` / `restore`
@@ -116,6 +118,7 @@ class GroupLedger:
         self.trained_count = 0
         #: Groups dropped for good, by reason.
         self.dropped: collections.Counter[str] = collections.Counter()
+        self._drop_reasons: dict[int, str] = {}
         #: Changes not yet written out (the controller drains it).
         self.journal: list[Event] = []
 
@@ -195,6 +198,14 @@ class GroupLedger:
         moved = []
         for group_id in group_ids:
             group = self.groups.get(group_id)
+            if group is None and group_id in self._drop_reasons:
+                # A copy outlived the one dropped (granted again after a loss): not dropped after all.
+                reason = self._drop_reasons.pop(group_id)
+                self.dropped[reason] -= 1
+                if not self.dropped[reason]:
+                    del self.dropped[reason]
+                group = self.groups[group_id] = Group(group_id, min_version(group_id, self.batch_size,
+                                                                            self.max_staleness))
             if group is not None and group.state is not GroupState.RECEIVED:
                 group.state, group.owner = GroupState.RECEIVED, None
                 moved.append(group_id)
@@ -218,6 +229,7 @@ class GroupLedger:
         if gone:
             self._unqueue(gone)
             self.dropped[reason or "dropped"] += len(gone)
+            self._drop_reasons.update(dict.fromkeys(gone, reason or "dropped"))
             self.journal.append(Event(event="dropped", groups=gone, reason=reason or "dropped"))
         return gone
 
