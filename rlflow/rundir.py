@@ -2,7 +2,7 @@
 the typed records in the JSON files.
 
     config.toml          the resolved config the services got (absolute paths)
-    controller.json      the controller's address, pid and the run's secret (owner-only)
+    controller.json      the controller's address, pid, the run's secret and CURVE keys (owner-only)
     status.json          `Status`, rewritten twice a second; what `rlflow status` reads
     metrics.jsonl        one `StepRow` per optimizer step
     ledger.jsonl         every change of the ledger of groups (`rlflow.control.ledger.Event`)
@@ -25,6 +25,8 @@ import pathlib
 from typing import Any, TypeVar
 
 import msgspec
+
+from rlflow.data.net import CurveKeys
 
 # ---------------------------------------------------------------------------
 # Records
@@ -234,6 +236,8 @@ class ControllerInfo(Record):
     pid: int
     address: str
     secret: str
+    curve: CurveKeys | None = None
+    """The run's CURVE keys, which a client needs to reach `address` (None: loopback, none needed)."""
 
 
 R = TypeVar("R", bound=Record)

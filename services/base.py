@@ -27,7 +27,7 @@ import trio
 from rlflow.config import Config
 from rlflow.control.spec import ServiceSpec
 from rlflow.data import transport
-from rlflow.data.net import node_ip
+from rlflow.data import net
 from rlflow.data.tasks import Task, load_tokenizer, make_task, needs_tokenizer
 from rlflow.errors import leaves
 from rlflow.protocol import (
@@ -102,6 +102,8 @@ class EngineContext:
     watch: Callable[[transport.Socket], None]
     """Report this socket's rejected messages in the heartbeats."""
     log: logging.Logger
+    curve: net.CurveKeys | None = None
+    """The run's CURVE keys, for the sockets the engine opens (None: the run stays on loopback)."""
 
     def say(self, text: str, *args: Any) -> None:
         self.log.info(f"[{self.name}] " + text, *args)
@@ -210,7 +212,9 @@ async def open_control(spec: ServiceSpec) -> AsyncIterator[Control]:
     # A random identity: a peer that guessed it could otherwise take this
     # service's place at the controller's ROUTER before it connects.
     identity = f"{spec.name}-{secrets.token_hex(8)}".encode()
-    async with transport.open_dealer(connect=spec.controller, identity=identity, name=f"{spec.name}/control") as dealer:
+    async with transport.open_dealer(
+        connect=spec.controller, identity=identity, curve=spec.curve, name=f"{spec.name}/control"
+    ) as dealer:
         yield Control(dealer, spec)
 
 
@@ -228,7 +232,7 @@ def follow(push: transport.Push, current: list[str], peers: list[str]) -> list[s
 
 def bind_host(config: Config) -> str:
     """The address services bind their sockets on (the node's own, unless configured)."""
-    return config.cluster.host or node_ip()
+    return net.bind_host(config.cluster.host)
 
 
 class Service:
@@ -263,6 +267,7 @@ class Service:
             run_dir=self.run_dir,
             watch=self.sockets.append,
             log=self.log,
+            curve=self.spec.curve,
         )
 
     def load_task(self) -> Task:
@@ -379,12 +384,14 @@ class StageService(Service):
         self.control = control
         bind = transport.tcp_address(bind_host(self.config))
         await self.prepare()
-        async with transport.open_pull(bind=bind, name=f"{self.spec.name}/in") as inbox:
+        async with transport.open_pull(bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/in") as inbox:
             self.sockets.append(inbox)
             welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)}, info=self.hello_info())
             self.say("up, sending to %s", ", ".join(welcome.peers["out"]))
             async with (
-                transport.open_push(connect=welcome.peers["out"], name=f"{self.spec.name}/out") as out,
+                transport.open_push(
+                    connect=welcome.peers["out"], curve=self.spec.curve, name=f"{self.spec.name}/out"
+                ) as out,
                 trio.open_nursery() as nursery,
             ):
                 done_send, done_recv = trio.open_memory_channel(0)

@@ -4,6 +4,7 @@ message in; off this host, nothing binds or connects without CURVE."""
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -13,6 +14,8 @@ import trio
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from rlflow import config as C
+from rlflow.control.launch import check_reach
 from rlflow.data import transport
 from rlflow.data.net import CurveKeys, endpoint_is_local, node_ip
 from rlflow.protocol import (
@@ -27,6 +30,7 @@ from rlflow.protocol import (
     Welcome,
 )
 
+SIM = pathlib.Path(__file__).resolve().parent.parent / "examples" / "sim.toml"
 HANDSHAKE_FAILED = {
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "no_detail",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "protocol",
@@ -168,6 +172,28 @@ async def test_binding_or_connecting_off_this_host_without_curve_is_refused():
         keys = transport.new_curve_keys()
         async with transport.open_pull(bind=off_host[-1], curve=keys) as pull:
             assert transport.bound_address(pull).startswith(f"tcp://{ip}:")
+
+
+def test_curve_is_on_whenever_other_hosts_can_reach_the_sockets():
+    def cluster(*overrides: str) -> C.ClusterConfig:
+        return C.load(SIM, list(overrides)).cluster
+
+    assert not cluster().uses_curve  # one machine: loopback, no CURVE
+    assert cluster("cluster.curve=on").uses_curve
+    assert cluster("cluster.host=").uses_curve  # each node's own IP
+    assert cluster("cluster.host=10.1.2.3").uses_curve
+    assert not cluster("cluster.host=::1").uses_curve
+    with pytest.raises(C.ConfigError, match=r"cluster\.host = '0\.0\.0\.0': a wildcard is no address to connect to"):
+        cluster("cluster.host=0.0.0.0")
+    with pytest.raises(C.ConfigError, match=r"cluster\.curve = 'off'"):
+        cluster("cluster.curve=off")
+
+
+def test_a_run_over_several_nodes_on_loopback_is_refused():
+    check_reach("127.0.0.1", 1)
+    check_reach("", 2)
+    with pytest.raises(C.ConfigError, match=r"cluster\.host = '127\.0\.0\.1': the run spans 2 Ray nodes.*leave it empty"):
+        check_reach("127.0.0.1", 2)
 
 
 def test_the_keys_never_show_in_a_repr():

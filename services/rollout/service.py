@@ -85,7 +85,9 @@ class RolloutService(Service):
                 self._score_inline(engine, task)
             self.say("up: %s, sending to %s", type(engine).__name__, ", ".join(welcome.peers["out"]))
             async with (
-                transport.open_push(connect=welcome.peers["out"], name=f"{self.spec.name}/out") as out,
+                transport.open_push(
+                    connect=welcome.peers["out"], curve=self.spec.curve, name=f"{self.spec.name}/out"
+                ) as out,
                 trio.open_nursery() as nursery,
             ):
                 await nursery.start(engine.run)

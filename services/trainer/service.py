@@ -59,7 +59,9 @@ class TrainerService(Service):
     async def main(self, control: Control) -> None:
         engine = self.engine = await make_engine(self.context())
         async with (
-            transport.open_pull(bind=transport.tcp_address(bind_host(self.config)), name=f"{self.spec.name}/in") as inbox,
+            transport.open_pull(
+                bind=transport.tcp_address(bind_host(self.config)), curve=self.spec.curve, name=f"{self.spec.name}/in"
+            ) as inbox,
             trio.open_nursery() as nursery,
         ):
             self.sockets.append(inbox)
