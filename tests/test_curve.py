@@ -92,6 +92,7 @@ def intrude(address: str, kind: int, keys: CurveKeys | None, frames: list[list[b
                 return HANDSHAKE_FAILED[event]
         raise AssertionError(f"no handshake failure within 10 s on {address}")
     finally:
+        sock.disable_monitor()  # before closing either: a context with a live monitor may never end
         monitor.close(linger=0)
         sock.close(linger=0)
         ctx.term()
