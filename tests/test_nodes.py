@@ -280,7 +280,6 @@ def test_a_run_across_two_nodes_with_curve(two_nodes, tmp_path):
     assert "rejected.malformed" not in final.roles["reward"].counters
 
 
-@pytest.mark.xfail(strict=True, reason="replica restart lands separately")
 def test_the_worker_nodes_rollout_killed_midway_is_restarted_and_the_run_finishes(two_nodes, tmp_path):
     """SIGKILL of the rollout replica on node B mid-run: it is restarted in
     its bundle (on node B), registers again as a new incarnation over CURVE,
