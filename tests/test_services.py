@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 import time
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -26,13 +27,16 @@ from rlflow.protocol import (
     SampleFailure,
     Shutdown,
     Stage,
+    UpdateWeights,
     Welcome,
+    WeightsLoaded,
     WeightsZmq,
     build_batch,
     samples,
 )
 from rlflow.services.base import StageService, standalone_context
 from rlflow.services.reward.service import RewardService
+from rlflow.services.rollout.service import RolloutService
 from rlflow.services.rollout.sim import SimEngine
 from rlflow.services.teacher.service import TeacherService
 from rlflow.services.trainer.sim import SimTrainerEngine
@@ -191,6 +195,45 @@ async def test_a_stage_service_registers_works_on_batches_and_accounts_its_time(
     assert elapsed >= 2 * Slow.seconds  # two at a time, four batches
     totals = service.clock.totals()
     assert totals["busy"] >= 2 * Slow.seconds and service.counters["samples"] == 4 * batch.n_samples
+
+
+async def test_a_rollout_told_to_load_a_version_it_holds_says_so():
+    """The trainer's weight server hands out its newest version: ordered to
+    load v1 after v2 is out, the rollout loads v2; ordered to load v2 next,
+    it answers at once that it holds v2 (else the controller's round waits
+    for ever)."""
+    config = sim_config("roles.trainer.engine.weights_bytes=4096")
+    trainer = SimTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:0") as router,
+        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(trainer.serve)
+        service = RolloutService(spec(config, "rollout", transport.bound_address(router)))
+        nursery.start_soon(service.run)
+
+        async def answer(kind: type) -> Any:
+            while not isinstance(msg := (await router.recv())[1], kind):
+                pass
+            return msg
+
+        with trio.fail_after(30):
+            identity, hello = await router.recv()
+            await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
+                                                peers={"out": [transport.bound_address(downstream)]},
+                                                weights=WeightsZmq(address=trainer.address)))
+            await answer(Ready)
+            await trainer.publish(1)
+            await trainer.publish(2)
+            await router.send(identity, UpdateWeights(version=1))
+            assert (await answer(WeightsLoaded)).version == 2
+            await router.send(identity, UpdateWeights(version=2))
+            assert await answer(WeightsLoaded) == WeightsLoaded(version=2, seconds=0.0)
+            await router.send(identity, Shutdown(reason="done"))
+            await answer(Bye)
+        nursery.cancel_scope.cancel()
+    assert service.counters["weight_updates"] == 1
 
 
 # -- reward and teacher ----------------------------------------------------------------------
