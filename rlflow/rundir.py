@@ -10,7 +10,8 @@ the typed records in the JSON files.
     summary.json         `Summary`, at the end
     run.log, run.pid     the detached run's output and process (`rlflow up --detach`)
     logs/ROLE-RANK.log   each service's log
-    trace/ROLE-RANK.json each service's state timeline; trace/lengths-RANK.jsonl the trained lengths
+    trace/ROLE-RANK.json each service's state timeline (ROLE-RANK.events.jsonl while it runs);
+                         trace/lengths-RANK.jsonl the trained lengths
     checkpoints/step-NNNNNN/   a Hugging Face model directory plus trainer and controller state
     tensorboard/         event files, when TensorBoard is installed
     timeline.png, trace.json, curves.png   written by `rlflow report`
@@ -332,6 +333,11 @@ class RunDir:
     def service_trace(self, name: str) -> pathlib.Path:
         """``trace/<role>-<rank>.json``: a service's state timeline."""
         return self.traces / f"{name}.json"
+
+    def service_events(self, name: str) -> pathlib.Path:
+        """``trace/<role>-<rank>.events.jsonl``: a running service's state
+        changes so far, one per line (it ends in the service's trace)."""
+        return self.traces / f"{name}.events.jsonl"
 
     def lengths(self, rank: int) -> pathlib.Path:
         """``trace/lengths-<rank>.jsonl``: what a trainer rank trained on, per step."""

@@ -57,8 +57,15 @@ class StateClock:
         self._state = "idle"
         self._since = time.monotonic()
         self._totals = dict.fromkeys(STATES, 0.0)
-        #: (wall time, state) at every change of state: the service's timeline.
+        #: (wall time, state) at every change of state since the last `drain`:
+        #: the service's timeline is every drain's events in order, then these.
         self.events: list[tuple[float, str]] = [(time.time(), "idle")]
+
+    def drain(self) -> list[tuple[float, str]]:
+        """The state changes recorded since the last drain, forgotten here
+        (a busy service changes state thousands of times a second)."""
+        events, self.events = self.events, []
+        return events
 
     def set(self, state: str) -> None:
         now = time.monotonic()
@@ -293,6 +300,7 @@ class Service:
         return msg
 
     def heartbeat(self, seq: int) -> Heartbeat:
+        self.save_timeline()
         totals = self.clock.totals()
         counters = {k: float(v) for k, v in self.counters.items()}
         for sock in self.sockets:
@@ -310,15 +318,37 @@ class Service:
             counters=counters,
         )
 
+    def save_timeline(self) -> None:
+        """Move the state changes recorded so far out of memory (at every
+        heartbeat): appended to the run directory's events file, or dropped
+        when there is none, so that a long run's timeline does not grow the
+        process."""
+        events = self.clock.drain()
+        if self.run_dir is None or not events:
+            return
+        path = self.run_dir.service_events(self.spec.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.writelines(json.dumps(event) + "\n" for event in events)
+
     def write_trace(self) -> None:
-        """The state timeline into the run directory (read by `rlflow report`)."""
+        """The state timeline into the run directory (read by `rlflow report`):
+        the events file, streamed into the trace, which then replaces it."""
         if self.run_dir is None:
             return
-        path = self.run_dir.service_trace(self.spec.name)
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.clock.set("idle")
-        data = {"role": self.spec.role, "rank": self.spec.rank, "events": self.clock.events, "counters": dict(self.counters)}
-        path.write_text(json.dumps(data))
+        self.save_timeline()
+        events = self.run_dir.service_events(self.spec.name)
+        self.run_dir.traces.mkdir(parents=True, exist_ok=True)
+        head = json.dumps({"role": self.spec.role, "rank": self.spec.rank, "counters": dict(self.counters)})
+        with open(self.run_dir.service_trace(self.spec.name), "w") as out:
+            out.write(head[:-1] + ', "events": [')
+            if events.exists():
+                with open(events) as lines:
+                    for i, line in enumerate(lines):
+                        out.write(("," if i else "") + line.rstrip("\n"))
+            out.write("]}")
+        events.unlink(missing_ok=True)
 
     async def run(self) -> None:
         async with open_control(self.spec) as control:
