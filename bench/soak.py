@@ -105,14 +105,15 @@ class Readings:
         row = {"step": status.step, "samples": status.samples, "elapsed_s": time.monotonic() - self.started, "rss": rss}
         self.rows.append(row)
         shown = "  ".join(f"{name} {value / 2**20:.0f}" for name, value in sorted(rss.items()))
-        print(f"[soak] step {status.step:6d}  {status.samples:9,d} samples  {row['elapsed_s']:6.0f} s  RSS MiB: {shown}",
-              flush=True)
+        print(f"[soak] step {status.step:6d}  {status.samples:9,d} samples  {row['elapsed_s']:6.0f} s  "
+              f"RSS MiB: {shown}", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1_000_000, help="samples to train on (default a million)")
-    parser.add_argument("--run-dir", type=pathlib.Path, default=None, help="keep the run here (default: a temporary one)")
+    parser.add_argument("--run-dir", type=pathlib.Path, default=None,
+                        help="keep the run here (default: a temporary one)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
 

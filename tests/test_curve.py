@@ -193,7 +193,8 @@ def test_curve_is_on_whenever_other_hosts_can_reach_the_sockets():
 def test_a_run_over_several_nodes_on_loopback_is_refused():
     check_reach("127.0.0.1", 1)
     check_reach("", 2)
-    with pytest.raises(C.ConfigError, match=r"cluster\.host = '127\.0\.0\.1': the run spans 2 Ray nodes.*leave it empty"):
+    refused = r"cluster\.host = '127\.0\.0\.1': the run spans 2 Ray nodes.*leave it empty"
+    with pytest.raises(C.ConfigError, match=refused):
         check_reach("127.0.0.1", 2)
 
 
