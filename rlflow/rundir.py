@@ -2,7 +2,7 @@
 the typed records in the JSON files.
 
     config.toml          the resolved config the services got (absolute paths)
-    controller.json      the controller's address, pid and the run's secret (owner-only)
+    controller.json      the controller's address, pid, the run's secret and CURVE keys (owner-only)
     status.json          `Status`, rewritten twice a second; what `rlflow status` reads
     metrics.jsonl        one `StepRow` per optimizer step
     ledger.jsonl         every change of the ledger of groups (`rlflow.control.ledger.Event`)
@@ -10,7 +10,8 @@ the typed records in the JSON files.
     summary.json         `Summary`, at the end
     run.log, run.pid     the detached run's output and process (`rlflow up --detach`)
     logs/ROLE-RANK.log   each service's log
-    trace/ROLE-RANK.json each service's state timeline; trace/lengths-RANK.jsonl the trained lengths
+    trace/ROLE-RANK.json each service's state timeline (ROLE-RANK.events.jsonl while it runs);
+                         trace/lengths-RANK.jsonl the trained lengths
     checkpoints/step-NNNNNN/   a Hugging Face model directory plus trainer and controller state
     tensorboard/         event files, when TensorBoard is installed
     timeline.png, trace.json, curves.png   written by `rlflow report`
@@ -25,6 +26,8 @@ import pathlib
 from typing import Any, TypeVar
 
 import msgspec
+
+from rlflow.data.net import CurveKeys
 
 # ---------------------------------------------------------------------------
 # Records
@@ -234,6 +237,8 @@ class ControllerInfo(Record):
     pid: int
     address: str
     secret: str
+    curve: CurveKeys | None = None
+    """The run's CURVE keys, which a client needs to reach `address` (None: loopback, none needed)."""
 
 
 R = TypeVar("R", bound=Record)
@@ -328,6 +333,11 @@ class RunDir:
     def service_trace(self, name: str) -> pathlib.Path:
         """``trace/<role>-<rank>.json``: a service's state timeline."""
         return self.traces / f"{name}.json"
+
+    def service_events(self, name: str) -> pathlib.Path:
+        """``trace/<role>-<rank>.events.jsonl``: a running service's state
+        changes so far, one per line (it ends in the service's trace)."""
+        return self.traces / f"{name}.events.jsonl"
 
     def lengths(self, rank: int) -> pathlib.Path:
         """``trace/lengths-<rank>.jsonl``: what a trainer rank trained on, per step."""

@@ -173,6 +173,15 @@ def test_one_version_moves_at_a_time_and_the_newest_waiting_one_goes_next():
     assert not rounds.busy
 
 
+def test_a_receiver_that_got_a_newer_version_than_the_one_moving_completes_the_round():
+    rounds = WeightRounds()
+    assert rounds.publish(1) == 1
+    assert rounds.publish(2) is None
+    # The weight server had 2 by the time replica 0 fetched: it holds 2.
+    assert rounds.loaded(0, 2, {0}) == 2
+    assert rounds.loaded(0, 2, {0}) is None and not rounds.busy  # it says it holds 2 (see the rollout service)
+
+
 def test_a_round_completes_without_a_receiver_that_left():
     rounds = WeightRounds(version=4)
     assert rounds.publish(4) is None  # every receiver holds it already

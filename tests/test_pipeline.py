@@ -208,12 +208,14 @@ def test_cli_up_runs_twenty_steps(clean, tmp_path):
     assert late_starts(run_dir, written.batch_size, written.staleness) == []
 
 
-def test_detach_status_and_down(clean, tmp_path):
+@pytest.mark.parametrize("curve", ["auto", "on"])
+def test_detach_status_and_down(curve, clean, tmp_path):
+    """With CURVE on, `rlflow down` reaches the controller with the keys in controller.json."""
     run_dir = tmp_path / "run"
     base = [sys.executable, "-m", "rlflow"]
     up = subprocess.run(
         [*base, "up", "--detach", "--config", str(SIM), "--steps", "100000",
-         "--run-dir", str(run_dir), "--set", f"cluster.address={clean}"],
+         "--run-dir", str(run_dir), "--set", f"cluster.address={clean}", "--set", f"cluster.curve={curve}"],
         capture_output=True, text=True, timeout=300,
     )
     pid = int((run_dir / "run.pid").read_text()) if (run_dir / "run.pid").exists() else None
@@ -224,7 +226,9 @@ def test_detach_status_and_down(clean, tmp_path):
         assert status.returncode == 0
         for role in ("rollout", "reward", "teacher", "trainer"):
             assert role in status.stdout
-        run_id = json.loads((run_dir / "controller.json").read_text())["run_id"]
+        info = json.loads((run_dir / "controller.json").read_text())
+        run_id = info["run_id"]
+        assert (info.get("curve") is not None) == (curve == "on")
         assert len(leftovers(run_id)[0]) == 4
         down = subprocess.run([*base, "down", str(run_dir)], capture_output=True, text=True, timeout=180)
         assert down.returncode == 0, down.stderr

@@ -4,13 +4,17 @@ reward and teacher services' work on a batch."""
 
 from __future__ import annotations
 
+import json
 import pathlib
 import time
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from golden import examples
 
 from rlflow import config as C
@@ -26,15 +30,20 @@ from rlflow.protocol import (
     SampleFailure,
     Shutdown,
     Stage,
+    UpdateWeights,
     Welcome,
+    WeightsLoaded,
     WeightsZmq,
     build_batch,
     samples,
 )
-from rlflow.services.base import StageService, standalone_context
+from rlflow.rundir import RunDir
+from rlflow.services.base import Service, StageService, standalone_context
 from rlflow.services.reward.service import RewardService
+from rlflow.services.rollout.service import RolloutService
 from rlflow.services.rollout.sim import SimEngine
 from rlflow.services.teacher.service import TeacherService
+from rlflow.services.trainer.service import GroupIds
 from rlflow.services.trainer.sim import SimTrainerEngine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -191,6 +200,79 @@ async def test_a_stage_service_registers_works_on_batches_and_accounts_its_time(
     assert elapsed >= 2 * Slow.seconds  # two at a time, four batches
     totals = service.clock.totals()
     assert totals["busy"] >= 2 * Slow.seconds and service.counters["samples"] == 4 * batch.n_samples
+
+
+async def test_a_rollout_told_to_load_a_version_it_holds_says_so():
+    """The trainer's weight server hands out its newest version: ordered to
+    load v1 after v2 is out, the rollout loads v2; ordered to load v2 next,
+    it answers at once that it holds v2 (else the controller's round waits
+    for ever)."""
+    config = sim_config("roles.trainer.engine.weights_bytes=4096")
+    trainer = SimTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:0") as router,
+        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(trainer.serve)
+        service = RolloutService(spec(config, "rollout", transport.bound_address(router)))
+        nursery.start_soon(service.run)
+
+        async def answer(kind: type) -> Any:
+            while not isinstance(msg := (await router.recv())[1], kind):
+                pass
+            return msg
+
+        with trio.fail_after(30):
+            identity, hello = await router.recv()
+            await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
+                                                peers={"out": [transport.bound_address(downstream)]},
+                                                weights=WeightsZmq(address=trainer.address)))
+            await answer(Ready)
+            await trainer.publish(1)
+            await trainer.publish(2)
+            await router.send(identity, UpdateWeights(version=1))
+            assert (await answer(WeightsLoaded)).version == 2
+            await router.send(identity, UpdateWeights(version=2))
+            assert await answer(WeightsLoaded) == WeightsLoaded(version=2, seconds=0.0)
+            await router.send(identity, Shutdown(reason="done"))
+            await answer(Bye)
+        nursery.cancel_scope.cancel()
+    assert service.counters["weight_updates"] == 1
+
+
+@given(st.lists(st.integers(0, 60), max_size=120))
+def test_group_ids_hold_exactly_the_ids_added_in_few_ranges(ids):
+    held = GroupIds()
+    held.update(ids)
+    assert [i for i in range(62) if i in held] == sorted(set(ids))
+    assert len(held) == len(set(ids))
+    runs = sum(1 for i in sorted(set(ids)) if i - 1 not in set(ids))
+    assert len(held.ranges) == runs  # adjacent ids always merge
+
+
+def test_group_ids_of_a_long_run_stay_a_few_ranges():
+    held = GroupIds()
+    rng = np.random.default_rng(0)
+    for step in range(2000):  # each step's 64 groups in any order; group 1000 never comes
+        held.update(i for i in rng.permutation(range(64 * step, 64 * (step + 1))) if i != 1000)
+    assert held.ranges == [(0, 1000), (1001, 128_000)]
+
+
+def test_the_timeline_leaves_memory_at_each_heartbeat_and_ends_whole_in_the_trace(tmp_path):
+    service = Service(msgspec.structs.replace(spec(sim_config(), "reward"), run_dir=str(tmp_path)))
+    states = ["busy", "starved", "busy", "blocked"] * 50
+    for i, state in enumerate(states):
+        service.clock.set(state)
+        if i % 7 == 0:
+            service.heartbeat(i)
+        assert len(service.clock.events) <= 7
+    service.write_trace()
+    folder = RunDir(tmp_path)
+    trace = json.loads(folder.service_trace("reward-0").read_text())
+    assert [state for _, state in trace["events"]] == ["idle", *states, "idle"]
+    assert [t for t, _ in trace["events"]] == sorted(t for t, _ in trace["events"])
+    assert trace["role"] == "reward" and not folder.service_events("reward-0").exists()
 
 
 # -- reward and teacher ----------------------------------------------------------------------

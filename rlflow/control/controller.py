@@ -33,6 +33,7 @@ from rlflow.control.metrics import Sink, open_sinks
 from rlflow.control.rounds import WeightRounds
 from rlflow.control.stats import RunStats, process_cpu
 from rlflow.data import transport
+from rlflow.data.net import CurveKeys, bind_host
 from rlflow.errors import RunFailed, leaves
 from rlflow.protocol import (
     SCHEMA_VERSION,
@@ -169,6 +170,7 @@ class Controller:
         *,
         on_status: Callable[[Status], None] | None = None,
         secret: str = "",
+        curve: CurveKeys | None = None,
     ):
         self.config = config
         self.run_dir = RunDir(run_dir)
@@ -178,6 +180,8 @@ class Controller:
         #: Shown by every service in its hello and by `rlflow down`; a
         #: message from outside the run without it is ignored.
         self.secret = secret
+        #: The run's CURVE keys (None: the run stays on loopback).
+        self.curve = curve
         run = config.run
         self.expected = {(name, rank) for name, role in config.role_items() for rank in range(role.replicas)}
         self.replicas: dict[tuple[str, int], Replica] = {}
@@ -228,15 +232,17 @@ class Controller:
 
     async def run(self) -> Summary:
         """Start the services, run every step, shut them down; the summary."""
-        host = self.config.cluster.host or "0.0.0.0"
+        bind = transport.tcp_address(bind_host(self.config.cluster.host))
         self.run_dir.path.mkdir(parents=True, exist_ok=True)
         self._sinks = open_sinks(self.run_dir)
         try:
-            async with transport.open_router(bind=transport.tcp_address(host), name="controller") as router:
+            async with transport.open_router(bind=bind, curve=self.curve, name="controller") as router:
                 self._router = router
                 router.on_reject = self._on_reject
                 self.address = transport.bound_address(router)
-                info = ControllerInfo(run_id=self.run_id, pid=os.getpid(), address=self.address, secret=self.secret)
+                info = ControllerInfo(
+                    run_id=self.run_id, pid=os.getpid(), address=self.address, secret=self.secret, curve=self.curve
+                )
                 write_json(self.run_dir.controller, info, private=True)
                 try:
                     async with trio.open_nursery() as nursery:

@@ -4,10 +4,13 @@
 (the "default" model to its directory, relative paths to absolute ones) and
 writes that resolved config into the run directory: what the services get,
 so that a service on another node needs nothing from the launcher's machine
-but the paths themselves. Then it joins or starts Ray, reserves the pools,
-runs the controller (which starts the services) until the last step, and,
-whatever happened, stops every service and removes every actor and
-placement group.
+but the paths themselves. It makes the run's secret and, when its sockets
+are reachable from other hosts (`cluster.uses_curve`), its CURVE keys,
+which every service gets in its `ServiceSpec`. Then it joins or starts Ray,
+reserves the pools (and refuses a run that spans nodes on loopback
+addresses), runs the controller (which starts the services) until the last
+step, and, whatever happened, stops every service and removes every actor
+and placement group.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import trio
 from rlflow.config import Config, ConfigError, ModelTeacher, to_toml
 from rlflow.control import placement
 from rlflow.control.controller import Controller
+from rlflow.data import transport
+from rlflow.data.net import is_loopback
 from rlflow.rundir import RunDir, Status, Summary
 
 
@@ -78,6 +83,16 @@ def _vocab_size(model: str) -> int | None:
         return None
 
 
+def check_reach(host: str, nodes: int) -> None:
+    """A run on more than one node cannot bind loopback: the others could not reach it."""
+    if nodes > 1 and is_loopback(host):
+        raise ConfigError(
+            "cluster.host", host,
+            f"the run spans {nodes} Ray nodes, and a socket on a loopback address cannot be reached from another "
+            "node: leave it empty (each node's own IP)",
+        )
+
+
 def _same_tokenizer(teacher: str, policy: str) -> None:
     """The teacher must score the tokens the policy samples: one vocabulary."""
     from rlflow.data.tasks import load_tokenizer
@@ -108,10 +123,12 @@ def run(
     placement.start_ray(config.cluster)
     pools = placement.PoolManager(config, run_id)
     secret = secrets.token_hex(16)
-    launcher = placement.RayLauncher(config, run_id, str(folder.path.resolve()), pools, secret=secret)
+    curve = transport.new_curve_keys() if config.cluster.uses_curve else None
+    launcher = placement.RayLauncher(config, run_id, str(folder.path.resolve()), pools, secret=secret, curve=curve)
     try:
         pools.create()
-        controller = Controller(config, folder, run_id, launcher, on_status=on_status, secret=secret)
+        check_reach(config.cluster.host, len(pools.nodes()))
+        controller = Controller(config, folder, run_id, launcher, on_status=on_status, secret=secret, curve=curve)
         return trio.run(controller.run)
     finally:
         launcher.stop()

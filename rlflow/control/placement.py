@@ -29,7 +29,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlflow.data import transport
-from rlflow.data.net import free_port
+from rlflow.data.net import CurveKeys, free_port
 from rlflow.config import ClusterConfig, Config, PoolConfig
 from rlflow.control.spec import ServiceSpec
 
@@ -175,6 +175,14 @@ class PoolManager:
                     f"strategy {self.config.pools[name].strategy} may be impossible on this cluster"
                 )
 
+    def nodes(self) -> set[str]:
+        """The Ray nodes this run occupies: those of its bundles and the driver's (the controller's)."""
+        table = ray.util.placement_group_table()
+        out = {ray.get_runtime_context().get_node_id()}
+        for group in self.groups.values():
+            out.update(table.get(group.id.hex(), {}).get("bundles_to_node_id", {}).values())
+        return out
+
     def slots(self) -> dict[str, list[Slot]]:
         """Role -> the slot of each replica (see `share_bundles`)."""
         cores = self._cores()
@@ -259,9 +267,13 @@ class _Running:
 class RayLauncher:
     """Starts, watches, restarts and stops the services of one run on Ray."""
 
-    def __init__(self, config: Config, run_id: str, run_dir: str, pools: PoolManager, *, secret: str = ""):
+    def __init__(
+        self, config: Config, run_id: str, run_dir: str, pools: PoolManager, *, secret: str = "",
+        curve: CurveKeys | None = None,
+    ):
         self.config = config
         self.secret = secret
+        self.curve = curve
         self.run_id = run_id
         self.run_dir = run_dir
         self.pools = pools
@@ -318,6 +330,7 @@ class RayLauncher:
             run_dir=self.run_dir,
             incarnation=incarnation,
             secret=self.secret,
+            curve=self.curve,
         )
         ref = actor.run.remote(spec.encode(), master)
         self.running[(role, rank)] = _Running(role, rank, incarnation, actor, ref, options, cores, master)

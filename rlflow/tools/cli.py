@@ -460,7 +460,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     pid = int(folder.run_pid.read_text()) if folder.run_pid.exists() else info.pid
 
     async def ask() -> None:
-        async with transport.open_dealer(connect=info.address, name="down") as dealer:
+        async with transport.open_dealer(connect=info.address, curve=info.curve, name="down") as dealer:
             await dealer.send(Shutdown(reason="rlflow down", secret=info.secret))
             await trio.sleep(0.2)
 

@@ -85,7 +85,9 @@ class RolloutService(Service):
                 self._score_inline(engine, task)
             self.say("up: %s, sending to %s", type(engine).__name__, ", ".join(welcome.peers["out"]))
             async with (
-                transport.open_push(connect=welcome.peers["out"], name=f"{self.spec.name}/out") as out,
+                transport.open_push(
+                    connect=welcome.peers["out"], curve=self.spec.curve, name=f"{self.spec.name}/out"
+                ) as out,
                 trio.open_nursery() as nursery,
             ):
                 await nursery.start(engine.run)
@@ -149,9 +151,14 @@ class RolloutService(Service):
             await self._update.wait()
             self._update = trio.Event()
             msg, self._wanted = self._wanted, None
+            if msg is None:
+                continue
             # A new weight group must be joined (and its broadcast taken) even
             # for a version held already: every member takes part.
-            if msg is None or (msg.version <= self.engine.version and msg.transfer is None):
+            if msg.version <= self.engine.version and msg.transfer is None:
+                # Held already (a weight server gave a newer version than the
+                # one asked for): say so, or the controller's round waits.
+                await control.send(WeightsLoaded(version=self.engine.version, seconds=0.0))
                 continue
             started = time.monotonic()
             try:

@@ -317,7 +317,9 @@ class SimEngine:
             raise RuntimeError("no weight server to fetch from: join_weights was not called")
         if self._weights is None:
             self._weights = await self._sockets.enter_async_context(
-                transport.open_dealer(connect=self._server, codec=Codec(WeightsMessage), name="weights")
+                transport.open_dealer(
+                    connect=self._server, codec=Codec(WeightsMessage), curve=self.ctx.curve, name="weights"
+                )
             )
         return await self._weights.request(
             WeightsRequest(version=version), WeightsPayload, timeout=120, setting="the trainer's weight server"

@@ -12,8 +12,10 @@ to load the new weights: it sends them when the controller says so
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
+from collections.abc import Iterable
 
 import msgspec
 import numpy as np
@@ -49,7 +51,7 @@ class TrainerService(Service):
     def __init__(self, spec):
         super().__init__(spec)
         self.step = 0
-        self.acked: set[int] = set()
+        self.acked = GroupIds()
         self.buffer: list[SampleBatch] = []
         self.engine: TrainerEngine | None = None
 
@@ -59,7 +61,9 @@ class TrainerService(Service):
     async def main(self, control: Control) -> None:
         engine = self.engine = await make_engine(self.context())
         async with (
-            transport.open_pull(bind=transport.tcp_address(bind_host(self.config)), name=f"{self.spec.name}/in") as inbox,
+            transport.open_pull(
+                bind=transport.tcp_address(bind_host(self.config)), curve=self.spec.curve, name=f"{self.spec.name}/in"
+            ) as inbox,
             trio.open_nursery() as nursery,
         ):
             self.sockets.append(inbox)
@@ -229,3 +233,51 @@ class TrainerService(Service):
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed"))
         if received:
             await control.send(Ack(stage=Stage.TRAINER_RECEIVED, group_ids=received))
+
+
+class GroupIds:
+    """A set of group ids held as sorted, disjoint ranges [start, end).
+
+    The trainer remembers every group it trained on, to drop a reissued
+    copy that arrives later. Groups are granted in id order and trained
+    within the staleness bound, so the ids it has seen are one range plus a
+    few holes (groups still on their way, and each group dropped for good):
+    memory that does not grow with the length of the run, as a set of every
+    id would.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def __contains__(self, group_id: int) -> bool:
+        i = bisect.bisect_right(self._starts, group_id) - 1
+        return i >= 0 and group_id < self._ends[i]
+
+    def add(self, group_id: int) -> None:
+        i = bisect.bisect_right(self._starts, group_id) - 1  # the range that starts at or before it
+        if i >= 0 and group_id < self._ends[i]:
+            return
+        after_left = i >= 0 and self._ends[i] == group_id
+        before_right = i + 1 < len(self._starts) and self._starts[i + 1] == group_id + 1
+        if after_left and before_right:  # fills the hole between two ranges
+            self._ends[i] = self._ends.pop(i + 1)
+            del self._starts[i + 1]
+        elif after_left:
+            self._ends[i] = group_id + 1
+        elif before_right:
+            self._starts[i + 1] = group_id
+        else:
+            self._starts.insert(i + 1, group_id)
+            self._ends.insert(i + 1, group_id + 1)
+
+    def update(self, group_ids: Iterable[int]) -> None:
+        for group_id in group_ids:
+            self.add(group_id)
+
+    def __len__(self) -> int:
+        return sum(end - start for start, end in zip(self._starts, self._ends))
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._ends))

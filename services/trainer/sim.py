@@ -60,7 +60,7 @@ class SimTrainerEngine:
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Answer each weight request with the newest version (once it is there)."""
         async with transport.open_router(
-            bind=transport.tcp_address(self.ctx.host), codec=Codec(WeightsMessage), name="weights"
+            bind=transport.tcp_address(self.ctx.host), codec=Codec(WeightsMessage), curve=self.ctx.curve, name="weights"
         ) as sock:
             self.address = transport.bound_address(sock)
             self.ctx.watch(sock)
