@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -551,7 +552,8 @@ class Controller:
             if replica.state in ("gone", "given_up", "restarting"):
                 return
             log.info("[controller] %s is unreachable (sending %s)", replica.name, type(msg).__name__)
-            self._nursery.start_soon(self._lose, replica, "closed its connection")
+            self._nursery.start_soon(functools.partial(self._lose, replica, "closed its connection",
+                                                       incarnation=replica.incarnation))
 
     # --------------------------------------------------------- replica lives
 
@@ -596,10 +598,14 @@ class Controller:
             if upstream.live:
                 await self._send(upstream, Peers(peers=self._peers(upstream.role)))
 
-    async def _lose(self, replica: Replica, why: str, *, kill: bool = False) -> None:
+    async def _lose(self, replica: Replica, why: str, *, kill: bool = False, incarnation: int | None = None) -> None:
         """A replica died or hangs: give its work back, restart it (within its
-        budget), and go on without it meanwhile."""
+        budget), and go on without it meanwhile. With `incarnation`, only if
+        that incarnation is still the current one (a loss found by two sends
+        at once is one loss, and never the replacement's)."""
         if replica.state in ("gone", "given_up"):
+            return
+        if incarnation is not None and (incarnation != replica.incarnation or replica.launched != incarnation):
             return
         text = f"{replica.name} {why}"
         if replica.role == "trainer":
