@@ -12,11 +12,18 @@ Measured in one run on this machine, with the default model and task:
   `kv_on_update = "keep"`, and printed besides with "recompute";
 * update_ms_default / update_ms_halfgb: one weight update, from the trainer
   starting its broadcast to the rollout generating again, for the default
-  model and for a model of about 0.5 GB of random weights.
+  model and for a model of about 0.5 GB of random weights;
+* broadcast_2_vs_1: one update (default model) to two vLLM replicas, each
+  engine on a core of its own, in one gloo group (one broadcast, not one
+  send per replica), over the same update to one;
+* stall_p99_ms: while both replicas generate, 100 updates (one every
+  0.2 s); each replica's pause per update, from the update's start to
+  generating again (its p99; the p50 of the first and second half of the
+  updates are printed too, to show it stays flat).
 
 Ends with
 
-    RESULT rollout wrapper_ratio=A update_ratio=B update_ms_default=C update_ms_halfgb=D
+    RESULT rollout wrapper_ratio=A update_ratio=B update_ms_default=C update_ms_halfgb=D broadcast_2_vs_1=E stall_p99_ms=F
 """
 
 from __future__ import annotations
@@ -113,38 +120,126 @@ async def wrapped(
 
 
 class Trainer:
-    """The sending end of the weight group, in this process."""
+    """The sending end of the weight group, in this process; every backend
+    in `backends` joins the group as a receiver (ranks 1, 2, ...)."""
 
-    def __init__(self, backend: VllmBackend, model_path: str):
+    def __init__(self, backends: list[VllmBackend], model_path: str):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         self.specs, self.nbytes = layout(self.model.named_parameters())
-        port = free_port("127.0.0.1")
+        port, world = free_port("127.0.0.1"), 1 + len(backends)
         box: dict = {}
-        thread = threading.Thread(target=lambda: box.setdefault("group", GlooGroup("127.0.0.1", port, 0, 2)))
+        thread = threading.Thread(target=lambda: box.setdefault("group", GlooGroup("127.0.0.1", port, 0, world)))
         thread.start()
-        trio.run(backend.join_weights, "127.0.0.1", port, 1, 2)
+
+        async def join_all() -> None:
+            async with trio.open_nursery() as nursery:
+                for rank, backend in enumerate(backends, 1):
+                    nursery.start_soon(backend.join_weights, "127.0.0.1", port, rank, world)
+
+        trio.run(join_all)
         thread.join()
         self.group = box["group"]
-        self.backend = backend
-        self.joined = (WeightsGloo(host="127.0.0.1", port=port, world_size=2, rank=1, nbytes=self.nbytes), self.specs)
+        self.backends = backends
+        self.joins = [(WeightsGloo(host="127.0.0.1", port=port, world_size=world, rank=rank, nbytes=self.nbytes),
+                       self.specs) for rank in range(1, world)]
+        self.joined = self.joins[0]
 
-    async def push(self, engine: VllmEngine | None, version: int) -> float:
-        """Milliseconds from the start of the broadcast to generation resumed."""
+    async def push(self, engines: list[VllmEngine] | None, version: int, stalls: list[float] | None = None) -> float:
+        """Milliseconds from the start of the broadcast to generation resumed
+        on every receiver; with `stalls`, each receiver's own pause (ms) is
+        added to it."""
 
         with torch.no_grad():
             for p in self.model.parameters():
                 p.mul_(1.0 + 1e-4)  # new weights, barely different
         flat = pack(self.model.named_parameters(), self.specs, self.nbytes)
+
+        async def receive(i: int) -> None:
+            began = time.perf_counter()
+            if engines is not None:
+                await engines[i].update_weights(version, None)
+            else:
+                await self.backends[i].update(version, self.specs, self.nbytes)
+            if stalls is not None:
+                stalls.append(1000 * (time.perf_counter() - began))
+
         start = time.perf_counter()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trio.to_thread.run_sync, self.group.broadcast, flat)
-            if engine is not None:
-                await engine.update_weights(version, None)
-            else:
-                await self.backend.update(version, self.specs, self.nbytes)
+            for i in range(len(self.backends)):
+                nursery.start_soon(receive, i)
         return 1000 * (time.perf_counter() - start)
+
+
+async def updates_while_generating(
+    trainer: Trainer, config, groups: list[list[PromptGroup]], updates: int, every_s: float
+) -> list[float]:
+    """Each receiver generates its groups while `updates` weight updates go
+    out, one every `every_s`; each receiver's stall per update (ms)."""
+    engines = [VllmEngine(config.roles.rollout.engine, standalone_context(config, "rollout", i), backend, joined)
+               for i, (backend, joined) in enumerate(zip(trainer.backends, trainer.joins))]
+    stalls: list[float] = []
+    async with trio.open_nursery() as nursery:
+        for engine, mine in zip(engines, groups):
+            await engine.start()
+            await nursery.start(engine.run)
+            now = time.time()
+            for group in mine:
+                engine.submit(group, now)
+        version = max(engine.version for engine in engines)
+        for _ in range(updates):
+            await trio.sleep(every_s)
+            version += 1
+            await trainer.push(engines, version, stalls)
+        nursery.cancel_scope.cancel()
+    return stalls
+
+
+def fanout(config, cfg: VllmRollout, quick: bool) -> dict:
+    """One update to two vLLM replicas against one (each replica's engine on
+    a core of its own), and the stall each replica sees over many updates
+    while both generate."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0))
+    saved = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    backends = []
+    try:
+        for i in range(2):
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(cpus[i % len(cpus)])
+            backends.append(VllmBackend(cfg, config.policy_path, seed=i))
+            backends[-1].start_blocking()
+        if saved is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND")
+        else:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = saved
+        repeats = 5 if quick else 10
+        one = Trainer(backends[:1], config.policy_path)
+        to_one = [trio.run(one.push, None, 100 + i) for i in range(repeats)]
+        two = Trainer(backends, config.policy_path)
+        to_two = [trio.run(two.push, None, 200 + i) for i in range(repeats)]
+        updates = 30 if quick else 100
+        work = [prompts(config, 400, first=20_000 + 1_000 * i) for i in range(2)]
+        stalls = trio.run(updates_while_generating, two, config, work, updates, 0.2)
+    finally:
+        for backend in backends:
+            backend.close()
+    half = len(stalls) // 2  # in the order the updates went: is the stall flat?
+    early, late = statistics.median(stalls[:half]), statistics.median(stalls[half:])
+    stalls.sort()
+    return {
+        "update_ms_to_1": to_one,
+        "update_ms_to_2": to_two,
+        "broadcast_2_vs_1": statistics.median(to_two) / statistics.median(to_one),
+        "stall_ms": stalls,
+        "stall_p50_ms": stalls[len(stalls) // 2],
+        "stall_p99_ms": stalls[min(len(stalls) - 1, int(0.99 * len(stalls)))],
+        "stall_p50_ms_first_half": early,
+        "stall_p50_ms_second_half": late,
+        "updates": updates,
+    }
 
 
 def halfgb_model(path: pathlib.Path) -> pathlib.Path:
@@ -183,7 +278,7 @@ def main() -> None:
     backend = VllmBackend(cfg, config.policy_path, seed=0)
     backend.start_blocking()
     try:
-        trainer = Trainer(backend, config.policy_path)
+        trainer = Trainer([backend], config.policy_path)
         bare(backend, prompts(config, 16, first=10_000), cfg.temperature)  # warm-up
         rows = {"bare": [], "rlflow": [], "rlflow_updates": [], "rlflow_updates_recompute": []}
         recompute = resolve(load(DEFAULT, ["roles.rollout.engine.kv_on_update=recompute"]))
@@ -222,11 +317,13 @@ def main() -> None:
         big = VllmBackend(VllmRollout(max_num_seqs=16, max_tokens=16, kv_cache_bytes=64 << 20), str(path), seed=0)
         big.start_blocking()
         try:
-            big_trainer = Trainer(big, str(path))
+            big_trainer = Trainer([big], str(path))
             halfgb_bytes = big_trainer.nbytes
             halfgb_ms = [trio.run(big_trainer.push, None, i + 1) for i in range(3 if args.quick else 5)]
         finally:
             big.close()
+
+    fan = fanout(config, cfg, args.quick)
 
     wrapper_ratio = statistics.median(rows["rlflow"]) / statistics.median(rows["bare"])
     update_ratio = statistics.median(rows["rlflow_updates"]) / statistics.median(rows["rlflow"])
@@ -243,6 +340,7 @@ def main() -> None:
         "default_bytes": trainer.nbytes,
         "update_ms_halfgb": halfgb_ms,
         "halfgb_bytes": halfgb_bytes,
+        **fan,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -252,9 +350,15 @@ def main() -> None:
         f"{halfgb_bytes / 2**20:.0f} MiB model: {statistics.median(halfgb_ms):.0f} ms"
     )
     print(f"updates recomputing the KV cache of requests in flight: {recompute_ratio:.3f} of no updates")
+    print(f"one update to 1 replica {statistics.median(fan['update_ms_to_1']):.1f} ms, to 2 replicas "
+          f"{statistics.median(fan['update_ms_to_2']):.1f} ms (one gloo broadcast to both); over {fan['updates']} "
+          f"updates while both generate, each replica's stall p50 {fan['stall_p50_ms']:.1f} ms, p99 "
+          f"{fan['stall_p99_ms']:.1f} ms (p50 {fan['stall_p50_ms_first_half']:.1f} ms in the first half of the "
+          f"updates, {fan['stall_p50_ms_second_half']:.1f} ms in the second)")
     print(
         f"RESULT rollout wrapper_ratio={wrapper_ratio:.3f} update_ratio={update_ratio:.3f} "
-        f"update_ms_default={statistics.median(idle_ms):.1f} update_ms_halfgb={statistics.median(halfgb_ms):.0f}"
+        f"update_ms_default={statistics.median(idle_ms):.1f} update_ms_halfgb={statistics.median(halfgb_ms):.0f} "
+        f"broadcast_2_vs_1={fan['broadcast_2_vs_1']:.2f} stall_p99_ms={fan['stall_p99_ms']:.1f}"
     )
 
 
