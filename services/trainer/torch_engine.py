@@ -112,7 +112,14 @@ class TorchEngine:
         for part in micro:
             ids, mask, targets, where = self._pack([rows[i] for i in part])
             logits = self.model(input_ids=ids, attention_mask=mask).logits[where]
-            logprobs = token_logprobs(logits, targets, self.temperature)
+            if w > 0 and cfg.distill == "topk":
+                # The sampled token and the teacher's top k from one log-softmax: a single
+                # [tokens, vocabulary] gradient in the backward pass, as for plain GRPO.
+                topk = _column(rows, part, "teacher_topk_ids").long()
+                both = logprobs_at(logits, torch.cat([targets.unsqueeze(-1), topk], dim=-1), self.temperature)
+                logprobs, student = both[:, 0], both[:, 1:]
+            else:
+                logprobs = token_logprobs(logits, targets, self.temperature)
             behaviour = _column(rows, part, "logprobs")
             adv = torch.cat([advantages[i].repeat(len(rows[i].response_ids)) for i in part])
             if w > 0 and cfg.distill == "sampled":
@@ -121,7 +128,6 @@ class TorchEngine:
             out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg)
             loss = out.loss
             if w > 0 and cfg.distill == "topk":
-                student = logprobs_at(logits, _column(rows, part, "teacher_topk_ids").long(), self.temperature)
                 per_token = topk_reverse_kl(student, _column(rows, part, "teacher_topk_logprobs"))
                 distill = (out.weight * per_token).sum()
                 loss = (1 - w) * loss + w * distill
