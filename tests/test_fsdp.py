@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -77,6 +78,22 @@ def test_a_step_on_two_ranks_is_the_step_on_one(solo, sharded):
         same_weights(run["after_second"], solo["after_second"])
     # The weights did move, by far more than the tolerance.
     assert max(np.abs(solo["after_first"][n] - solo["after_second"][n]).max() for n in solo["after_first"]) > 5e-5
+
+
+def test_ranks_with_unequal_shares_take_the_same_step(model_path, frames, tmp_path):
+    """7 samples, one per micro-batch: a rank of 4 passes and one of 3, which
+    makes an idle pass so that their collectives pair up."""
+    from rlflow.protocol import take
+
+    cfg = msgspec.structs.replace(CFG, micro_batch_tokens=12)
+    odd = [bytes(f) for f in Codec().encode(take(Codec().decode(frames), list(range(7))))]
+    engine = TorchEngine(cfg, str(model_path))
+    expected = engine.train(Codec().decode(odd))
+    (two,) = run_ranks("two_steps_and_a_checkpoint", 2, cfg, model_path, odd, tmp_path / "step-000001")[:1]
+    assert two["first"]["micro_batches"] == 4 and expected["micro_batches"] == 7
+    assert two["first"]["loss"] == pytest.approx(expected["loss"], abs=TOL)
+    assert two["first"]["grad_norm"] == pytest.approx(expected["grad_norm"], abs=TOL)
+    same_weights(two["after_first"], {n: p.detach().numpy() for n, p in engine.model.named_parameters()})
 
 
 def test_the_checkpoint_is_a_hugging_face_model(sharded):
