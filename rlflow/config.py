@@ -399,7 +399,8 @@ class TrainerRole(Table):
     pool: str
     """Name of the pool its replicas run on."""
     replicas: PosInt = 1
-    """1: the trainer is one process (data-parallel ranks are not supported yet)."""
+    """Trainer ranks: one model sharded across them with FSDP2 (gloo on CPUs, NCCL on GPUs, a GPU each);
+    rank 0 takes the stream and deals each step's samples to the ranks by tokens."""
     engine: TrainerEngine = SimTrainer()
     """The training engine and its settings."""
 
