@@ -154,6 +154,7 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
         ref_logprobs=opt("ref_logprobs"),
         failures=failures,
         **_topk(opt("teacher_topk_ids"), opt("teacher_topk_logprobs")),
+        advantages=opt("advantages"),
     )
 
 
@@ -208,6 +209,7 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
         failures=[
             msgspec.structs.replace(f, index=new_index[f.index]) for f in batch.failures if f.index in new_index
         ],
+        advantages=per_row(batch.advantages),
     )
 
 

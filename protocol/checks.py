@@ -63,6 +63,8 @@ def validate(batch: Any) -> None:
     need(batch.stamps.shape[0] == n, "stamps must have one row per sample")
     if batch.rewards is not None:
         need(batch.rewards.numel == n and batch.rewards.dtype == "float32", f"rewards must be float32 [{n}]")
+    if batch.advantages is not None:
+        need(batch.advantages.numel == n and batch.advantages.dtype == "float32", f"advantages must be float32 [{n}]")
     for key, tensor in batch.reward_details.items():
         need(tensor.numel == n, f"reward_details[{key!r}] must have {n} entries")
     need(all(f.index < n for f in batch.failures), "a failure names a row past the end")

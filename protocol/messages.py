@@ -190,6 +190,9 @@ class SampleBatch(Message, tag=2):
     """int32 [T, k]: the teacher's k most likely tokens at each response position."""
     teacher_topk_logprobs: Tensor | None = None
     """float32 [T, k]: the teacher's log-probabilities of those tokens (at the sampling temperature)."""
+    advantages: Tensor | None = None
+    """float32 [n]: each sample's advantage, worked out over its whole group by trainer rank 0 in the
+    share of a step it deals to each trainer rank."""
 
     def __post_init__(self) -> None:
         # The columns must agree (offsets in range, lengths, dtypes), so that
@@ -246,13 +249,17 @@ class _Collective(Record):
     """Size of the flat buffer of one update."""
     generation: NonNegInt = 0
     """Counts the groups made for this run; a new one replaces the last (e.g. when a receiver is replaced)."""
+    bucket_bytes: NonNegInt = 0
+    """Largest piece an update is broadcast in (see SPEC.md, *Weights*): the flat buffer is cut at
+    parameter boundaries into pieces of at most this many bytes (0: one piece, the whole buffer)."""
 
 
 class WeightsGloo(_Collective, tag=2):
     """Weights are broadcast over a torch.distributed gloo group (CPU): trainer
     rank 0 is rank 0 of the group and hosts its TCPStore rendezvous at
-    `host`:`port`; each receiver joins with its `rank`. Every update is one
-    broadcast of a flat uint8 buffer laid out as the layout says."""
+    `host`:`port`; each receiver joins with its `rank`. Every update is a flat
+    uint8 buffer laid out as the layout says, broadcast in pieces of at most
+    `bucket_bytes` cut at parameter boundaries."""
 
 
 class WeightsNccl(_Collective, tag=3):

@@ -338,6 +338,11 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """Parameters and compute."""
     checkpoint_every: NonNegInt = 0
     """Write a checkpoint every this many steps (0: only at the end)."""
+    bucket_bytes: PosInt = 256 << 20
+    """Weights go to the rollout in pieces of at most this many bytes (cut at parameter boundaries; a
+    larger parameter goes alone): the trainer ranks gather one piece while rank 0 broadcasts the last,
+    so a send holds two pieces, not the model. A receiver older than this setting needs it at least
+    the model's size."""
     kl_coef: NonNegFloat = 0.0
     """Weight of a KL penalty to the teacher role's model (a frozen reference; 0: none)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
@@ -405,7 +410,8 @@ class TrainerRole(Table):
     pool: str
     """Name of the pool its replicas run on."""
     replicas: PosInt = 1
-    """1: the trainer is one process (data-parallel ranks are not supported yet)."""
+    """Trainer ranks: one model sharded across them with FSDP2 (gloo on CPUs, NCCL on GPUs, a GPU each);
+    rank 0 takes the stream and deals each step's samples to the ranks by tokens."""
     engine: TrainerEngine = SimTrainer()
     """The training engine and its settings."""
 
@@ -693,10 +699,22 @@ def check(config: Config) -> None:
             "roles.reward.engine.kind", kind_of(reward),
             f"task.kind = {kind_of(config.task)!r} is scored by reward functions: use kind = 'functions'",
         )
+    _check_trainer(config)
+
+
+def _check_trainer(config: Config) -> None:
+    """Trainer ranks on GPUs take a GPU each (NCCL refuses two ranks of one group on one device)."""
     trainer = config.roles.trainer
-    if trainer.replicas != 1:
+    pool = config.pools[trainer.pool]
+    if trainer.replicas == 1 or pool.gpus_per_bundle == 0:
+        return
+    # As placement shares them: replicas round-robin over the bundles, the first bundle the most crowded.
+    crowd = sum(math.ceil(role.replicas / pool.bundles) for _, role in config.role_items() if role.pool == trainer.pool)
+    if pool.gpus_per_bundle / crowd < 1:
         raise ConfigError(
-            "roles.trainer.replicas", trainer.replicas, "the trainer runs as 1 replica (data-parallel trainers are not supported yet)"
+            "roles.trainer.replicas", trainer.replicas,
+            f"trainer ranks on GPUs need a GPU each; pool {trainer.pool!r} gives each replica "
+            f"{pool.gpus_per_bundle / crowd:g} (raise its gpus_per_bundle or bundles_per_node, or run fewer ranks)",
         )
 
 

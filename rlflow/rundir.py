@@ -12,7 +12,8 @@ the typed records in the JSON files.
     logs/ROLE-RANK.log   each service's log
     trace/ROLE-RANK.json each service's state timeline (ROLE-RANK.events.jsonl while it runs);
                          trace/lengths-RANK.jsonl the trained lengths
-    checkpoints/step-NNNNNN/   a Hugging Face model directory plus trainer and controller state
+    checkpoints/step-NNNNNN/   a Hugging Face model directory plus trainer (optimizer/: a torch
+                         distributed checkpoint) and controller state
     tensorboard/         event files, when TensorBoard is installed
     timeline.png, trace.json, curves.png   written by `rlflow report`
 
@@ -371,8 +372,12 @@ class RunDir:
 
 #: Beside a checkpoint's model: the controller's ledger and clock.
 CONTROLLER_STATE = "controller_state.json"
-#: Beside a checkpoint's model: the trainer's optimizer, RNG and step.
+#: Beside a checkpoint's model: the trainer's RNG and step (and, written
+#: before the trainer was sharded, its optimizer).
 TRAINER_STATE = "trainer_state.pt"
+#: Beside a checkpoint's model: the optimizer's state, a torch distributed
+#: checkpoint that any number of trainer ranks can read.
+TRAINER_OPTIMIZER = "optimizer"
 #: Beside a checkpoint's model: the trainer's step and version.
 RUN_STATE = "run_state.json"
 

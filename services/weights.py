@@ -2,27 +2,28 @@
 
 On CPU the weights travel over a gloo process group of their own (a TCPStore
 rendezvous hosted by trainer rank 0, which leaves every process's default
-group alone): the trainer packs all parameters into one flat byte buffer
-and broadcasts it once; each rollout replica receives it into a buffer of
-the same layout and loads the views. On GPU, vLLM's NCCL engine does the
-same over NCCL (see `rlflow.services.rollout.vllm_engine`).
-
-The layout (name, dtype, shape, byte offset of every parameter) is fixed for
-a model; it travels with each update as `ParamSpec`s.
+group alone). Every parameter has its place in one flat byte buffer (the
+layout: name, dtype, shape, byte offset of each, fixed for a model and sent
+once, as `ParamSpec`s); the buffer is broadcast in pieces of at most
+`bucket_bytes` cut at parameter boundaries (`pieces`, as SPEC.md says), so
+that neither side ever holds more than a piece or two of it. Each rollout
+replica receives piece after piece and loads the views. On GPU, vLLM's NCCL
+engine does the same over NCCL (see `rlflow.services.rollout.vllm_engine`).
 """
 
 from __future__ import annotations
 
 import datetime
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-
-from rlflow.data.net import local_address
 from rlflow.protocol import ParamSpec
 from rlflow.services import compat
+
+from rlflow.data.net import local_address
 
 #: Parameters start at multiples of this many bytes in the flat buffer.
 ALIGN = 64
@@ -49,14 +50,57 @@ def pack(named: Iterable[tuple[str, torch.Tensor]], specs: list[ParamSpec], nbyt
     return flat
 
 
-def unpack(flat: torch.Tensor, specs: list[ParamSpec]) -> list[tuple[str, torch.Tensor]]:
-    """(name, view into `flat`) of every parameter."""
+def unpack(flat: torch.Tensor, specs: list[ParamSpec], base: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """(name, view into `flat`) of every parameter; `flat` holds the layout's
+    bytes from `base` on (a piece)."""
     out = []
     for spec in specs:
         dtype = getattr(torch, spec.dtype)
         size = math.prod(spec.shape) * dtype.itemsize
-        out.append((spec.name, flat[spec.offset : spec.offset + size].view(dtype).view(spec.shape)))
+        start = spec.offset - base
+        out.append((spec.name, flat[start : start + size].view(dtype).view(spec.shape)))
     return out
+
+
+class Piece(NamedTuple):
+    """One broadcast of an update: parameters ``specs[first:stop]``, which lie
+    in bytes ``[start, end)`` of the flat buffer."""
+
+    first: int
+    stop: int
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def pieces(specs: list[ParamSpec], nbytes: int, bucket_bytes: int) -> list[Piece]:
+    """The pieces an update travels in (SPEC.md, *Weights*): the layout cut at
+    parameter boundaries into runs of at most `bucket_bytes` bytes (a larger
+    parameter alone); 0: one piece. Together they cover ``[0, nbytes)``."""
+    if not specs:
+        return [Piece(0, 0, 0, nbytes)] if nbytes else []
+    out, first, start = [], 0, 0
+    for i in range(1, len(specs)):
+        end = specs[i + 1].offset if i + 1 < len(specs) else nbytes
+        if bucket_bytes and end - start > bucket_bytes:
+            out.append(Piece(first, i, start, specs[i].offset))
+            first, start = i, specs[i].offset
+    out.append(Piece(first, len(specs), start, nbytes))
+    return out
+
+
+def receive_pieces(
+    broadcast: Callable[[torch.Tensor], None], specs: list[ParamSpec], nbytes: int, bucket_bytes: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every parameter of one update, piece by piece as
+    `broadcast` fills each (a receiver's end; one piece held at a time)."""
+    for piece in pieces(specs, nbytes, bucket_bytes):
+        buffer = torch.empty(piece.nbytes, dtype=torch.uint8)
+        broadcast(buffer)
+        yield from unpack(buffer, specs[piece.first : piece.stop], base=piece.start)
 
 
 class GlooGroup:
@@ -74,4 +118,13 @@ class GlooGroup:
 
     def broadcast(self, flat: torch.Tensor, root: int = 0) -> None:
         """Broadcast `flat` from `root` to every rank (blocking)."""
-        compat.broadcast(self._group, flat, root)
+        group = self._group
+        if group is None:
+            raise RuntimeError("the weight group was let go of")
+        compat.broadcast(group, flat, root)
+
+    def close(self) -> None:
+        """Let go of the group: its connections close, and peers waiting in a
+        broadcast with this rank return with an error."""
+        self._group = None
+        self._store = None

@@ -1,7 +1,9 @@
 """One fixed example of every message kind, and their saved wire bytes.
 
 `tests/data/wire/v<schema>/<Message>.bin` holds the frames of each example
-as a msgpack array of byte strings, written when the message kind was added.
+as a msgpack array of byte strings, written when the message kind was added;
+`<Message>.<what>.bin`, of a later example of the same kind with fields
+appended since (e.g. `SampleBatch.share`).
 A test decodes each saved file and compares it with the example built here,
 so a change that would break peers still sending the old bytes fails.
 
@@ -149,6 +151,11 @@ def examples() -> dict[str, object]:
         "Dropped": Dropped(group_ids=[7, 9], reason="reward function 'math': timeout"),
         "SendWeights": SendWeights(
             version=6, transfer=WeightsGloo(host="10.0.0.2", port=29500, world_size=3, nbytes=4096, generation=1)
+        ),
+        "SampleBatch.share": msgspec.structs.replace(_batch(), advantages=Tensor.of([0.75, -0.75], "float32")),
+        "SendWeights.buckets": SendWeights(
+            version=7,
+            transfer=WeightsGloo(host="10.0.0.2", port=29501, world_size=3, nbytes=4096, generation=2, bucket_bytes=1024),
         ),
         "WeightsRequest": WeightsRequest(version=5),
         "WeightsPayload": WeightsPayload(

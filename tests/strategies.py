@@ -126,6 +126,8 @@ def sample_batches(draw) -> SampleBatch:
     if draw(st.booleans()):
         batch = msgspec.structs.replace(batch, teacher_logprobs=Tensor.of(np.zeros(t), "float32"))
     if draw(st.booleans()):
+        batch = msgspec.structs.replace(batch, advantages=Tensor.of(draw(st.lists(st.floats(width=32), min_size=n, max_size=n)), "float32"))
+    if draw(st.booleans()):
         k = draw(st.integers(1, 4))
         batch = msgspec.structs.replace(
             batch,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from rlflow.algo.losses import LossConfig, group_advantages, policy_loss, token_logprobs, uniform_groups
@@ -94,3 +96,37 @@ def test_token_logprobs_with_temperature():
     targets = torch.tensor([0, 1])
     got = token_logprobs(logits, targets, temperature=2.0)
     assert got.tolist() == pytest.approx([1 - math.log(math.e + 1), -math.log(2)], rel=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 4096), max_size=64), st.integers(1, 8))
+def test_deal_gives_every_rank_about_as_many_tokens(lengths, ranks):
+    from rlflow.algo.balance import deal
+
+    shares = deal(lengths, ranks)
+    assert len(shares) == ranks
+    assert sorted(i for share in shares for i in share) == list(range(len(lengths)))
+    assert all(share == sorted(share) for share in shares)
+    loads = [sum(lengths[i] for i in share) for share in shares]
+    assert max(loads) - min(loads) <= max(lengths, default=0)
+    assert deal(lengths, ranks) == shares
+
+
+def test_deal_spreads_a_long_tail_one_per_rank():
+    from rlflow.algo.balance import deal
+
+    # Two long samples and many short ones: each rank gets one long one.
+    shares = deal([1000, 10, 10, 10, 1000, 10, 10, 10], 2)
+    assert [sorted(i for i in share if i in (0, 4)) for share in shares] == [[0], [4]]
+    assert [sum([1000, 10, 10, 10, 1000, 10, 10, 10][i] for i in s) for s in shares] == [1030, 1030]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), max_size=64), st.integers(1, 1024))
+def test_micro_batches_stay_within_the_token_budget(lengths, budget):
+    from rlflow.algo.balance import micro_batches
+
+    parts = micro_batches(lengths, budget)
+    assert sorted(i for part in parts for i in part) == list(range(len(lengths)))
+    for part in parts:
+        assert len(part) == 1 or max(lengths[i] for i in part) * len(part) <= budget

@@ -91,6 +91,16 @@ def test_cross_field_checks():
         C.load(text=BASE + "[pools.spare]\n")
 
 
+def test_trainer_ranks_on_gpus_take_a_gpu_each():
+    # On CPUs any number of ranks share the pool's cores.
+    assert C.load(text=BASE, overrides=["roles.trainer.replicas=2"]).roles.trainer.replicas == 2
+    gpus = ["pools.train.gpus_per_bundle=1", "roles.trainer.replicas=2"]
+    with pytest.raises(C.ConfigError, match=r"roles.trainer.replicas = 2: trainer ranks on GPUs need a GPU each; "
+                                            r"pool 'train' gives each replica 0.5"):
+        C.load(text=BASE, overrides=gpus)
+    assert C.load(text=BASE, overrides=[*gpus, "pools.train.bundles_per_node=2"]).roles.trainer.replicas == 2
+
+
 def test_unreadable_and_invalid_files(tmp_path):
     with pytest.raises(C.ConfigError, match="cannot be read"):
         C.load(tmp_path / "missing.toml")

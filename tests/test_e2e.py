@@ -206,3 +206,54 @@ def test_own_data_reward_functions_and_a_teacher_end_to_end(ray_cluster, tmp_pat
         assert "distill_loss" in row.train and "kl_loss" in row.train
     evals = RunDir(tmp_path / "run").read_evals()
     assert {"pass_rate", "reward_mean"} <= set(evals[0].metrics) and evals[0].metrics["problems"] == 10.0
+
+
+
+@pytest.fixture(scope="module")
+def two_ranks(ray_cluster, tmp_path_factory):
+    """2 steps of real vLLM's samples trained by the torch trainer on 2 ranks
+    (FSDP2 over gloo), its weights sent in 64 KiB pieces."""
+    root = tmp_path_factory.mktemp("ranks")
+    model = tiny_model(root / "model", tied=False, seed=11)
+    # A format reward that some samples of most groups meet (the tiny model's
+    # arithmetic earns nothing): there is something to learn at every step.
+    text = (CONFIG.format(model=model)
+            .replace("checkpoint_every = 2", "checkpoint_every = 0\nbucket_bytes = 65536")
+            .replace('kind = "task"\n', 'kind = "functions"\ncheck_references = 0\n[[roles.reward.engine.functions]]\n'
+                     'path = "rlflow.rewards:regex"\nkwargs = { pattern = "^[0-4]" }\nworkers = 1\n'))
+    config = C.load(text=text, overrides=["roles.trainer.replicas=2", "run.steps=2", "eval.every_steps=0",
+                                          "eval.before=false", "eval.after=false"])
+    summary = run(config, root / "run")
+    return model, root / "run", summary
+
+
+def test_a_trainer_of_two_ranks_end_to_end(two_ranks):
+    """Every step trained on both ranks; the final checkpoint is a Hugging Face
+    model and a distributed checkpoint of the optimizer."""
+    from transformers import AutoModelForCausalLM
+
+    model, run_dir, summary = two_ranks
+    assert summary.state == "stopped", summary.error
+    rows = RunDir(run_dir).read_metrics()
+    assert [r.step for r in rows] == [0, 1] and all(r.samples == 16 for r in rows)
+    assert sum(r.train["trained_tokens"] for r in rows) > 0
+    assert summary.weights_load_s_mean > 0
+    folder = run_dir / "checkpoints" / "step-000002"
+    assert (folder / "optimizer").is_dir()
+    trained = AutoModelForCausalLM.from_pretrained(folder)
+    start = AutoModelForCausalLM.from_pretrained(model)
+    assert max((a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())) > 0
+    assert (run_dir / "logs" / "trainer-1.log").exists()
+
+
+def test_a_run_of_two_trainer_ranks_resumes_on_one(two_ranks):
+    _, run_dir, first = two_ranks
+    assert first.state == "stopped", first.error
+    folder = RunDir(run_dir)
+    config = C.load(folder.config, [f'run.resume="{folder.latest_checkpoint()}"', "run.steps=3",
+                                    "roles.trainer.replicas=1"])
+    summary = run(config, run_dir)
+    assert summary.state == "stopped", summary.error
+    rows = folder.read_metrics()
+    assert [r.step for r in rows] == [0, 1, 2] and rows[-1].version == 3
+    assert (run_dir / "checkpoints" / "step-000003" / "model.safetensors").exists()

@@ -57,7 +57,7 @@ def test_every_message_round_trips(msg):
 
 
 def test_every_message_kind_has_a_saved_example():
-    assert set(examples()) == {cls.__name__ for cls in MESSAGE_TYPES.values()}
+    assert {name.split(".")[0] for name in examples()} == {cls.__name__ for cls in MESSAGE_TYPES.values()}
 
 
 @pytest.mark.parametrize("name", sorted(examples()))

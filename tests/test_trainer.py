@@ -116,3 +116,26 @@ def test_a_checkpoint_round_trips_weights_optimizer_and_rng(model_path, tmp_path
     for a, b in zip(engine.model.parameters(), resumed.model.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
     assert (folder / "model.safetensors").exists() and (folder / "tokenizer.json").exists()
+
+
+def test_a_checkpoint_from_before_sharding_still_resumes(model_path, tmp_path):
+    """Its optimizer state lies whole in trainer_state.pt, keyed by parameter index."""
+    import shutil
+
+    from rlflow.rundir import TRAINER_OPTIMIZER, TRAINER_STATE
+
+    engine = TorchEngine(TorchTrainer(lr=3e-3), str(model_path))
+    batch = fixed_batch(engine)
+    engine.train(batch)
+    folder = tmp_path / "step-000001"
+    engine.save(folder, {"step": 1, "version": 1})
+    shutil.rmtree(folder / TRAINER_OPTIMIZER)
+    state = torch.load(folder / TRAINER_STATE, weights_only=False)
+    torch.save({**state, "optimizer": engine.optimizer.state_dict()}, folder / TRAINER_STATE)
+    after_save = engine.train(batch)
+
+    resumed = TorchEngine(TorchTrainer(lr=3e-3), str(folder))
+    resumed.load_state(folder)
+    assert resumed.train(batch)["loss"] == pytest.approx(after_save["loss"], rel=1e-5)
+    for a, b in zip(engine.model.parameters(), resumed.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -20,7 +20,7 @@ from models import tiny_model
 from rlflow.config import VllmRollout
 from rlflow.data.net import free_port
 from rlflow.data.tasks import load_tokenizer
-from rlflow.services.weights import GlooGroup, layout, pack
+from rlflow.services.weights import GlooGroup, layout, pack, pieces
 
 pytestmark = pytest.mark.vllm
 
@@ -78,14 +78,20 @@ def prompt_ids(path) -> list[int]:
     return load_tokenizer(path).encode(PROMPT, add_special_tokens=False)
 
 
-async def push(engine, model, version: int, kv: str | None = None) -> None:
-    """Broadcast `model`'s weights as `version` while vLLM receives them."""
+async def push(engine, model, version: int, kv: str | None = None, bucket_bytes: int = 0) -> None:
+    """Broadcast `model`'s weights as `version` (in pieces of at most
+    `bucket_bytes`; 0: one) while vLLM receives them."""
     backend, group = engine
     specs, nbytes = layout(model.named_parameters())
     flat = pack(model.named_parameters(), specs, nbytes)
+
+    def send() -> None:
+        for piece in pieces(specs, nbytes, bucket_bytes):
+            group.broadcast(flat[piece.start : piece.end].clone())
+
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.to_thread.run_sync, group.broadcast, flat)
-        await backend.update(version, specs, nbytes, kv=kv)
+        nursery.start_soon(trio.to_thread.run_sync, send)
+        await backend.update(version, specs, nbytes, kv=kv, bucket_bytes=bucket_bytes)
 
 
 def sampled(output) -> list[tuple[list[int], np.ndarray, list]]:
@@ -97,12 +103,14 @@ def sampled(output) -> list[tuple[list[int], np.ndarray, list]]:
     return out
 
 
-async def test_log_probabilities_after_an_update_match_a_hf_forward_of_the_new_weights(engine, tied_model):
+@pytest.mark.parametrize("bucket_bytes", [0, 16 << 10], ids=["whole", "pieces"])
+async def test_log_probabilities_after_an_update_match_a_hf_forward_of_the_new_weights(engine, tied_model,
+                                                                                       bucket_bytes):
     backend, _ = engine
     old = hf_model(tied_model)
-    new = hf_model(tied_model, seed=7)
+    new = hf_model(tied_model, seed=7 + bucket_bytes)
     with trio.fail_after(120):
-        await push(engine, new, version=1)
+        await push(engine, new, version=1, bucket_bytes=bucket_bytes)
         output = await backend.generate(prompt_ids(tied_model), 8, 1.0, max_tokens=24, ignore_eos=True)
     prompt = prompt_ids(tied_model)
     worst_new, worst_old = 0.0, 0.0

@@ -363,7 +363,7 @@ class Controller:
         return Welcome(
             schema_version=SCHEMA_VERSION,
             run_id=self.run_id,
-            peers=self._peers(replica.role),
+            peers=self._peers(replica.role, replica.rank),
             # What it loads at start: a replacement catches up after its welcome.
             version=self.version if replica.incarnation == 0 else self.start_version,
             heartbeat_s=self.config.cluster.heartbeat_s,
@@ -371,13 +371,17 @@ class Controller:
             layout=layout,
         )
 
-    def _peers(self, role: str) -> dict[str, list[str]]:
-        """``out``: the ``in`` endpoint of every replica of the next role."""
+    def _peers(self, role: str, rank: int = 0) -> dict[str, list[str]]:
+        """``out``: the ``in`` endpoint of every replica of the next role that
+        takes a stream (of the trainer's ranks, rank 0); to trainer rank 0,
+        ``shares``: the ``share`` endpoint of each other trainer rank, in rank order."""
         order = [name for name, _ in self.config.role_items()]
         i = order.index(role)
         if i + 1 == len(order):
-            return {}
-        return {"out": [r.hello.endpoints["in"] for r in self._role(order[i + 1]) if r.state in ("hello", "ready")]}
+            others = [r.hello.endpoints.get("share", "") for r in self._role(role) if r.rank > 0]
+            return {"shares": others} if rank == 0 and others else {}
+        return {"out": [r.hello.endpoints["in"] for r in self._role(order[i + 1])
+                        if r.state in ("hello", "ready") and "in" in r.hello.endpoints]}
 
     def _role(self, role: str) -> list[Replica]:
         return sorted((r for r in self.replicas.values() if r.role == role), key=lambda r: r.rank)

@@ -359,8 +359,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     best = ranked[0]
     print(f"\nbest: {best.layout} ({best.samples_per_s:.1f} samples/s). Its pools:\n")
     print(pools)
-    if best.layout != "colocated" and best.trainer_devices > 1:
-        print("note: a trainer on several devices trains data-parallel, which rlflow does not do yet")
     return 0
 
 

@@ -317,7 +317,8 @@ def pools_section(best: Prediction, w: Workload, gpus: bool) -> str:
             },
             "roles": {
                 "rollout": {"pool": "generate", "replicas": best.rollout_devices},
-                "trainer": {"pool": "train"},
+                # One trainer rank per device, the model sharded across them.
+                "trainer": {"pool": "train", "replicas": best.trainer_devices},
             },
         }
     return tomli_w.dumps(table)

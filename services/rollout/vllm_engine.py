@@ -14,7 +14,7 @@ failed samples in the batch (`FinishReason.ERROR`), and the engine goes on.
 Weights, on CPU: a gloo process group with the trainer, received by
 rlflow's own weight-transfer backend inside vLLM's engine-core process
 (`vllm_worker`). An update pauses the engine with its requests kept,
-receives and loads the flat buffer, and resumes: requests in flight go on
+receives the flat buffer piece by piece and loads it, and resumes: requests in flight go on
 over their KV cache (or recompute it under the new weights,
 ``kv_on_update = "recompute"``) and their later tokens carry the new version.
 
@@ -178,8 +178,10 @@ class VllmBackend:
         )
         await self.call(lambda: llm.init_weight_transfer_engine(request))
 
-    async def update(self, version: int, layout: list[ParamSpec], nbytes: int, *, kv: str | None = None) -> None:
-        """Pause with requests kept, receive and load `version`, resume.
+    async def update(self, version: int, layout: list[ParamSpec], nbytes: int, *, kv: str | None = None,
+                     bucket_bytes: int = 0) -> None:
+        """Pause with requests kept, receive and load `version` (in pieces of at
+        most `bucket_bytes`, as the trainer sends them), resume.
 
         `kv` (default: the config's `kv_on_update`): "keep" the KV cache of
         requests in flight or "recompute" it under the new weights."""
@@ -191,6 +193,7 @@ class VllmBackend:
             "shapes": [list(p.shape) for p in layout],
             "offsets": [p.offset for p in layout],
             "nbytes": nbytes,
+            "bucket_bytes": bucket_bytes,
         }
         llm = self.llm
         clear = (kv or self.cfg.kv_on_update) == "recompute"
@@ -357,7 +360,8 @@ class VllmEngine:
         self._updating = True
         self.clock.set("loading")
         try:
-            await self.backend.update(version, self._layout, self._weights.nbytes, kv=self.cfg.kv_on_update)
+            await self.backend.update(version, self._layout, self._weights.nbytes, kv=self.cfg.kv_on_update,
+                                      bucket_bytes=self._weights.bucket_bytes)
         except RuntimeError as exc:  # gloo: "Connection closed by peer", a timeout
             raise WeightGroupBroken(f"{type(exc).__name__}: {exc}") from exc
         finally:

@@ -2,8 +2,8 @@
 
 vLLM imports this module there (it is named in ``worker_extension_cls``),
 which registers rlflow's gloo weight-transfer backend: a flat weight buffer
-received over a standalone gloo group and loaded layer by layer (vLLM's own
-backends need an accelerator). It imports only torch, vLLM, the protocol's
+received over a standalone gloo group, piece by piece, and loaded layer by
+layer as the pieces arrive (vLLM's own backends need an accelerator). It imports only torch, vLLM, the protocol's
 `ParamSpec` and the weight helpers: nothing of trio, the config or the
 service.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -22,7 +21,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from rlflow.protocol import ParamSpec
 from rlflow.services import compat
-from rlflow.services.weights import GlooGroup, unpack
+from rlflow.services.weights import GlooGroup, receive_pieces
 
 BACKEND = "rlflow-gloo"
 
@@ -43,10 +42,12 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     shapes: list[list[int]]
     offsets: list[int]
     nbytes: int
+    bucket_bytes: int = 0
+    """The pieces the buffer comes in (see `rlflow.services.weights.pieces`; 0: one)."""
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-    """Receives a flat weight buffer over gloo and loads it layer by layer."""
+    """Receives a flat weight buffer over gloo, one piece at a time, and loads it layer by layer."""
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -70,13 +71,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def receive_weights(self, info: GlooUpdateInfo) -> None:
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
-        flat = torch.empty(info.nbytes, dtype=torch.uint8)
-        self.group.broadcast(flat, root=0)
         specs = [
             ParamSpec(name=n, dtype=d, shape=s, offset=o)
             for n, d, s, o in zip(info.names, info.dtypes, info.shapes, info.offsets)
         ]
-        self.model.load_weights(unpack(flat, specs))
+        group = self.group
+        # One load over every piece: vLLM takes each parameter as its piece arrives.
+        self.model.load_weights(receive_pieces(lambda piece: group.broadcast(piece, root=0), specs, info.nbytes,
+                                               info.bucket_bytes))
 
     def finish_weight_update(self) -> None:
         compat.end_reload(self.model, self.model_config)

@@ -2,9 +2,11 @@
 engine is chosen from the config.
 
 An engine gets an `EngineContext` (config, rank, clock, counters), never the
-service. It takes one optimizer step per batch, publishes the weights of
-each new version, sends them when the controller says so, and saves
-checkpoints into folders the service names.
+service. Each replica is one rank of the trainer: rank 0 deals every step's
+batch into a share per rank, and every rank takes its part of the optimizer
+step on its share, publishes the weights of each new version, sends them
+when the controller says so, and saves checkpoints into folders the service
+names.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ import pathlib
 from typing import Protocol
 
 import trio
-
-from rlflow.config import SimTrainer, TorchTrainer
 from rlflow.protocol import ParamSpec, SampleBatch, WeightTransfer
 from rlflow.services.base import EngineContext
+
+from rlflow.config import SimTrainer, TorchTrainer
 
 
 class TrainerEngine(Protocol):
@@ -34,8 +36,13 @@ class TrainerEngine(Protocol):
     async def connect(self, transfer: WeightTransfer | None) -> None:
         """Set up the weight transfer the controller's welcome describes."""
 
-    async def train(self, batch: SampleBatch) -> dict[str, float]:
-        """One optimizer step on `batch`; its statistics."""
+    async def deal(self, batch: SampleBatch) -> tuple[dict[str, float], list[SampleBatch]]:
+        """Rank 0: the statistics of the whole of a step's `batch`, and its
+        samples to train on split into a share per rank."""
+
+    async def train(self, share: SampleBatch) -> dict[str, float]:
+        """This rank's part of one optimizer step, on its `share` (every rank
+        at once); the step's statistics (whole, at rank 0)."""
 
     async def publish(self, version: int) -> int:
         """Make the current weights `version`, ready to send; their size in bytes."""
@@ -48,7 +55,10 @@ class TrainerEngine(Protocol):
         """Send `version` to the replicas that load weights (hosting `transfer` first, if given)."""
 
     async def save(self, folder: pathlib.Path, run_state: dict[str, int]) -> bool:
-        """Write a checkpoint into `folder`; whether there was anything to write."""
+        """Write a checkpoint into `folder` (every rank at the same step); whether there was anything to write."""
+
+    async def close(self) -> None:
+        """Let go of what it holds (process groups) on the way out."""
 
 
 async def make_engine(ctx: EngineContext) -> TrainerEngine:

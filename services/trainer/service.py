@@ -1,18 +1,25 @@
 """The trainer service: consumes groups, takes optimizer steps, publishes weights.
 
-Its loop: pull groups until a step's worth (`run.batch_size`) has arrived,
-dropping duplicates (a reissued group that arrives twice), failed samples
-and, with the strict staleness check, groups too stale to train on (those
-are reported as `Expired` so that the controller reissues them); train;
-publish policy version v+1 and tell the controller (`WeightsReady`), then
-acknowledge the step's groups (`StepDone`). It never waits for the rollout
-to load the new weights: it sends them when the controller says so
-(`SendWeights`).
+Its loop (rank 0): pull groups until a step's worth (`run.batch_size`) has
+arrived, dropping duplicates (a reissued group that arrives twice), failed
+samples and, with the strict staleness check, groups too stale to train on
+(those are reported as `Expired` so that the controller reissues them);
+deal the step's samples into a share per rank and send each other rank its
+share; train on its own (in lock step with the others); publish policy
+version v+1 and tell the controller (`WeightsReady`), then acknowledge the
+step's groups (`StepDone`). It never waits for the rollout to load the new
+weights: every rank sends them when the controller says so (`SendWeights`).
+
+The other ranks (a trainer of several replicas) have no stream of their
+own: their loop takes each step's share from rank 0, trains, publishes and
+checkpoints at the same steps. Only rank 0 talks to the controller about
+steps; every rank says hello, heartbeats and bye like any replica.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import time
 from collections.abc import Iterable
@@ -20,9 +27,6 @@ from collections.abc import Iterable
 import msgspec
 import numpy as np
 import trio
-
-from rlflow.algo.staleness import too_stale
-from rlflow.data import transport
 from rlflow.protocol import (
     WEIGHT_GROUP_BROKEN,
     Ack,
@@ -44,6 +48,9 @@ from rlflow.protocol import (
 from rlflow.services.base import Control, Service, bind_host
 from rlflow.services.trainer.engine import TrainerEngine, make_engine
 
+from rlflow.algo.staleness import too_stale
+from rlflow.data import transport
+
 
 class TrainerService(Service):
     """Trains on what the stream brings, within the staleness bound."""
@@ -54,91 +61,156 @@ class TrainerService(Service):
         self.acked = GroupIds()
         self.buffer: list[SampleBatch] = []
         self.engine: TrainerEngine | None = None
+        self._nbytes = 0
 
     def queues(self) -> dict[str, int]:
         return {"groups": len(self.buffer)}
 
+    @property
+    def lead(self) -> bool:
+        """Rank 0: the trainer's face to the stream and the controller."""
+        return self.spec.rank == 0
+
     async def main(self, control: Control) -> None:
         engine = self.engine = await make_engine(self.context())
-        async with (
-            transport.open_pull(
-                bind=transport.tcp_address(bind_host(self.config)), curve=self.spec.curve, name=f"{self.spec.name}/in"
-            ) as inbox,
-            trio.open_nursery() as nursery,
-        ):
-            self.sockets.append(inbox)
-            await nursery.start(engine.serve)
-            weights, layout = engine.offer()
-            endpoints = {"in": transport.bound_address(inbox)}
-            if isinstance(weights, WeightsZmq):
-                endpoints["weights"] = weights.address
-            welcome = await control.hello(endpoints=endpoints, weights=weights, layout=layout)
-            self.step = self.version = welcome.version  # above 0 when resuming
-            self._forget_lengths_from(self.step)
-            await engine.connect(welcome.weights)
-            self.say("up, engine %s", type(engine).__name__)
-            nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
-            nursery.start_soon(self.train, inbox, control)
-            await control.ready(self.version)
-            async for msg in control:
-                match msg:
-                    case SendWeights(version=version, transfer=transfer):
-                        if transfer is not None:  # host a new generation of the group: say where first
-                            transfer = engine.new_group(transfer)
-                            await control.send(WeightsGroup(transfer=transfer))
-                        nursery.start_soon(self.send_weights, version, transfer, control)
-                    case Shutdown(reason=reason):
-                        self.say("shutting down (%s)", reason)
-                        break
-            nursery.cancel_scope.cancel()
+        bind = transport.tcp_address(bind_host(self.config))
+        # Rank 0 takes the stream; each other rank, its shares from rank 0.
+        inbox_name = "in" if self.lead else "share"
+        try:
+            async with (
+                transport.open_pull(bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/{inbox_name}") as inbox,
+                trio.open_nursery() as nursery,
+            ):
+                self.sockets.append(inbox)
+                endpoints = {inbox_name: transport.bound_address(inbox)}
+                hello: dict = {}
+                if self.lead:
+                    await nursery.start(engine.serve)
+                    weights, layout = engine.offer()
+                    if isinstance(weights, WeightsZmq):
+                        endpoints["weights"] = weights.address
+                    hello = {"weights": weights, "layout": layout}
+                welcome = await control.hello(endpoints=endpoints, **hello)
+                self.step = self.version = welcome.version  # above 0 when resuming
+                if self.lead:
+                    self._forget_lengths_from(self.step)
+                await engine.connect(welcome.weights)
+                self.say("up, engine %s, rank %d of %d", type(engine).__name__, self.spec.rank, self.spec.replicas)
+                sends, to_send = trio.open_memory_channel(2)
+                nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
+                nursery.start_soon(self.send_weights, to_send, control)
+                if self.lead:
+                    nursery.start_soon(self.train, inbox, welcome.peers.get("shares", []), control)
+                else:
+                    nursery.start_soon(self.follow, inbox)
+                await control.ready(self.version)
+                async for msg in control:
+                    match msg:
+                        case SendWeights(version=version, transfer=transfer):
+                            if not self.lead:  # the other ranks only gather: rank 0 hosts the group
+                                transfer = None
+                            if transfer is not None:  # host a new generation of the group: say where first
+                                transfer = engine.new_group(transfer)
+                                await control.send(WeightsGroup(transfer=transfer))
+                            # One at a time, in the order asked: every rank gathers in that order.
+                            await sends.send((version, transfer))
+                        case Shutdown(reason=reason):
+                            self.say("shutting down (%s)", reason)
+                            break
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.move_on_after(10) as scope:
+                scope.shield = True
+                await engine.close()
 
-    async def train(self, inbox: transport.Pull, control: Control) -> None:
+    async def train(self, inbox: transport.Pull, shares: list[str], control: Control) -> None:
         run = self.config.run
-        while self.step < run.steps:
-            groups = await self.collect(inbox, control, run.batch_size)
-            batch = concat(groups)
-            staleness = self.version - batch.versions.numpy()
-            self._record_lengths(groups)
-            with self.clock.state("busy"):
-                started = time.monotonic()
-                metrics = await self.engine.train(batch)
-                metrics["train_s"] = time.monotonic() - started
-            self.step += 1
-            self.version = self.step
-            with self.clock.state("loading"):
-                nbytes = await self.engine.publish(self.version)
-            await control.send(WeightsReady(version=self.version, nbytes=nbytes))
-            every = self.engine.checkpoint_every
-            if self.run_dir is not None and (self.step == run.steps or (every and self.step % every == 0)):
-                with self.clock.state("loading"):
-                    saved = await self.engine.save(self.run_dir.checkpoint(self.step), {"step": self.step, "version": self.version})
-                if saved:
+        async with contextlib.AsyncExitStack() as stack:
+            # One PUSH per other rank, in rank order: rank r's share goes to shares[r - 1].
+            outs = [
+                await stack.enter_async_context(
+                    transport.open_push(connect=address, curve=self.spec.curve, name=f"{self.spec.name}/share-{r}")
+                )
+                for r, address in enumerate(shares, start=1)
+            ]
+            if len(outs) != self.spec.replicas - 1:
+                raise RuntimeError(f"{self.spec.replicas} trainer ranks, but the welcome names {len(outs)} share "
+                                   "addresses for the others")
+            while self.step < run.steps:
+                groups = await self.collect(inbox, control, run.batch_size)
+                batch = concat(groups)
+                staleness = self.version - batch.versions.numpy()
+                self._record_lengths(groups)
+                with self.clock.state("busy"):
+                    started = time.monotonic()
+                    stats, parts = await self.engine.deal(batch)
+                    for out, part in zip(outs, parts[1:], strict=True):
+                        await out.send(part)
+                    metrics = {**stats, **await self.engine.train(parts[0])}
+                    metrics["train_s"] = time.monotonic() - started
+                await self._stepped()
+                await control.send(WeightsReady(version=self.version, nbytes=self._nbytes))
+                if await self._checkpoint():
                     metrics["checkpoint"] = float(self.step)
-            rewards = batch.rewards.numpy() if batch.rewards is not None else np.zeros(0)
-            ids = batch.group_ids
-            self.acked.update(ids)
-            metrics.update(
-                samples=float(batch.n_samples),
-                tokens=float(batch.n_tokens),
-                reward_mean=float(np.nanmean(rewards)) if rewards.size else float("nan"),
-                staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
-                staleness_max=float(staleness.max()) if staleness.size else 0.0,
-            )
-            self.counters["samples"] += batch.n_samples
-            self.counters["tokens"] += batch.n_tokens
-            await control.send(StepDone(step=self.step - 1, version=self.version, acked=ids, metrics=metrics))
+                rewards = batch.rewards.numpy() if batch.rewards is not None else np.zeros(0)
+                ids = batch.group_ids
+                self.acked.update(ids)
+                metrics.update(
+                    samples=float(batch.n_samples),
+                    tokens=float(batch.n_tokens),
+                    reward_mean=float(np.nanmean(rewards)) if rewards.size else float("nan"),
+                    staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
+                    staleness_max=float(staleness.max()) if staleness.size else 0.0,
+                )
+                self.counters["samples"] += batch.n_samples
+                self.counters["tokens"] += batch.n_tokens
+                await control.send(StepDone(step=self.step - 1, version=self.version, acked=ids, metrics=metrics))
         self.clock.set("idle")
 
-    async def send_weights(self, version: int, transfer, control: Control) -> None:
-        """Send `version`; a send that fails (a receiver died mid-way) is
-        reported: the controller makes a new generation of the group."""
-        try:
-            await self.engine.send(version, transfer)
-        except Exception as exc:
-            self.counters["failed_sends"] += 1
-            self.log.warning("[%s] sending weights v%d failed: %s: %s", self.spec.name, version, type(exc).__name__, exc)
-            await control.send(ErrorReport(fatal=False, kind=WEIGHT_GROUP_BROKEN,
-                                           message=f"sending v{version}: {type(exc).__name__}: {exc}"[:500]))
+    async def follow(self, inbox: transport.Pull) -> None:
+        """A rank above 0: each step, its share from rank 0, in step order."""
+        run = self.config.run
+        while self.step < run.steps:
+            with self.clock.state("starved"):
+                share = self.checked_batch(await inbox.recv())
+            if share is None:
+                continue
+            with self.clock.state("busy"):
+                await self.engine.train(share)
+            await self._stepped()
+            await self._checkpoint()
+            self.counters["samples"] += share.n_samples
+            self.counters["tokens"] += share.n_tokens
+        self.clock.set("idle")
+
+    async def _stepped(self) -> None:
+        """After an optimizer step: the new version, its weights ready to send."""
+        self.step += 1
+        self.version = self.step
+        with self.clock.state("loading"):
+            self._nbytes = await self.engine.publish(self.version)
+
+    async def _checkpoint(self) -> bool:
+        """A checkpoint, if one is due at this step (every rank takes part); whether one was written."""
+        run, every = self.config.run, self.engine.checkpoint_every
+        if self.run_dir is None or not (self.step == run.steps or (every and self.step % every == 0)):
+            return False
+        with self.clock.state("loading"):
+            return await self.engine.save(self.run_dir.checkpoint(self.step), {"step": self.step, "version": self.version})
+
+    async def send_weights(self, to_send: trio.MemoryReceiveChannel, control: Control) -> None:
+        """Send each version asked for, in order; a send that fails (a receiver
+        died mid-way) is reported: the controller makes a new generation of the group."""
+        async for version, transfer in to_send:
+            try:
+                await self.engine.send(version, transfer)
+            except Exception as exc:
+                self.counters["failed_sends"] += 1
+                self.log.warning("[%s] sending weights v%d failed: %s: %s", self.spec.name, version,
+                                 type(exc).__name__, exc)
+                if self.lead:
+                    await control.send(ErrorReport(fatal=False, kind=WEIGHT_GROUP_BROKEN,
+                                                   message=f"sending v{version}: {type(exc).__name__}: {exc}"[:500]))
 
     def _forget_lengths_from(self, step: int) -> None:
         """On resume: the records of steps from the checkpoint on went with the

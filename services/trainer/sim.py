@@ -1,8 +1,9 @@
 """The simulated trainer engine: a product feature for scale runs and the bench.
 
-It trains for `s_per_token` per token; its weights are `weights_bytes` of
-fixed random bytes, in tensors of at most 4 MiB, that really cross the wire:
-the rollout fetches them from this engine's weight server.
+It trains for `s_per_token` per token of its share (ranks share a step's
+tokens as the torch trainer's do); its weights are `weights_bytes` of fixed
+random bytes, in tensors of at most 4 MiB, that really cross the wire: the
+rollout fetches them from rank 0's weight server.
 """
 
 from __future__ import annotations
@@ -14,9 +15,6 @@ import shutil
 
 import numpy as np
 import trio
-
-from rlflow.config import SimTrainer
-from rlflow.data import transport
 from rlflow.protocol import (
     Codec,
     ParamSpec,
@@ -27,9 +25,14 @@ from rlflow.protocol import (
     WeightsRequest,
     WeightsZmq,
     WeightTransfer,
+    take,
 )
-from rlflow.rundir import RUN_STATE
 from rlflow.services.base import EngineContext
+
+from rlflow.algo.balance import deal
+from rlflow.config import SimTrainer
+from rlflow.data import transport
+from rlflow.rundir import RUN_STATE
 
 #: Largest tensor of a simulated weight payload (a model's layer).
 SIM_TENSOR_BYTES = 4 << 20
@@ -77,8 +80,12 @@ class SimTrainerEngine:
                 except transport.PeerUnreachable:  # it died while it waited: its replacement asks again
                     self.ctx.counters["weights_unclaimed"] += 1
 
-    async def train(self, batch: SampleBatch) -> dict[str, float]:
-        seconds = self.cfg.step_overhead_s + self.cfg.s_per_token * batch.n_tokens
+    async def deal(self, batch: SampleBatch) -> tuple[dict[str, float], list[SampleBatch]]:
+        lengths = np.diff(batch.response_offsets.numpy()).tolist()
+        return {}, [take(batch, part) for part in deal(lengths, self.ctx.replicas)]
+
+    async def train(self, share: SampleBatch) -> dict[str, float]:
+        seconds = self.cfg.step_overhead_s + self.cfg.s_per_token * share.n_tokens
         if seconds > 0:
             await trio.sleep(seconds)
         return {"loss": 0.0}
@@ -96,9 +103,9 @@ class SimTrainerEngine:
         """Pulled, not pushed: nothing to do."""
 
     async def save(self, folder: pathlib.Path, run_state: dict[str, int]) -> bool:
-        """A checkpoint of no weights (every `checkpoint_every` steps): the run
-        state, written whole or not at all, so that a simulated run resumes."""
-        if not self.cfg.checkpoint_every:
+        """A checkpoint of no weights (every `checkpoint_every` steps, by rank 0):
+        the run state, written whole or not at all, so that a simulated run resumes."""
+        if not self.cfg.checkpoint_every or self.ctx.rank != 0:
             return False
         tmp = folder.with_name(folder.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
@@ -107,3 +114,6 @@ class SimTrainerEngine:
             shutil.rmtree(folder)
         os.replace(tmp, folder)
         return True
+
+    async def close(self) -> None:
+        """Nothing held beyond its sockets."""

@@ -7,25 +7,47 @@ samples packed into micro-batches of at most `micro_batch_tokens` tokens,
 gradients accumulated as a token mean over the whole batch, clipped, AdamW.
 See `rlflow.algo.losses` for the loss and its off-policy corrections.
 
-One process (the trainer runs as one replica); checkpoints are Hugging
-Face directories (safetensors) plus optimizer, RNG and run state.
+The trainer's replicas are ranks of one model sharded with FSDP2 (see
+`fsdp`). A step is two halves: `prepare` (rank 0) does what needs the whole
+batch (rewards, advantages within each group, which samples to train on,
+the statistics of the batch) and deals the samples to the ranks by tokens
+(`rlflow.algo.balance`); `step` (every rank, in lock step) trains on its
+share: each rank's loss is the sum over its tokens divided by the token
+count of the whole step, and the gradients are summed over the ranks, so
+the step is the token mean over the batch whatever the number of ranks.
+
+Weights leave in pieces (`rlflow.services.weights.pieces`): after a step each
+rank copies its shards (`snapshot`, so that training goes on); to send a
+version, every rank gathers piece after piece and rank 0 broadcasts each to
+the rollout while the next is gathered. Checkpoints are Hugging Face
+directories (the full weights, written by rank 0) plus the optimizer's state
+as a torch distributed checkpoint (every rank writes its shards; any number
+of ranks reads it), RNG and run state.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import pathlib
 import random
 import shutil
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 import numpy as np
 import torch
 import trio
+from rlflow.protocol import ParamSpec, SampleBatch, Tensor, WeightsGloo, WeightTransfer, samples, take
+from rlflow.services.base import EngineContext
+from rlflow.services.trainer.fsdp import Sharded, Solo
+from rlflow.services.weights import GlooGroup, layout, pieces
 
+from rlflow.algo.balance import deal, micro_batches
 from rlflow.algo.losses import (
     LossConfig,
     group_advantages,
@@ -38,16 +60,17 @@ from rlflow.algo.losses import (
 )
 from rlflow.config import TorchTrainer
 from rlflow.data.net import free_port
-from rlflow.protocol import ParamSpec, SampleBatch, WeightsGloo, WeightTransfer, samples
-from rlflow.rundir import RUN_STATE, TRAINER_STATE
-from rlflow.services.base import EngineContext
-from rlflow.services.weights import GlooGroup, layout, pack
+from rlflow.rundir import RUN_STATE, TRAINER_OPTIMIZER, TRAINER_STATE
+
+#: Sums a step's passes add to, over every rank (divided by its tokens at the end).
+SUMS = ("loss", "clipped", "truncated", "kl", "ratio", "weight", "kl_loss", "distill_loss")
 
 
 class TorchEngine:
-    """Holds the policy and its optimizer; `train` takes one step on a batch."""
+    """Holds the policy (this rank's shards of it) and its optimizer."""
 
-    def __init__(self, cfg: TorchTrainer, model_path: str, *, temperature: float = 1.0, seed: int = 0):
+    def __init__(self, cfg: TorchTrainer, model_path: str, *, temperature: float = 1.0, seed: int = 0,
+                 ranks: Solo | None = None):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(seed)
@@ -56,9 +79,10 @@ class TorchEngine:
             torch.set_num_threads(threads)
         self.cfg = cfg
         self.model_path = model_path
+        self.ranks = ranks or Solo()
         self.temperature = temperature if temperature > 0 else 1.0
         self.dtype = getattr(torch, cfg.dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        self.model = self.ranks.shard(AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype))
         self.model.train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
@@ -72,7 +96,15 @@ class TorchEngine:
     # -- one step ---------------------------------------------------------------
 
     def train(self, batch: SampleBatch) -> dict[str, float]:
-        """One optimizer step: the policy loss, and the teacher terms the config asks for."""
+        """One optimizer step on the whole of `batch`, by a trainer of one rank."""
+        if self.ranks.world != 1:
+            raise RuntimeError("train() is one rank's whole step; with several ranks, prepare() and step() each")
+        stats, (share,) = self.prepare(batch, 1)
+        return {**stats, **self.step(share)}
+
+    def prepare(self, batch: SampleBatch, ranks: int) -> tuple[dict[str, float], list[SampleBatch]]:
+        """What needs the whole batch: the batch's statistics, and the samples to
+        train on (each with its advantage) dealt into `ranks` shares by tokens."""
         cfg = self.cfg
         rows = list(samples(batch))
         w = cfg.distill_coef
@@ -98,59 +130,45 @@ class TorchEngine:
         uniform = uniform_groups(rewards, group) if cfg.skip_uniform_groups and w == 0 else torch.zeros(len(rows), dtype=torch.bool)
         keep = ~uniform
         chosen = [i for i in range(len(rows)) if keep[i] and len(rows[i].response_ids) > 0]
-        total_tokens = sum(len(rows[i].response_ids) for i in chosen)
         stats["mixed_sample_share"] = float(keep.float().mean()) if len(rows) else 0.0
-        stats["trained_tokens"] = float(total_tokens)
+        stats["trained_tokens"] = float(sum(len(rows[i].response_ids) for i in chosen))
+        trained = msgspec.structs.replace(take(batch, chosen), advantages=Tensor.from_numpy(advantages.numpy()[chosen]))
+        lengths = [len(rows[i].prompt_ids) + len(rows[i].response_ids) for i in chosen]
+        return stats, [take(trained, part) for part in deal(lengths, ranks)]
+
+    def step(self, share: SampleBatch) -> dict[str, float]:
+        """This rank's part of one optimizer step (every rank at once: each
+        forward and backward pass gathers and scatters with every rank)."""
+        cfg = self.cfg
+        rows = list(samples(share))
+        if rows and share.advantages is None:
+            raise ValueError("a share of a step without advantages")
+        advantages = share.advantages.torch() if share.advantages is not None else torch.zeros(0)
+        micro = micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rows], cfg.micro_batch_tokens)
+        # Every rank takes as many passes (the collectives pair up), and
+        # divides by the tokens of the whole step.
+        passes = self.ranks.max(len(micro))
+        (tokens,) = self.ranks.sum([float(sum(len(r.response_ids) for r in rows))])
         self._set_lr()
-        if total_tokens == 0:
+        if tokens == 0:
             # Nothing to learn from; the version still advances, so that the
             # pipeline's clock stays one step per batch.
             self.steps += 1
-            return {**stats, "loss": 0.0, "grad_norm": 0.0, "lr": self._lr()}
-        sums = dict.fromkeys(("loss", "clipped", "truncated", "kl", "ratio", "weight", "kl_loss", "distill_loss"), 0.0)
-        micro = self._micro_batches(chosen, rows)
-        for part in micro:
-            ids, mask, targets, where = self._pack([rows[i] for i in part])
-            logits = self.model(input_ids=ids, attention_mask=mask).logits[where]
-            if w > 0 and cfg.distill == "topk":
-                # The sampled token and the teacher's top k from one log-softmax: a single
-                # [tokens, vocabulary] gradient in the backward pass, as for plain GRPO.
-                topk = _column(rows, part, "teacher_topk_ids").long()
-                both = logprobs_at(logits, torch.cat([targets.unsqueeze(-1), topk], dim=-1), self.temperature)
-                logprobs, student = both[:, 0], both[:, 1:]
+            return {"loss": 0.0, "grad_norm": 0.0, "lr": self._lr()}
+        sums = dict.fromkeys(SUMS, 0.0)
+        for i in range(passes):
+            if i < len(micro):
+                self._pass([rows[j] for j in micro[i]], advantages[micro[i]], tokens, sums)
             else:
-                logprobs = token_logprobs(logits, targets, self.temperature)
-            behaviour = _column(rows, part, "logprobs")
-            adv = torch.cat([advantages[i].repeat(len(rows[i].response_ids)) for i in part])
-            if w > 0 and cfg.distill == "sampled":
-                # The sampled token's reverse KL to the teacher, as an advantage.
-                adv = (1 - w) * adv + w * (_column(rows, part, "teacher_logprobs") - behaviour)
-            out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg)
-            loss = out.loss
-            if w > 0 and cfg.distill == "topk":
-                per_token = topk_reverse_kl(student, _column(rows, part, "teacher_topk_logprobs"))
-                distill = (out.weight * per_token).sum()
-                loss = (1 - w) * loss + w * distill
-                sums["distill_loss"] += distill.item()
-            if cfg.kl_coef > 0 and cfg.kl_in == "loss":
-                kl = (out.weight * kl_to_reference(logprobs, _column(rows, part, "teacher_logprobs"), cfg.kl_estimator)).sum()
-                loss = loss + cfg.kl_coef * kl
-                sums["kl_loss"] += kl.item()
-            # Scaled so that the gradients add up to the mean over every token.
-            (loss / total_tokens).backward()
-            sums["loss"] += loss.item()
-            sums["clipped"] += out.clipped.item()
-            sums["truncated"] += float(out.truncated)
-            sums["kl"] += out.approx_kl.item()
-            sums["ratio"] += out.ratio_mean.item() * len(adv)
-            sums["weight"] += out.behaviour_weight_mean.item() * len(adv)
+                self._idle_pass()
+        sums = dict(zip(SUMS, self.ranks.sum(list(sums.values()))))
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
-        tokens = max(total_tokens, 1)
-        out_stats = {
-            **stats,
+        out = {
             "loss": sums["loss"] / tokens,
             "clipped_share": sums["clipped"] / tokens,
             "truncated_share": sums["truncated"] / tokens,
@@ -158,28 +176,61 @@ class TorchEngine:
             "behaviour_weight_mean": sums["weight"] / tokens,
             "grad_norm": float(norm),
             "lr": self._lr(),
-            "micro_batches": float(len(micro)),
+            "micro_batches": float(passes),
         }
         if cfg.kl_coef > 0 and cfg.kl_in == "loss":
-            out_stats["kl_loss"] = sums["kl_loss"] / tokens
-        if w > 0 and cfg.distill == "topk":
-            out_stats["distill_loss"] = sums["distill_loss"] / tokens
-        return out_stats
-
-    def _micro_batches(self, chosen: list[int], rows: list) -> list[list[int]]:
-        """Samples grouped by length, each group padded to at most the token budget."""
-        order = sorted(chosen, key=lambda i: len(rows[i].prompt_ids) + len(rows[i].response_ids))
-        out, current, longest = [], [], 0
-        for i in order:
-            length = len(rows[i].prompt_ids) + len(rows[i].response_ids)
-            if current and max(longest, length) * (len(current) + 1) > self.cfg.micro_batch_tokens:
-                out.append(current)
-                current, longest = [], 0
-            current.append(i)
-            longest = max(longest, length)
-        if current:
-            out.append(current)
+            out["kl_loss"] = sums["kl_loss"] / tokens
+        if cfg.distill_coef > 0 and cfg.distill == "topk":
+            out["distill_loss"] = sums["distill_loss"] / tokens
         return out
+
+    def _pass(self, part: list, advantages: torch.Tensor, tokens: float, sums: dict[str, float]) -> None:
+        """Forward and backward over one micro-batch, its loss scaled by 1 / `tokens`."""
+        cfg, w, device = self.cfg, self.cfg.distill_coef, self.ranks.device
+        ids, mask, targets, where = self._pack(part)
+        logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[
+            where[0].to(device), where[1].to(device)
+        ]
+        targets = targets.to(device)
+        if w > 0 and cfg.distill == "topk":
+            # The sampled token and the teacher's top k from one log-softmax: a single
+            # [tokens, vocabulary] gradient in the backward pass, as for plain GRPO.
+            topk = _column(part, "teacher_topk_ids").long().to(device)
+            both = logprobs_at(logits, torch.cat([targets.unsqueeze(-1), topk], dim=-1), self.temperature)
+            logprobs, student = both[:, 0], both[:, 1:]
+        else:
+            logprobs = token_logprobs(logits, targets, self.temperature)
+        behaviour = _column(part, "logprobs").to(device)
+        adv = torch.cat([a.repeat(len(r.response_ids)) for a, r in zip(advantages, part)]).to(device)
+        if w > 0 and cfg.distill == "sampled":
+            # The sampled token's reverse KL to the teacher, as an advantage.
+            adv = (1 - w) * adv + w * (_column(part, "teacher_logprobs").to(device) - behaviour)
+        out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg)
+        loss = out.loss
+        if w > 0 and cfg.distill == "topk":
+            per_token = topk_reverse_kl(student, _column(part, "teacher_topk_logprobs").to(device))
+            distill = (out.weight * per_token).sum()
+            loss = (1 - w) * loss + w * distill
+            sums["distill_loss"] += distill.item()
+        if cfg.kl_coef > 0 and cfg.kl_in == "loss":
+            reference = _column(part, "teacher_logprobs").to(device)
+            kl = (out.weight * kl_to_reference(logprobs, reference, cfg.kl_estimator)).sum()
+            loss = loss + cfg.kl_coef * kl
+            sums["kl_loss"] += kl.item()
+        # Scaled so that the gradients add up (over passes and ranks) to the mean over every token.
+        (loss / tokens).backward()
+        sums["loss"] += loss.item()
+        sums["clipped"] += out.clipped.item()
+        sums["truncated"] += float(out.truncated)
+        sums["kl"] += out.approx_kl.item()
+        sums["ratio"] += out.ratio_mean.item() * len(adv)
+        sums["weight"] += out.behaviour_weight_mean.item() * len(adv)
+
+    def _idle_pass(self) -> None:
+        """A pass of nothing, for a rank with fewer micro-batches than another:
+        its gathers and scatters pair with theirs; its gradient is zero."""
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.ranks.device)
+        (self.model(input_ids=ids).logits.sum() * 0.0).backward()
 
     def _pack(self, part: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Right-padded ids and mask, the response tokens, and where their
@@ -210,19 +261,65 @@ class TorchEngine:
 
     # -- weights out ------------------------------------------------------------
 
-    def snapshot(self) -> tuple[torch.Tensor, list[ParamSpec], int]:
-        """The current weights packed into one flat buffer (a copy)."""
-        return pack(self.model.named_parameters(), self.specs, self.nbytes), self.specs, self.nbytes
+    def snapshot(self) -> list[torch.Tensor]:
+        """This rank's part of every parameter now (a copy: training goes on)."""
+        with torch.no_grad():
+            return [self.ranks.local(p).detach().clone() for p in self.model.parameters()]
+
+    def pieces(self, snapshot: list[torch.Tensor]) -> Iterator[torch.Tensor | None]:
+        """The flat buffer of `snapshot`'s weights, piece by piece, each piece
+        gathered when it is asked for (every rank iterates, in step; rank 0
+        gets the bytes, on the CPU, the others None)."""
+        lead = self.ranks.lead
+        for piece in pieces(self.specs, self.nbytes, self.cfg.bucket_bytes):
+            buffer = torch.zeros(piece.nbytes, dtype=torch.uint8) if lead else None
+            for j in range(piece.first, piece.stop):
+                full = self.ranks.full(snapshot[j], j)
+                if buffer is not None:
+                    data = full.detach().contiguous().reshape(-1).view(torch.uint8)
+                    start = self.specs[j].offset - piece.start
+                    buffer[start : start + data.numel()].copy_(data)
+                del full
+            yield buffer
+
+    def send(self, snapshot: list[torch.Tensor], broadcast: Callable[[torch.Tensor], None] | None) -> None:
+        """Gather `snapshot` piece by piece (every rank) and hand each piece to
+        `broadcast` (rank 0; None: gather only), gathering the next piece while
+        the last is broadcast: at most two pieces are held at once.
+
+        A failed broadcast stops the broadcasting, not the gathering (the other
+        ranks are gathering too); it is raised at the end."""
+        failure: BaseException | None = None
+        with ThreadPoolExecutor(1, thread_name_prefix="weights-out") as pool:
+            sending: Future | None = None
+            for piece in self.pieces(snapshot):
+                if sending is not None:
+                    failure = failure or sending.exception()
+                    sending = None
+                if broadcast is not None and failure is None:
+                    sending = pool.submit(broadcast, piece)
+            if sending is not None:
+                failure = failure or sending.exception()
+        if failure is not None:
+            raise failure
 
     # -- checkpoints ---------------------------------------------------------------
 
     def save(self, folder: pathlib.Path, run_state: dict[str, Any]) -> None:
-        """A Hugging Face model directory plus optimizer, RNG and run state."""
+        """A Hugging Face model directory plus optimizer, RNG and run state (every rank)."""
+        ranks = self.ranks
         tmp = folder.with_name(folder.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        self.model.save_pretrained(tmp, safe_serialization=True)
+        if ranks.lead:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        ranks.barrier()
+        ranks.save_optimizer(self.model, self.optimizer, tmp / TRAINER_OPTIMIZER)
+        weights = ranks.full_state(self.model)
+        if not ranks.lead:
+            return
+        self.model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        del weights
         for name in os.listdir(self.model_path):
             if "token" in name or name in ("generation_config.json", "vocab.json", "merges.txt"):
                 src = pathlib.Path(self.model_path) / name
@@ -230,7 +327,6 @@ class TorchEngine:
                     shutil.copy(src, tmp / name)
         torch.save(
             {
-                "optimizer": self.optimizer.state_dict(),
                 "steps": self.steps,
                 "rng": {
                     "torch": torch.get_rng_state(),
@@ -246,9 +342,13 @@ class TorchEngine:
         os.replace(tmp, folder)
 
     def load_state(self, folder: pathlib.Path) -> dict[str, Any]:
-        """Restore optimizer and RNG state saved by `save`; the run state."""
+        """Restore optimizer and RNG state saved by `save` (on any number of
+        ranks); the run state. The weights are the folder's model, loaded at start."""
         state = torch.load(folder / TRAINER_STATE, weights_only=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if (folder / TRAINER_OPTIMIZER).is_dir():
+            self.ranks.load_optimizer(self.model, self.optimizer, folder / TRAINER_OPTIMIZER)
+        elif "optimizer" in state:  # written by a trainer of one process, before it was sharded
+            self.ranks.load_full_optimizer(self.model, self.optimizer, _by_name(state["optimizer"], self.specs))
         self.steps = state["steps"]
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
@@ -256,9 +356,19 @@ class TorchEngine:
         return json.loads((folder / RUN_STATE).read_text())
 
 
-def _column(rows: list, part: list[int], name: str) -> torch.Tensor:
+def _by_name(state: dict[str, Any], specs: list[ParamSpec]) -> dict[str, Any]:
+    """A torch optimizer state dict keyed by parameter index, keyed by
+    parameter name instead (the indices count the model's parameters in order)."""
+    names = [spec.name for spec in specs]
+    return {
+        "state": {names[i]: value for i, value in state["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def _column(part: list, name: str) -> torch.Tensor:
     """A per-token column of the samples `part`, concatenated (float32, or int32 ids)."""
-    return torch.cat([torch.from_numpy(np.ascontiguousarray(getattr(rows[i], name))) for i in part])
+    return torch.cat([torch.from_numpy(np.ascontiguousarray(getattr(r, name))) for r in part])
 
 
 def _token_mean(rows: list, per_sample) -> float:
@@ -268,73 +378,123 @@ def _token_mean(rows: list, per_sample) -> float:
 
 
 class TorchTrainerEngine:
-    """`TorchEngine` behind the trainer service's interface: steps run in a
-    worker thread, weights go out over a gloo group that trainer rank 0
-    hosts, checkpoints land where the service says."""
+    """`TorchEngine` behind the trainer service's interface: one rank of the
+    trainer, its steps in a worker thread; rank 0 hosts a gloo group with
+    every rollout replica and broadcasts the weights there; checkpoints
+    land where the service says."""
 
     def __init__(self, cfg: TorchTrainer, ctx: EngineContext) -> None:
         config = ctx.config
         rollout = config.roles.rollout.engine
+        self.replicas = ctx.replicas
+        self.ranks = Sharded(ctx.rank, ctx.replicas, *_rendezvous(ctx.replicas),
+                             timeout_s=config.cluster.handshake_timeout_s + 1800.0)
         self.engine = TorchEngine(
             cfg,
             config.policy_path,
             temperature=getattr(rollout, "temperature", 1.0),
             seed=config.run.seed,
+            ranks=self.ranks,
         )
         self.checkpoint_every = cfg.checkpoint_every
         self.host = ctx.host
         self.port = free_port(self.host)
         self.group: GlooGroup | None = None
-        self.snapshots: dict[int, torch.Tensor] = {}
+        self.snapshots: dict[int, list[torch.Tensor]] = {}
+        self._published: dict[int, trio.Event] = {}
         if config.run.resume:
             self.engine.load_state(pathlib.Path(config.run.resume))
 
     def offer(self) -> tuple[WeightTransfer, list[ParamSpec]]:
-        return WeightsGloo(host=self.host, port=self.port, nbytes=self.engine.nbytes), self.engine.specs
+        engine = self.engine
+        return WeightsGloo(host=self.host, port=self.port, nbytes=engine.nbytes,
+                           bucket_bytes=engine.cfg.bucket_bytes), engine.specs
 
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Weights are pushed when the controller says so: nothing to serve."""
         task_status.started()
 
     async def connect(self, transfer: WeightTransfer | None) -> None:
-        """Host the weight group and wait until every receiver has joined."""
+        """Host the weight group and wait until every receiver has joined (rank
+        0; the other ranks only help gather)."""
+        if transfer is None and not self.ranks.lead:
+            return
         if not isinstance(transfer, WeightsGloo):
             raise ValueError(f"the torch trainer sends weights over gloo; the controller asks for {transfer!r}")
         self.group = await trio.to_thread.run_sync(GlooGroup, transfer.host, transfer.port, 0, transfer.world_size)
 
-    async def train(self, batch: SampleBatch) -> dict[str, float]:
-        return await trio.to_thread.run_sync(self.engine.train, batch)
+    async def deal(self, batch: SampleBatch) -> tuple[dict[str, float], list[SampleBatch]]:
+        return await trio.to_thread.run_sync(self.engine.prepare, batch, self.replicas)
+
+    async def train(self, share: SampleBatch) -> dict[str, float]:
+        return await trio.to_thread.run_sync(self.engine.step, share)
 
     async def publish(self, version: int) -> int:
-        flat, _, nbytes = await trio.to_thread.run_sync(self.engine.snapshot)
-        self.snapshots[version] = flat
-        return nbytes
+        self.snapshots[version] = await trio.to_thread.run_sync(self.engine.snapshot)
+        self._event(version).set()
+        return self.engine.nbytes
+
+    def _event(self, version: int) -> trio.Event:
+        return self._published.setdefault(version, trio.Event())
 
     def new_group(self, transfer: WeightTransfer) -> WeightTransfer:
         """The next generation of the group, on a port free now."""
-        return msgspec.structs.replace(transfer, host=self.host, port=free_port(self.host), nbytes=self.engine.nbytes)
+        return msgspec.structs.replace(transfer, host=self.host, port=free_port(self.host), nbytes=self.engine.nbytes,
+                                       bucket_bytes=self.engine.cfg.bucket_bytes)
 
     async def send(self, version: int, transfer: WeightTransfer | None) -> None:
-        """Broadcast the weights of `version` to the rollout replicas (joining
-        `transfer`, a new generation of the group, first)."""
+        """Gather the weights of `version` with the other ranks; rank 0
+        broadcasts them to the rollout replicas (joining `transfer`, a new
+        generation of the group, first)."""
         if transfer is not None:
-            self.group = None
+            self._let_go()
             await self.connect(transfer)
-        flat = self.snapshots[version]
+        await self._event(version).wait()  # this rank's own step may end a moment after rank 0's
+        snapshot = self.snapshots[version]
         for old in [v for v in self.snapshots if v <= version]:
             del self.snapshots[old]
-        group = self.group
-        if group is not None:
-            try:
-                await trio.to_thread.run_sync(group.broadcast, flat)
-            except Exception:
-                # A receiver died mid-way. Let go of the group now: its
-                # connections close, and the receivers still waiting in this
-                # broadcast return (to join the next generation).
-                if self.group is group:
-                    self.group = None
-                raise
+            self._published.pop(old, None)
+        group = self.group if self.ranks.lead else None
+        broadcast = None if group is None else functools.partial(_broadcast, group)
+        try:
+            await trio.to_thread.run_sync(self.engine.send, snapshot, broadcast)
+        except Exception:
+            if self.group is group:
+                self.group = None
+            raise
+
+    def _let_go(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     async def save(self, folder: pathlib.Path, run_state: dict[str, int]) -> bool:
         await trio.to_thread.run_sync(self.engine.save, folder, run_state)
         return True
+
+    async def close(self) -> None:
+        self._let_go()
+        # Abandoned if cancelled: a rank that died mid-step may leave this one's group unable to close.
+        await trio.to_thread.run_sync(self.ranks.close, abandon_on_cancel=True)
+
+
+def _broadcast(group: GlooGroup, piece: torch.Tensor) -> None:
+    """One piece to every receiver. When it fails (a receiver died mid-way)
+    the group is let go of at once: its connections close, and the receivers
+    still waiting in this broadcast return (to join the next generation)."""
+    try:
+        group.broadcast(piece)
+    except Exception:
+        group.close()
+        raise
+
+
+def _rendezvous(world: int) -> tuple[str, int]:
+    """Where trainer rank 0 hosts the trainer's process group: MASTER_ADDR and
+    MASTER_PORT, which the launcher sets (a trainer of one rank started
+    without them takes a free local port)."""
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if world == 1:
+        return "127.0.0.1", free_port("127.0.0.1")
+    raise RuntimeError("trainer ranks meet at MASTER_ADDR:MASTER_PORT, which the launcher sets; neither is set")

@@ -1,0 +1,188 @@
+"""The trainer's ranks: every trainer replica in one process group, the
+model sharded across them with FSDP2, and the few collectives a step needs.
+
+One code path for CPU and GPU: the device is CUDA where there is one (a GPU
+per rank, NCCL, bf16 compute with fp32 gradient reduction and fp32 master
+weights through `MixedPrecisionPolicy`), else the CPU (gloo, the weights'
+own dtype throughout). `Sharded` is that; `Solo` is one process with no
+process group at all (tests and tools that train in the process they run
+in), with the same methods, so that the engine reads the same either way.
+
+Two facts about FSDP2 on gloo that shape this module (torch 2.13):
+
+* gloo has no PREMUL_SUM, which FSDP2's reduce-scatter uses to divide
+  gradients; `set_force_sum_reduction_for_comms` makes it a plain SUM. The
+  divide factor is 1: each rank's loss is already its tokens' share of the
+  whole step's token mean, so the sum over ranks is the mean. Both are
+  settings of each FSDP unit, not of the root alone.
+* Collectives of one process group must be issued in the same order on
+  every rank. The weights for the rollout are gathered on a group of their
+  own (`gather_mesh`), so that a send can run while the next step trains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pathlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def device() -> torch.device:
+    """This rank's device: its GPU where there is one, else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class Solo:
+    """One process, no process group: every collective is the identity."""
+
+    rank = 0
+    world = 1
+    lead = True
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        """The part of `param` this rank holds."""
+        return param
+
+    def full(self, local: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter `index` whole, from every rank's `local` part (collective)."""
+        return local
+
+    def sum(self, values: list[float]) -> list[float]:
+        return list(values)
+
+    def max(self, value: int) -> int:
+        return value
+
+    def barrier(self) -> None:
+        pass
+
+    def full_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer whole, on the CPU, at rank 0 (collective)."""
+        return model.state_dict()
+
+    def save_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: pathlib.Path) -> None:
+        """The optimizer's state as a torch distributed checkpoint in `path`
+        (each rank writes its shards; any number of ranks can read it)."""
+        with _single_process():
+            dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=path, no_dist=True)
+
+    def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: pathlib.Path) -> None:
+        state = get_optimizer_state_dict(model, optimizer)
+        with _single_process():
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+        set_optimizer_state_dict(model, optimizer, state)
+
+    def load_full_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            state: dict[str, Any]) -> None:
+        """A whole optimizer state keyed by parameter name (every rank has it)."""
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def close(self) -> None:
+        pass
+
+
+class Sharded(Solo):
+    """This process as rank `rank` of `world` trainer ranks (joins the group
+    at ``address:port``, hosted by rank 0; blocks until every rank is there)."""
+
+    def __init__(self, rank: int, world: int, address: str, port: int, *, timeout_s: float = 1800.0):
+        self.rank, self.world, self.lead = rank, world, rank == 0
+        self.device = device()
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if cuda else "gloo"
+        dist.init_process_group(
+            backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.mesh = init_device_mesh(self.device.type, (world,))
+        self.gather_mesh = DeviceMesh.from_group(dist.new_group(backend=backend), self.device.type)
+        self._mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
+        self._meta: list[tuple[Any, torch.Size, tuple[int, ...]]] = []
+
+    def shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Each decoder layer its own FSDP unit, then the rest (embeddings, norm, head) at the root."""
+        model.to(self.device)
+        extra = {"mp_policy": self._mp} if self._mp is not None else {}
+        blocks = set(getattr(model, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in blocks:
+                fully_shard(module, mesh=self.mesh, **extra)
+        fully_shard(model, mesh=self.mesh, **extra)
+        for module in model.modules():  # each unit has its own settings
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        self._meta = [(p.placements, p.shape, p.stride()) for p in model.parameters()]
+        return model
+
+    def local(self, param: torch.Tensor) -> torch.Tensor:
+        return param.to_local() if isinstance(param, DTensor) else param
+
+    def full(self, local: torch.Tensor, index: int) -> torch.Tensor:
+        placements, shape, stride = self._meta[index]
+        return DTensor.from_local(local, self.gather_mesh, placements, run_check=False, shape=shape,
+                                  stride=stride).full_tensor()
+
+    def sum(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor)
+        return tensor.tolist()
+
+    def max(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return int(tensor.item())
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def full_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def save_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: pathlib.Path) -> None:
+        dcp.save(get_optimizer_state_dict(model, optimizer), checkpoint_id=path)
+
+    def load_optimizer(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: pathlib.Path) -> None:
+        state = get_optimizer_state_dict(model, optimizer)
+        dcp.load(state, checkpoint_id=path)
+        set_optimizer_state_dict(model, optimizer, state)
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """Quiet torch's warning that a checkpoint without a process group is
+    written (or read) by one process: that is what `Solo` means."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

@@ -1,0 +1,137 @@
+"""Trainer ranks as real processes, for tests: `run_ranks` starts one process
+per rank (spawned: nothing of the test process is inherited), each joins a
+gloo process group on loopback and runs a job of this module; their
+results come back, and every process is ended however the test goes.
+
+Jobs return plain data (numpy arrays, floats): nothing torch-specific
+crosses the process boundary.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import queue
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+
+def run_ranks(job: str, world: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
+    """Run `job(ranks, *args)` on `world` ranks; the result of each, by rank."""
+    from rlflow.data.net import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port("127.0.0.1")
+    procs = [ctx.Process(target=_main, args=(job, rank, world, port, results, args), daemon=True)
+             for rank in range(world)]
+    out: dict[int, Any] = {}
+    try:
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        while len(out) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{job} on {world} ranks did not finish within {timeout_s:g} s")
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"{job}: a rank exited with {dead[0]} before reporting") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"{job} failed on rank {rank}:\n{value}")
+            out[rank] = value
+        return [out[rank] for rank in range(world)]
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(10)
+        results.close()
+        results.join_thread()
+
+
+def _main(job: str, rank: int, world: int, port: int, results: Any, args: tuple) -> None:
+    try:
+        from rlflow.services.trainer.fsdp import Sharded
+
+        ranks = Sharded(rank, world, "127.0.0.1", port, timeout_s=120)
+        try:
+            value = globals()[job](ranks, *args)
+        finally:
+            ranks.close()
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+# -- jobs ----------------------------------------------------------------------------
+
+
+def weights(engine) -> dict[str, np.ndarray] | None:
+    """The engine's parameters whole (at rank 0; None elsewhere)."""
+    state = engine.ranks.full_state(engine.model)
+    if not engine.ranks.lead:
+        return None
+    names = {spec.name for spec in engine.specs}
+    return {k: v.detach().float().numpy().copy() for k, v in state.items() if k in names}
+
+
+def optimizer_state(engine) -> dict[str, dict[str, np.ndarray]] | None:
+    """Adam's moments and step count of every parameter, whole (at rank 0)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    state = get_optimizer_state_dict(engine.model, engine.optimizer,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not engine.ranks.lead:
+        return None
+    return {name: {k: np.asarray(v.float().numpy() if hasattr(v, "numpy") else v).copy() for k, v in s.items()}
+            for name, s in state["state"].items()}
+
+
+def _engine(ranks, cfg, model_path):
+    from rlflow.services.trainer.torch_engine import TorchEngine
+
+    return TorchEngine(cfg, str(model_path), ranks=ranks)
+
+
+def _step(engine, frames: list[bytes]) -> dict[str, float]:
+    """One step on the batch in `frames` (each rank deals it and takes its own share)."""
+    from rlflow.protocol import Codec
+
+    batch = Codec().decode(frames)
+    stats, shares = engine.prepare(batch, engine.ranks.world)
+    return {**stats, **engine.step(shares[engine.ranks.rank])}
+
+
+def two_steps_and_a_checkpoint(ranks, cfg, model_path, frames, folder) -> dict[str, Any]:
+    """Step, checkpoint into `folder`, step again: the metrics and weights after each step."""
+    import pathlib
+
+    engine = _engine(ranks, cfg, model_path)
+    first = _step(engine, frames)
+    after_first = weights(engine)
+    engine.save(pathlib.Path(folder), {"step": 1, "version": 1})
+    second = _step(engine, frames)
+    return {"first": first, "after_first": after_first, "second": second, "after_second": weights(engine)}
+
+
+def resume_send_and_step(ranks, cfg, folder, frames, weight_port: int, receivers: int) -> dict[str, Any]:
+    """Resume from `folder`; send the weights in pieces to `receivers` (rank 0
+    hosts their gloo group at `weight_port`); step again."""
+    import pathlib
+
+    from rlflow.services.weights import GlooGroup
+
+    engine = _engine(ranks, cfg, folder)
+    engine.load_state(pathlib.Path(folder))
+    resumed, moments = weights(engine), optimizer_state(engine)
+    group = GlooGroup("127.0.0.1", weight_port, 0, 1 + receivers, timeout_s=60) if ranks.lead else None
+    engine.send(engine.snapshot(), group.broadcast if group is not None else None)
+    step = _step(engine, frames)
+    return {"resumed": resumed, "moments": moments, "second": step, "after_second": weights(engine),
+            "specs": [(s.name, s.offset) for s in engine.specs], "nbytes": engine.nbytes}
