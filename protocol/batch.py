@@ -162,9 +162,9 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
     r_off = batch.response_offsets.numpy()
     p_off = batch.prompt_offsets.numpy()
     group_of = np.repeat(np.arange(len(batch.groups)), [g.size for g in batch.groups])
-    token_idx = (
-        np.concatenate([np.arange(r_off[r], r_off[r + 1]) for r in rows]) if len(rows) else np.zeros(0, np.int64)
-    )
+    # Every token of every row, in row order: each row's first token, then on.
+    starts, lens = r_off[rows], r_off[rows + 1] - r_off[rows]
+    token_idx = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
     groups, prompts, prompt_lens = [], [], []
     for g, count in _runs(group_of[rows]):
         info = batch.groups[g]
@@ -201,12 +201,41 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
 
 
 def split(batch: SampleBatch) -> list[SampleBatch]:
-    """One batch per group."""
-    out, row = [], 0
-    for info in batch.groups:
-        out.append(take(batch, np.arange(row, row + info.size)))
-        row += info.size
+    """One batch per group. Their columns are views of `batch`'s (no copies):
+    a group's rows and tokens are contiguous."""
+    if len(batch.groups) == 1:
+        return [batch]
+    p_off, r_off = batch.prompt_offsets.numpy(), batch.response_offsets.numpy()
+    prompt_ids = batch.prompt_ids.numpy()
+    token_cols = {name: _array(getattr(batch, name)) for name in _TOKEN_COLUMNS}
+    row_cols = {name: _array(getattr(batch, name)) for name in _ROW_COLUMNS}
+    details = {k: v.numpy() for k, v in batch.reward_details.items()}
+    out, a = [], 0
+    for g, info in enumerate(batch.groups):
+        b = a + info.size
+        ta, tb = int(r_off[a]), int(r_off[b])
+        prompt = prompt_ids[p_off[g] : p_off[g + 1]]
+        out.append(SampleBatch(
+            groups=[info],
+            prompt_ids=Tensor.from_numpy(prompt),
+            prompt_offsets=Tensor.from_numpy(np.array([0, len(prompt)], dtype=np.int64)),
+            response_offsets=Tensor.from_numpy(r_off[a : b + 1] - ta),
+            reward_details={k: Tensor.from_numpy(v[a:b]) for k, v in details.items()},
+            failures=[msgspec.structs.replace(f, index=f.index - a) for f in batch.failures if a <= f.index < b],
+            **{name: None if col is None else Tensor.from_numpy(col[ta:tb]) for name, col in token_cols.items()},
+            **{name: None if col is None else Tensor.from_numpy(col[a:b]) for name, col in row_cols.items()},
+        ))
+        a = b
     return out
+
+
+#: Columns with one entry per response token, and with one per sample (row).
+_TOKEN_COLUMNS = ("response_ids", "logprobs", "versions", "teacher_logprobs", "ref_logprobs")
+_ROW_COLUMNS = ("sample_index", "finish_reason", "stamps", "rewards")
+
+
+def _array(t: Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.numpy()
 
 
 def _runs(values: np.ndarray) -> list[tuple[int, int]]:
@@ -268,56 +297,73 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
             row += 1
 
 
+#: Columns every batch has: name -> (dtype, dimensions).
+_COLUMNS = {
+    "prompt_ids": ("int32", 1),
+    "prompt_offsets": ("int64", 1),
+    "sample_index": ("int32", 1),
+    "response_ids": ("int32", 1),
+    "response_offsets": ("int64", 1),
+    "logprobs": ("float32", 1),
+    "versions": ("int32", 1),
+    "finish_reason": ("uint8", 1),
+    "stamps": ("float64", 2),
+}
+
+
 def validate(batch: SampleBatch) -> None:
     """Check that the columns of `batch` agree with each other.
 
     The codec checks each tensor against its frame; this checks the batch's
     own invariants (offsets monotone and in range, lengths consistent), so
     that a consumer can index it without further checks. Raises ValueError.
+
+    It runs on every batch made or received, so its messages are only
+    formatted when a check fails.
     """
-    n = batch.n_samples
-    g = len(batch.groups)
-    t = batch.response_ids.numel
-
-    def need(cond: bool, what: str) -> None:
-        if not cond:
-            raise ValueError(f"columns disagree: {what}")
-
-    for name, dtype in (
-        ("prompt_ids", "int32"),
-        ("prompt_offsets", "int64"),
-        ("sample_index", "int32"),
-        ("response_ids", "int32"),
-        ("response_offsets", "int64"),
-        ("logprobs", "float32"),
-        ("versions", "int32"),
-        ("finish_reason", "uint8"),
-        ("stamps", "float64"),
-    ):
+    for name, (dtype, ndim) in _COLUMNS.items():
         tensor = getattr(batch, name)
-        need(tensor.dtype == dtype, f"{name} is {tensor.dtype}, expected {dtype}")
-        need(len(tensor.shape) == (2 if name == "stamps" else 1), f"{name} has shape {list(tensor.shape)}")
-    need(sum(info.size for info in batch.groups) == n, "group sizes do not add up to the sample count")
-    need(batch.prompt_offsets.numel == g + 1, f"prompt_offsets has {batch.prompt_offsets.numel} entries for {g} groups")
-    need(batch.response_offsets.numel == n + 1, f"response_offsets has {batch.response_offsets.numel} entries for {n} samples")
-    for name, off, total in (
-        ("prompt_offsets", batch.prompt_offsets.numpy(), batch.prompt_ids.numel),
-        ("response_offsets", batch.response_offsets.numpy(), t),
-    ):
-        need(off[0] == 0 and off[-1] == total, f"{name} must run from 0 to {total}")
-        need(bool(np.all(np.diff(off) >= 0)), f"{name} must not decrease")
+        if tensor.dtype != dtype:
+            raise _disagree(f"{name} is {tensor.dtype}, expected {dtype}")
+        if len(tensor.shape) != ndim:
+            raise _disagree(f"{name} has shape {list(tensor.shape)}")
+    n = batch.finish_reason.shape[0]
+    g = len(batch.groups)
+    t = batch.response_ids.shape[0]
+    if sum(info.size for info in batch.groups) != n:
+        raise _disagree("group sizes do not add up to the sample count")
+    if batch.prompt_offsets.shape[0] != g + 1:
+        raise _disagree(f"prompt_offsets has {batch.prompt_offsets.numel} entries for {g} groups")
+    if batch.response_offsets.shape[0] != n + 1:
+        raise _disagree(f"response_offsets has {batch.response_offsets.numel} entries for {n} samples")
+    for name, total in (("prompt_offsets", batch.prompt_ids.shape[0]), ("response_offsets", t)):
+        off = getattr(batch, name).numpy()
+        if off[0] != 0 or off[-1] != total:
+            raise _disagree(f"{name} must run from 0 to {total}")
+        if len(off) > 1 and (off[1:] < off[:-1]).any():
+            raise _disagree(f"{name} must not decrease")
     for name in ("logprobs", "versions"):
-        need(getattr(batch, name).numel == t, f"{name} has {getattr(batch, name).numel} entries for {t} tokens")
+        if getattr(batch, name).shape[0] != t:
+            raise _disagree(f"{name} has {getattr(batch, name).numel} entries for {t} tokens")
     for name in ("teacher_logprobs", "ref_logprobs"):
         tensor = getattr(batch, name)
-        need(tensor is None or (tensor.numel == t and tensor.dtype == "float32"), f"{name} must be float32 [{t}]")
-    need(batch.finish_reason.numel == n and batch.sample_index.numel == n, "per-sample columns must have n entries")
-    need(batch.stamps.shape[0] == n, "stamps must have one row per sample")
-    if batch.rewards is not None:
-        need(batch.rewards.numel == n and batch.rewards.dtype == "float32", f"rewards must be float32 [{n}]")
+        if tensor is not None and (tensor.numel != t or tensor.dtype != "float32"):
+            raise _disagree(f"{name} must be float32 [{t}]")
+    if batch.sample_index.shape[0] != n:
+        raise _disagree("per-sample columns must have n entries")
+    if batch.stamps.shape[0] != n:
+        raise _disagree("stamps must have one row per sample")
+    if batch.rewards is not None and (batch.rewards.numel != n or batch.rewards.dtype != "float32"):
+        raise _disagree(f"rewards must be float32 [{n}]")
     for key, tensor in batch.reward_details.items():
-        need(tensor.numel == n, f"reward_details[{key!r}] must have {n} entries")
-    need(all(f.index < n for f in batch.failures), "a failure names a row past the end")
+        if tensor.numel != n:
+            raise _disagree(f"reward_details[{key!r}] must have {n} entries")
+    if any(f.index >= n for f in batch.failures):
+        raise _disagree("a failure names a row past the end")
+
+
+def _disagree(what: str) -> ValueError:
+    return ValueError(f"columns disagree: {what}")
 
 
 def _cat(arrays: Sequence[np.ndarray], dtype: type) -> np.ndarray:
