@@ -47,6 +47,8 @@ class TrainerService(Service):
         self.step = 0
         self.acked: set[int] = set()
         self.buffer: list[SampleBatch] = []
+        #: Ids of the groups in `buffer`: a group that arrives again meanwhile is a duplicate.
+        self._buffered: set[int] = set()
         self.engine: TrainerEngine | None = None
 
     def queues(self) -> dict[str, int]:
@@ -154,6 +156,7 @@ class TrainerService(Service):
             await self._accept(msg, control)
         self.buffer.sort(key=self._oldest)
         taken, self.buffer = self.buffer[:want], self.buffer[want:]
+        self._buffered.difference_update(g.groups[0].group_id for g in taken)
         return taken
 
     def _oldest(self, group: SampleBatch) -> int:
@@ -169,6 +172,7 @@ class TrainerService(Service):
         for group in self.buffer:
             (expired if too_stale(self._oldest(group), self.version, k) else keep).append(group)
         self.buffer = keep
+        self._buffered.difference_update(g.groups[0].group_id for g in expired)
         if expired:
             self.counters["stale_groups"] += len(expired)
             await control.send(Expired(group_ids=[g.groups[0].group_id for g in expired], reason="stale"))
@@ -182,7 +186,7 @@ class TrainerService(Service):
         failed_groups: list[int] = []
         for group in split(msg):
             group_id = group.groups[0].group_id
-            if group_id in self.acked or any(b.groups[0].group_id == group_id for b in self.buffer):
+            if group_id in self.acked or group_id in self._buffered:
                 self.counters["duplicates"] += 1
                 continue
             failed = {f.index for f in group.failures}
@@ -195,5 +199,6 @@ class TrainerService(Service):
             stamps = group.stamps.numpy().copy()
             stamps[:, Stage.TRAINER_RECEIVED] = now
             self.buffer.append(msgspec.structs.replace(group, stamps=Tensor.from_numpy(stamps)))
+            self._buffered.add(group_id)
         if failed_groups:
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed"))
