@@ -33,7 +33,7 @@ from rlflow.protocol import (
 )
 from rlflow.services.base import StageService, standalone_context
 from rlflow.services.reward.service import RewardService
-from rlflow.services.rollout.sim import SimEngine
+from rlflow.services.rollout.sim import RequestQueue, SimEngine
 from rlflow.services.teacher.service import TeacherService
 from rlflow.services.trainer.sim import SimTrainerEngine
 
@@ -124,6 +124,65 @@ async def test_strict_staleness_restarts_a_group_that_fell_behind():
     assert (finished[0][0].versions == 1).all()  # generated again, wholly on the new weights
 
 
+def test_the_request_queue_keeps_the_line_and_holds_back_requests_for_newer_weights():
+    queue = RequestQueue()
+    for name, min_version in (("a", 0), ("later", 2), ("b", 0), ("c", 0)):
+        queue.push(name, min_version)
+    queue.push("again", 0, first=True)
+    assert [queue.pop(0) for _ in range(4)] == ["again", "a", "b", "c"]
+    assert queue.pop(1) is None and queue.waits_for_weights(1) and len(queue) == 1
+    # Once its weights are held it takes its place in line again: ahead of those behind it.
+    queue.push("d", 0)
+    assert [queue.pop(2), queue.pop(2), queue.pop(2)] == ["later", "d", None]
+    assert not queue.waits_for_weights(2) and len(queue) == 0
+
+
+async def test_the_simulated_engine_counts_every_token_of_every_slot_whatever_the_lengths():
+    config = sim_config("roles.rollout.engine.response_len={kind='lognormal', median=60, sigma=1.0, min=1, max=400}",
+                        "roles.rollout.engine.slots=8", "roles.rollout.engine.step_s=0.0005")
+    ctx = standalone_context(config, "rollout")
+    engine = SimEngine(config.roles.rollout.engine, ctx)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            for g in range(6):
+                engine.submit(PromptGroup(group_id=g, prompt_ids=[1, 2], n=4), time.time())
+            finished = await collect(engine, 6)
+            nursery.cancel_scope.cancel()
+    responses = [r for rs in finished.values() for r in rs]
+    lengths = [len(r.token_ids) for r in responses]
+    assert len(set(lengths)) > 5  # long-tailed, not fixed
+    for r in responses:
+        assert len(r.logprobs) == len(r.versions) == len(r.token_ids)
+        assert ((r.token_ids >= 0) & (r.token_ids < config.task.vocab_size)).all() and (r.logprobs <= 0).all()
+    # A slot is counted for each step its sequence was generating, however
+    # late the engine woke: the slot-seconds are the tokens' steps.
+    assert ctx.counters["slot_s"] == pytest.approx(sum(lengths) * 0.0005)
+    assert engine.queues() == {"pending": 0, "active": 0}
+
+
+async def test_a_group_that_waits_for_newer_weights_starts_when_they_arrive_and_others_go_first():
+    config = sim_config("roles.rollout.engine.response_len={kind='fixed', value=50}", "roles.rollout.engine.slots=4",
+                        "roles.trainer.engine.weights_bytes=4096")
+    trainer = SimTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
+    engine = SimEngine(config.roles.rollout.engine, standalone_context(config, "rollout"))
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trainer.serve)
+            await nursery.start(engine.run)
+            await engine.join_weights(WeightsZmq(address=trainer.address), [])
+            engine.submit(PromptGroup(group_id=0, prompt_ids=[1], n=2, min_version=1), time.time())
+            engine.submit(PromptGroup(group_id=1, prompt_ids=[1], n=2), time.time())
+            first = await collect(engine, 1)
+            assert list(first) == [1] and engine.queues() == {"pending": 2, "active": 0}
+            await trainer.publish(1)
+            assert await engine.update_weights(1, None) == 1
+            second = await collect(engine, 1)
+            nursery.cancel_scope.cancel()
+    assert all((r.versions == 0).all() for r in first[1])
+    assert all((r.versions == 1).all() for r in second[0])
+
+
 # -- the stage service ------------------------------------------------------------------------
 
 
@@ -189,8 +248,9 @@ def batch_of(groups: int, n: int, length: int = 5) -> SampleBatch:
     return build_batch(items)
 
 
-async def test_the_reward_service_scores_every_sample_and_keeps_failed_ones_unscored():
-    service = RewardService(spec(sim_config("roles.reward.engine.latency_s={kind='fixed', value=0.001}"), "reward"))
+@pytest.mark.parametrize("latency", [0.0, 0.001])
+async def test_the_reward_service_scores_every_sample_and_keeps_failed_ones_unscored(latency):
+    service = RewardService(spec(sim_config(f"roles.reward.engine.latency_s={{kind='fixed', value={latency}}}"), "reward"))
     batch = batch_of(3, 4)
     failed = SampleFailure(index=5, stage=Stage.ROLLOUT_END, kind="engine_error", message="refused")
     batch = msgspec.structs.replace(batch, failures=[failed])

@@ -9,10 +9,12 @@ on, and only applying them pauses it.
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import numpy as np
 import trio
@@ -37,8 +39,10 @@ from rlflow.protocol import (
 from rlflow.protocol.batch import N_STAGES
 from rlflow.services.base import EngineContext
 
+T = TypeVar("T")
 
-@dataclass
+
+@dataclass(eq=False)
 class _Request:
     group: PromptGroup
     index: int
@@ -52,6 +56,46 @@ class _Request:
 
     def generated(self, step: int) -> int:
         return step - self.start_step
+
+    @property
+    def end(self) -> int:
+        """The engine step after which its last token is there."""
+        return self.start_step + self.target
+
+
+class RequestQueue(Generic[T]):
+    """Requests waiting for a slot, first in line first, except that a request
+    may not start on weights older than its `min_version`: those wait aside,
+    keeping their place in line, until such weights are held.
+
+    Putting a request in line and taking the next one cost O(log n) however
+    many wait, so that a replica can hold thousands.
+    """
+
+    def __init__(self) -> None:
+        self._ready: list[tuple[int, T]] = []  # (place in line, request)
+        self._later: list[tuple[int, int, T]] = []  # (min_version, place in line, request)
+        self._back = itertools.count()
+        self._front = itertools.count(-1, -1)
+
+    def push(self, req: T, min_version: int, *, first: bool = False) -> None:
+        """Put `req` at the end of the line (`first`: at its head)."""
+        place = next(self._front) if first else next(self._back)
+        heapq.heappush(self._later, (min_version, place, req))
+
+    def pop(self, version: int) -> T | None:
+        """The first request in line that may start on weights `version`, if any."""
+        while self._later and self._later[0][0] <= version:
+            _, place, req = heapq.heappop(self._later)
+            heapq.heappush(self._ready, (place, req))
+        return heapq.heappop(self._ready)[1] if self._ready else None
+
+    def waits_for_weights(self, version: int) -> bool:
+        """Whether there are requests and every one waits for weights newer than `version`."""
+        return not self._ready and bool(self._later) and self._later[0][0] > version
+
+    def __len__(self) -> int:
+        return len(self._ready) + len(self._later)
 
 
 @dataclass
@@ -67,10 +111,13 @@ class SimEngine:
     ``step_s + step_s_per_seq * active`` seconds, response lengths follow the
     configured distribution.
 
-    It does not sleep once per step: it sleeps until the next sequence
-    finishes and wakes early when new work can start or weights arrive, then
-    counts the whole steps that have passed. So a thousand slots cost no
-    more CPU than ten.
+    It advances by events, not by decode steps: it sleeps until the next
+    sequence finishes (the earliest end in a heap of the active ones) and
+    wakes early when new work can start or weights arrive, then counts the
+    whole steps that have passed. Token ids and log-probabilities are slices
+    of arrays drawn once (a simulated response's content does not matter,
+    its length does). So a wake costs O(log slots) and a response a copy of
+    its tokens, and a thousand slots cost little more CPU than ten.
     """
 
     def __init__(self, cfg: SimRollout, ctx: EngineContext):
@@ -85,8 +132,13 @@ class SimEngine:
         self.rng = np.random.default_rng((run.seed, ctx.rank, 7))
         self.version = 0
         self.step = 0
-        self.pending: deque[_Request] = deque()
-        self.active: list[_Request] = []
+        self.pending: RequestQueue[_Request] = RequestQueue()
+        self.active: set[_Request] = set()
+        self._ends: list[tuple[int, int, _Request]] = []  # (end step, tie-break, request), stale ones included
+        self._ties = itertools.count()
+        self._ids, self._logprobs = self._draw_tokens(1 << 16)
+        self._cursor = 0
+        self._cap = getattr(cfg.response_len, "max", math.inf)
         self.groups: dict[int, _GroupState] = {}
         self._wake = trio.Event()
         self._mark: float | None = None  # when the engine's step count was last brought up to date
@@ -127,7 +179,8 @@ class SimEngine:
     def submit(self, group: PromptGroup, issued_at: float) -> None:
         lengths = draw_lengths(self.cfg.response_len, self.rng, group.n)
         self.groups[group.group_id] = _GroupState(group, [None] * group.n, group.n)
-        self.pending.extend(_Request(group, i, int(n), issued_at) for i, n in enumerate(lengths))
+        for i, n in enumerate(lengths.tolist()):
+            self.pending.push(_Request(group, i, n, issued_at), group.min_version)
         if len(self.active) < self.cfg.slots:
             self._wake.set()
 
@@ -168,45 +221,49 @@ class SimEngine:
                     # Idle for want of weights (a barrier, an update on its
                     # way) is loading; idle for want of work is starved.
                     waiting_for_weights = (
-                        self._fetching
-                        or self._new_version is not None
-                        or (self.pending and self.pending[0].group.min_version > self.version)
+                        self._fetching or self._new_version is not None or self.pending.waits_for_weights(self.version)
                     )
                     self.clock.set("loading" if waiting_for_weights else "starved")
                     self._mark = None
                     await self._wake.wait()
                     continue
                 self.clock.set("busy")
-                await self._advance()
-                await self._finish()
+                await self._finish(await self._advance())
 
     def _admit(self) -> None:
         if self._new_version is not None and not self.partial:
             return  # draining: in-flight requests finish on the old weights first
-        now = time.time()
         free = self.cfg.slots - len(self.active)
         if free <= 0 or not self.pending:
             return
+        now = time.time()
         # In order, skipping requests that wait for newer weights (a reissued
         # group may start on the weights held now, behind ones that may not).
-        waiting: deque[_Request] = deque()
-        while self.pending and free > 0:
-            req = self.pending.popleft()
-            if req.group.min_version > self.version:
-                waiting.append(req)
-                continue
+        while free > 0 and (req := self.pending.pop(self.version)) is not None:
             req.start_step, req.started_at = self.step, now
             req.spans = [(self.version, 0)]
-            self.active.append(req)
+            self._activate(req)
             free -= 1
-        waiting.extend(self.pending)
-        self.pending = waiting
 
-    async def _advance(self) -> None:
+    def _activate(self, req: _Request) -> None:
+        self.active.add(req)
+        heapq.heappush(self._ends, (req.end, next(self._ties), req))
+
+    def _next_end(self) -> int:
+        """The step at which the first active sequence ends (entries of
+        requests restarted or gone since they were pushed are dropped)."""
+        while True:
+            end, _, req = self._ends[0]
+            if req in self.active and req.end == end:
+                return end
+            heapq.heappop(self._ends)
+
+    async def _advance(self) -> list[_Request]:
         """Sleep until the next sequence finishes, or less if woken; count
-        the whole steps that passed."""
-        step_s = self.cfg.step_s + self.cfg.step_s_per_seq * len(self.active)
-        todo = min(r.target - r.generated(self.step) for r in self.active)
+        the whole steps that passed; the requests that have finished."""
+        active = len(self.active)
+        step_s = self.cfg.step_s + self.cfg.step_s_per_seq * active
+        todo = self._next_end() - self.step
         self._wake = trio.Event()
         if self._mark is None:  # busy again after idling
             self._mark = trio.current_time()
@@ -225,16 +282,22 @@ class SimEngine:
         else:
             await trio.sleep(0)
             steps = todo
-        # Slot-seconds in use, for the occupancy the bench reports.
-        used = sum(min(steps, r.target - r.generated(self.step)) for r in self.active)
-        self.ctx.counters["slot_s"] += used * step_s
         self.step += steps
+        done = []
+        while self._ends and self._ends[0][0] <= self.step:
+            end, _, req = heapq.heappop(self._ends)
+            if req in self.active and req.end == end:
+                self.active.remove(req)
+                done.append(req)
+        # Slot-seconds in use, for the occupancy the bench reports: every
+        # sequence for every step, but a finished one only up to its end.
+        used = steps * active - sum(self.step - r.end for r in done)
+        self.ctx.counters["slot_s"] += used * step_s
+        return done
 
-    async def _finish(self) -> None:
-        done = [r for r in self.active if r.generated(self.step) >= r.target]
+    async def _finish(self, done: list[_Request]) -> None:
         if not done:
             return
-        self.active = [r for r in self.active if r.generated(self.step) < r.target]
         now = time.time()
         for req in done:
             state = self.groups[req.group.group_id]
@@ -255,13 +318,32 @@ class SimEngine:
         stamps[Stage.ISSUED] = req.issued_at
         stamps[Stage.ROLLOUT_START] = req.started_at
         stamps[Stage.ROLLOUT_END] = now
+        token_ids, logprobs = self._tokens(n)
         return Response(
-            token_ids=self.rng.integers(0, self.vocab, n, dtype=np.int32),
-            logprobs=(-self.rng.exponential(1.0, n)).astype(np.float32),
+            token_ids=token_ids,
+            logprobs=logprobs,
             versions=versions,
-            finish_reason=FinishReason.LENGTH if n >= getattr(self.cfg.response_len, "max", math.inf) else FinishReason.STOP,
+            finish_reason=FinishReason.LENGTH if n >= self._cap else FinishReason.STOP,
             stamps=stamps,
         )
+
+    def _tokens(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """`n` token ids and their log-probabilities: the next slices of the
+        arrays drawn at the start (drawn again, longer, for a longer response)."""
+        if n > len(self._ids):
+            self._ids, self._logprobs = self._draw_tokens(2 * n)
+        if self._cursor + n > len(self._ids):
+            self._cursor = 0
+        a = self._cursor
+        self._cursor += n
+        return self._ids[a : a + n], self._logprobs[a : a + n]
+
+    def _draw_tokens(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = self.rng.integers(0, self.vocab, n, dtype=np.int32)
+        logprobs = (-self.rng.exponential(1.0, n)).astype(np.float32)
+        # Read-only: responses share these arrays.
+        ids.flags.writeable = logprobs.flags.writeable = False
+        return ids, logprobs
 
     async def _apply(self, version: int) -> None:
         with self.clock.state("loading"):
@@ -283,11 +365,12 @@ class SimEngine:
                     doomed.add(group_id)
         restarted = 0
         again: list[_Request] = []
-        for req in self.active:
+        for req in list(self.active):
             if req.group.group_id in doomed:
                 restarted += req.generated(self.step)
                 req.target = int(draw_lengths(self.cfg.response_len, self.rng, 1)[0])
                 req.start_step, req.spans = self.step, [(version, 0)]
+                self._activate(req)  # its old end is stale now
             else:
                 req.spans.append((version, req.generated(self.step)))
         for group_id in doomed:
@@ -299,7 +382,8 @@ class SimEngine:
                     state.left += 1
                     length = int(draw_lengths(self.cfg.response_len, self.rng, 1)[0])
                     again.append(_Request(state.group, index, length, time.time()))
-        self.pending.extendleft(reversed(again))  # late already: first in line
+        for req in reversed(again):  # late already: first in line
+            self.pending.push(req, req.group.min_version, first=True)
         self.ctx.counters["restarted_tokens"] += restarted
         self.ctx.counters["restarted_groups"] += len(doomed)
         self._applied.set()
