@@ -1,7 +1,8 @@
 """The reward service: scores every response of a batch and passes it on.
 
 Scoring is per sample and concurrent (up to the engine's `concurrency`
-samples per replica). A sample whose scoring fails or times out keeps its
+samples per replica); a simulated score that takes no time is computed in
+place, without a task of its own. A sample whose scoring fails or times out keeps its
 row, gets NaN as its reward and an entry in the batch's `failures`: it is
 counted, never turned into a made-up value.
 """
@@ -37,39 +38,63 @@ class RewardService(StageService):
         rewards = np.full(len(rows), np.nan, dtype=np.float32)
         details: dict[str, np.ndarray] = {}
         failures: list[SampleFailure] = []
+        delays = self.delays(len(rows))
 
-        async def one(i: int) -> None:
-            async with self.limiter:
-                try:
-                    value, parts = await self.score(rows[i])
-                except Exception as exc:  # per-sample: recorded in-band, the service goes on
-                    failures.append(SampleFailure(index=i, stage=Stage.REWARD_END, kind=type(exc).__name__, message=str(exc)[:200]))
-                    self.counters["failed_samples"] += 1
-                    return
+        def scored(i: int, value: float, parts: dict[str, float]) -> None:
             rewards[i] = value
             for key, part in parts.items():
                 details.setdefault(key, np.full(len(rows), np.nan, dtype=np.float32))[i] = part
 
+        def failed(i: int, exc: Exception) -> None:  # per-sample: recorded in-band, the service goes on
+            failures.append(SampleFailure(index=i, stage=Stage.REWARD_END, kind=type(exc).__name__, message=str(exc)[:200]))
+            self.counters["failed_samples"] += 1
+
+        async def one(i: int, delay: float | None) -> None:
+            async with self.limiter:
+                try:
+                    value, parts = await self.score(rows[i], delay)
+                except Exception as exc:
+                    failed(i, exc)
+                    return
+            scored(i, value, parts)
+
         failed_before = {f.index for f in batch.failures}  # e.g. a request the engine could not generate
         async with trio.open_nursery() as nursery:
             for i in range(len(rows)):
-                if i not in failed_before:
-                    nursery.start_soon(one, i)
+                if i in failed_before:
+                    continue
+                delay = None if delays is None else float(delays[i])
+                if delay is not None and delay <= 0:
+                    # A simulated score that takes no time needs no task of
+                    # its own (at scale, thousands of samples a second).
+                    try:
+                        value, parts = self.task.score(rows[i].group, rows[i].index, rows[i].response_ids)
+                    except Exception as exc:
+                        failed(i, exc)
+                        continue
+                    scored(i, value, parts)
+                else:
+                    nursery.start_soon(one, i, delay)
         failures.sort(key=lambda f: f.index)
-        scored = msgspec.structs.replace(
+        scored_batch = msgspec.structs.replace(
             batch,
             rewards=Tensor.from_numpy(rewards),
             reward_details={k: Tensor.from_numpy(v) for k, v in sorted(details.items())},
             failures=[*batch.failures, *failures],
         )
-        return stamp(scored, Stage.REWARD_END, time.time())
+        return stamp(scored_batch, Stage.REWARD_END, time.time())
 
-    async def score(self, row) -> tuple[float, dict[str, float]]:
+    def delays(self, n: int) -> np.ndarray | None:
+        """The simulated reward's latency for each of `n` samples (None: a real reward)."""
         match self.engine:
             case SimReward(latency_s=latency):
-                delay = draw(latency, self.rng)
-                if delay > 0:
-                    await trio.sleep(delay)
+                return draw(latency, self.rng, n)
+        return None
+
+    async def score(self, row, delay: float | None) -> tuple[float, dict[str, float]]:
+        match self.engine:
+            case SimReward():
+                await trio.sleep(delay)
                 return self.task.score(row.group, row.index, row.response_ids)
             case TaskReward(timeout_s=timeout):
                 with trio.move_on_after(timeout):
