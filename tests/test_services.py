@@ -4,6 +4,8 @@ reward and teacher services' work on a batch."""
 
 from __future__ import annotations
 
+import collections
+import math
 import pathlib
 import time
 
@@ -33,7 +35,7 @@ from rlflow.protocol import (
 )
 from rlflow.services.base import StageService, standalone_context
 from rlflow.services.reward.service import RewardService
-from rlflow.services.rollout.sim import RequestQueue, SimEngine
+from rlflow.services.rollout.sim import RequestQueue, SimBatcher, SimEngine
 from rlflow.services.teacher.service import TeacherService
 from rlflow.services.trainer.sim import SimTrainerEngine
 
@@ -135,6 +137,79 @@ def test_the_request_queue_keeps_the_line_and_holds_back_requests_for_newer_weig
     queue.push("d", 0)
     assert [queue.pop(2), queue.pop(2), queue.pop(2)] == ["later", "d", None]
     assert not queue.waits_for_weights(2) and len(queue) == 0
+
+
+def batcher(*overrides: str, partial: bool = True) -> SimBatcher:
+    config = sim_config("roles.rollout.engine.response_len={kind='lognormal', median=40, sigma=1.0, min=1, max=300}",
+                        "roles.rollout.engine.slots=8", *overrides)
+    return SimBatcher(config.roles.rollout.engine, rng=np.random.default_rng(3), vocab=100, partial=partial,
+                      strict=False, staleness=2, counters=collections.Counter())
+
+
+def run_batcher(b: SimBatcher, times: list[float]) -> list[tuple[int, list[tuple[int, float, float]]]]:
+    """Submit 12 groups (6 at first, 6 at 0.05 s), advance at each of `times`;
+    each finished group's id, and (length, start, end) of each sample."""
+    for g in range(6):
+        b.submit(PromptGroup(group_id=g, prompt_ids=[1], n=3), 0.0, 0.0)
+    b.admit(0.0)
+    later = True
+    for t in times:
+        if later and t >= 0.05:
+            b.advance(0.05)
+            for g in range(6, 12):
+                b.submit(PromptGroup(group_id=g, prompt_ids=[1], n=3), 0.05, 0.05)
+            b.admit(0.05)
+            later = False
+        b.advance(t)
+    return [(group.group_id, [(len(r.token_ids), r.stamps[Stage.ROLLOUT_START], r.stamps[Stage.ROLLOUT_END])
+                              for r in responses]) for group, responses in b.outbox]
+
+
+@pytest.mark.parametrize("per_seq", [0.0, 0.0002])
+def test_the_batcher_plays_the_same_steps_however_often_it_is_advanced(per_seq):
+    """Advanced once at the end, or at a thousand times on the way, it starts
+    and ends every sequence at the same step: a late engine is not a slow one."""
+    at_once, often = batcher(f"roles.rollout.engine.step_s_per_seq={per_seq}"), batcher(f"roles.rollout.engine.step_s_per_seq={per_seq}")
+    coarse = run_batcher(at_once, [0.049, 0.05, 5.0])
+    fine = run_batcher(often, [i * 0.0005 for i in range(1, 10_001)])
+    assert len(coarse) == 12 and [g for g, _ in coarse] == [g for g, _ in fine]
+    for (_, a), (_, b) in zip(coarse, fine):
+        assert [n for n, _, _ in a] == [n for n, _, _ in b]
+        assert np.allclose([x[1:] for x in a], [x[1:] for x in b])
+    assert at_once.counters["slot_s"] == pytest.approx(often.counters["slot_s"])
+    if not per_seq:  # every sequence ran one token a step from its start, and a slot counts its tokens
+        for _, samples in coarse:
+            for n, start, end in samples:
+                assert end - start == pytest.approx(n * 0.001)
+        tokens = sum(n for _, samples in coarse for n, _, _ in samples)
+        assert at_once.counters["slot_s"] == pytest.approx(tokens * 0.001)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_no_group_finishes_before_the_batcher_says_it_may(partial):
+    """`wake_time` is never later than the next group's finish: woken then,
+    the engine sends every group on time (with or without requests draining
+    for weights)."""
+    b = batcher("roles.rollout.engine.step_s_per_seq=0.0001", partial=partial)
+    for g in range(12):
+        b.submit(PromptGroup(group_id=g, prompt_ids=[1], n=3), 0.0, 0.0)
+    b.admit(0.0)
+    finished, wakes = 0, 0
+    while b.active:
+        if wakes == 2:
+            b.incoming = 1  # weights arrive: without partial rollout, nothing new starts
+        t = b.wake_time()
+        assert t < math.inf
+        b.advance(t - 1e-7)
+        assert len(b.outbox) == finished
+        b.advance(t)
+        b.admit(t)
+        finished, wakes = len(b.outbox), wakes + 1
+    assert wakes < 12 * 3  # about one per group, not one per sequence
+    if partial:
+        assert finished == 12
+    else:
+        assert finished < 12 and len(b.pending) > 0 and b.draining
 
 
 async def test_the_simulated_engine_counts_every_token_of_every_slot_whatever_the_lengths():

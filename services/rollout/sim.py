@@ -4,6 +4,10 @@ Continuous batching over `slots` sequences with a decode-step time and
 long-tailed response lengths; every role downstream is real. Weights are
 fetched over ZeroMQ from the trainer's weight server while generation goes
 on, and only applying them pauses it.
+
+Two parts: `SimBatcher`, the batching itself as plain synchronous code on
+the engine's clock (unit-tested on its own), and `SimEngine`, the thin
+async shell that runs it on trio's clock, takes weights and sends groups on.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import heapq
 import itertools
 import math
 import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -38,6 +43,7 @@ from rlflow.protocol import (
 )
 from rlflow.protocol.batch import N_STAGES
 from rlflow.services.base import EngineContext
+from rlflow.services.rollout.engine import Finished
 
 T = TypeVar("T")
 
@@ -59,8 +65,28 @@ class _Request:
 
     @property
     def end(self) -> int:
-        """The engine step after which its last token is there."""
+        """The step after which its last token is there."""
         return self.start_step + self.target
+
+
+@dataclass(eq=False)
+class _GroupState:
+    group: PromptGroup
+    responses: list[Response | None]
+    left: int
+    """Samples not finished."""
+    waiting: list[_Request] = field(default_factory=list)
+    """Samples not started."""
+    running: list[_Request] = field(default_factory=list)
+    """Samples being generated."""
+
+    def finish_step(self) -> int | None:
+        """The step after which its last sample is done, once all have started."""
+        return None if self.waiting or not self.running else max(r.end for r in self.running)
+
+    def longest_waiting(self) -> int | None:
+        """The longest of its samples not started, in tokens."""
+        return max(r.target for r in self.waiting) if self.waiting else None
 
 
 class RequestQueue(Generic[T]):
@@ -98,154 +124,195 @@ class RequestQueue(Generic[T]):
         return len(self._ready) + len(self._later)
 
 
-@dataclass
-class _GroupState:
-    group: PromptGroup
-    responses: list[Response | None]
-    left: int
+class SimBatcher:
+    """Continuous batching over `slots` sequences in decode steps, as plain
+    code on the engine's own clock (seconds, any monotonic origin).
 
+    Every active sequence gains one token per step; a step takes
+    ``step_s + step_s_per_seq * active`` seconds; a sequence that ends frees
+    its slot for the next request in line at that very step. `advance(now)`
+    plays every step up to `now` at once, ending and starting sequences at
+    the steps where they end and start, so the result does not depend on
+    how often it is called: an engine that wakes late is not slower.
+    `wake_time()` says when a group can finish at the earliest, so that the
+    engine need not run before then unless something arrives (a wake per
+    group, not per sequence). Finished groups collect in `outbox`.
 
-class SimEngine:
-    """A simulated engine: continuous batching over `slots` sequences, every
-    active sequence gains one token per decode step, a step takes
-    ``step_s + step_s_per_seq * active`` seconds, response lengths follow the
-    configured distribution.
-
-    It advances by events, not by decode steps: it sleeps until the next
-    sequence finishes (the earliest end in a heap of the active ones) and
-    wakes early when new work can start or weights arrive, then counts the
-    whole steps that have passed. Token ids and log-probabilities are slices
-    of arrays drawn once (a simulated response's content does not matter,
-    its length does). So a wake costs O(log slots) and a response a copy of
-    its tokens, and a thousand slots cost little more CPU than ten.
+    Weights are applied between two steps (`apply`): later tokens carry the
+    new version; with the strict staleness check, groups that could only be
+    trained on past the bound start again.
     """
 
-    def __init__(self, cfg: SimRollout, ctx: EngineContext):
+    def __init__(self, cfg: SimRollout, *, rng: np.random.Generator, vocab: int, partial: bool,
+                 strict: bool, staleness: int, counters: Counter[str], wall_offset: float = 0.0):
         self.cfg = cfg
-        self.ctx = ctx
-        self.clock = ctx.clock
-        run = ctx.config.run
-        self.staleness = run.staleness
-        self.strict = run.staleness_check == "strict"
-        self.partial = run.partial_rollout
-        self.vocab = getattr(ctx.config.task, "vocab_size", 32000)
-        self.rng = np.random.default_rng((run.seed, ctx.rank, 7))
+        self.rng = rng
+        self.vocab = vocab
+        self.partial = partial
+        self.strict = strict
+        self.staleness = staleness
+        self.counters = counters
+        self.wall_offset = wall_offset
+        """Wall time minus engine time (for the samples' stamps)."""
         self.version = 0
         self.step = 0
+        self.mark: float | None = None
+        """When step `step` began; None while the clock stands (nothing to decode, or paused)."""
+        self.paused = False
+        self.incoming: int | None = None
+        """A version that has arrived and waits to be applied (without partial rollout
+        nothing new starts meanwhile: the requests in flight drain first)."""
         self.pending: RequestQueue[_Request] = RequestQueue()
         self.active: set[_Request] = set()
-        self._ends: list[tuple[int, int, _Request]] = []  # (end step, tie-break, request), stale ones included
+        self.groups: dict[int, _GroupState] = {}
+        self.outbox: deque[Finished] = deque()
+        self._ends: list[tuple[int, int, _Request]] = []  # (end step, tie-break, request)
+        self._finishing: list[tuple[int, int, _GroupState]] = []  # (finish step, tie, group): every sample started
+        self._waiting: list[tuple[int, int, _GroupState]] = []  # (longest sample not started, tie, group)
         self._ties = itertools.count()
         self._ids, self._logprobs = self._draw_tokens(1 << 16)
         self._cursor = 0
         self._cap = getattr(cfg.response_len, "max", math.inf)
-        self.groups: dict[int, _GroupState] = {}
-        self._wake = trio.Event()
-        self._mark: float | None = None  # when the engine's step count was last brought up to date
-        self._new_version: int | None = None
-        self._fetching = False
-        self._applied = trio.Event()
-        self._send, self.finished = trio.open_memory_channel(2)
-        self._server: str | None = None
-        self._weights: transport.Dealer | None = None
-        self._sockets: contextlib.AsyncExitStack | None = None
 
-    eval_concurrency = 1
+    # -- inputs ---------------------------------------------------------------
 
-    # -- called by the service ------------------------------------------------
+    def submit(self, group: PromptGroup, issued_at: float, now: float) -> None:
+        """Line up `group`'s samples (none starts before `now`)."""
+        self.advance(now)
+        state = _GroupState(group, [None] * group.n, group.n)
+        self.groups[group.group_id] = state
+        for i, n in enumerate(draw_lengths(self.cfg.response_len, self.rng, group.n).tolist()):
+            req = _Request(group, i, n, issued_at)
+            state.waiting.append(req)
+            self.pending.push(req, group.min_version)
+        self._track(state)
 
-    async def start(self) -> None:
-        """Nothing to load."""
-
-    async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec]) -> None:
-        """Weights come over ZeroMQ, on request, from the trainer's weight server."""
-        if not isinstance(transfer, WeightsZmq):
-            raise ValueError(f"the simulated rollout fetches weights over ZeroMQ; the trainer offers {transfer!r}")
-        self._server = transfer.address
-
-    async def set_version(self, version: int) -> None:
-        self.version = version
-
-    async def close(self) -> None:
-        """Nothing to release."""
-
-    def hello_info(self) -> dict[str, str]:
-        self.ctx.counters["slots"] = self.cfg.slots
-        return {"slots": str(self.cfg.slots)}
-
-    async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
-        raise NotImplementedError("the simulated engine has no model to evaluate")
-
-    def submit(self, group: PromptGroup, issued_at: float) -> None:
-        lengths = draw_lengths(self.cfg.response_len, self.rng, group.n)
-        self.groups[group.group_id] = _GroupState(group, [None] * group.n, group.n)
-        for i, n in enumerate(lengths.tolist()):
-            self.pending.push(_Request(group, i, n, issued_at), group.min_version)
-        if len(self.active) < self.cfg.slots:
-            self._wake.set()
-
-    async def update_weights(self, version: int, transfer: WeightTransfer | None) -> int:
-        """Fetch the weights over the wire, then apply them between two steps."""
-        if transfer is not None:
-            await self.join_weights(transfer, [])
-        # The payload crosses the wire while generation goes on; only
-        # applying it pauses the engine.
-        self._fetching = True
-        self._wake.set()
-        try:
-            payload = await self._fetch(version)
-        finally:
-            self._fetching = False
-        self.ctx.counters["weight_bytes"] += sum(t.nbytes for t in payload.tensors)
-        self._new_version = payload.version
-        self._applied = trio.Event()
-        self._wake.set()
-        await self._applied.wait()
-        return self.version
-
-    def queues(self) -> dict[str, int]:
-        return {"pending": len(self.pending), "active": len(self.active)}
-
-    # -- the loop -----------------------------------------------------------------
-
-    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with self._send, contextlib.AsyncExitStack() as self._sockets:
-            task_status.started()
-            while True:
-                if self._new_version is not None and (self.partial or not self.active):
-                    await self._apply(self._new_version)
-                    self._mark = None  # no decoding while the weights went in
-                self._admit()
-                if not self.active:
-                    self._wake = trio.Event()
-                    # Idle for want of weights (a barrier, an update on its
-                    # way) is loading; idle for want of work is starved.
-                    waiting_for_weights = (
-                        self._fetching or self._new_version is not None or self.pending.waits_for_weights(self.version)
-                    )
-                    self.clock.set("loading" if waiting_for_weights else "starved")
-                    self._mark = None
-                    await self._wake.wait()
-                    continue
-                self.clock.set("busy")
-                await self._finish(await self._advance())
-
-    def _admit(self) -> None:
-        if self._new_version is not None and not self.partial:
-            return  # draining: in-flight requests finish on the old weights first
-        free = self.cfg.slots - len(self.active)
-        if free <= 0 or not self.pending:
+    def advance(self, now: float) -> None:
+        """Play every whole step up to `now` (the part of a step that has
+        passed counts next time)."""
+        if self.paused or not self.active:
             return
-        now = time.time()
+        if self.mark is None:  # decoding again after standing: from now
+            self.mark = now
+            return
+        while self.active:
+            step_s = self.step_s()
+            end = self._next_end()
+            whole = int((now - self.mark) / step_s + 1e-9) if step_s > 0 else math.inf
+            if end - self.step > whole:
+                self._run(whole, step_s)
+                return
+            self._run(end - self.step, step_s)
+            self._end_sequences()
+            self.admit(now)
+        self.mark = None  # the last sequence ended: the clock stands until something starts
+
+    def admit(self, now: float) -> None:
+        """Start requests in line on free slots, at the current step (`now`
+        if the clock stands)."""
+        if self.draining or len(self.active) >= self.cfg.slots or not self.pending:
+            return
+        if self.mark is None:
+            self.mark = now
+        wall = self.wall_offset + self.mark
+        free = self.cfg.slots - len(self.active)
         # In order, skipping requests that wait for newer weights (a reissued
         # group may start on the weights held now, behind ones that may not).
         while free > 0 and (req := self.pending.pop(self.version)) is not None:
-            req.start_step, req.started_at = self.step, now
+            req.start_step, req.started_at = self.step, wall
             req.spans = [(self.version, 0)]
-            self._activate(req)
+            state = self.groups[req.group.group_id]
+            state.waiting.remove(req)
+            state.running.append(req)
+            self._start(req)
+            self._track(state)
             free -= 1
 
-    def _activate(self, req: _Request) -> None:
+    def pause(self) -> None:
+        """Stop the clock (weights going in); `apply` starts it again."""
+        self.paused, self.mark = True, None
+
+    def apply(self, version: int, wall: float) -> None:
+        """Generate with weights `version` from the current step on."""
+        self.paused = False
+        self.version = version
+        self.incoming = None
+        # Strict: a group whose oldest token is already more than the bound
+        # behind can only be consumed at a trainer version >= this one:
+        # whatever happens, it would be dropped. Start all of it again now, finished
+        # samples included, on these weights (a fresh sample draws a fresh
+        # length, as a new response would).
+        doomed: set[int] = set()
+        if self.strict:
+            doomed = {r.group.group_id for r in self.active if too_stale(r.spans[0][0], version, self.staleness)}
+            for group_id, state in self.groups.items():
+                firsts = [int(r.versions[0]) for r in state.responses if r is not None and len(r.versions)]
+                if firsts and too_stale(min(firsts), version, self.staleness):
+                    doomed.add(group_id)
+        restarted = 0
+        for req in list(self.active):
+            if req.group.group_id in doomed:
+                restarted += req.generated(self.step)
+                req.target = int(draw_lengths(self.cfg.response_len, self.rng, 1)[0])
+                req.start_step, req.spans = self.step, [(version, 0)]
+                self._start(req)  # its old end is stale now
+            else:
+                req.spans.append((version, req.generated(self.step)))
+        again: list[_Request] = []
+        for group_id in doomed:
+            state = self.groups[group_id]
+            for index, response in enumerate(state.responses):
+                if response is not None:
+                    restarted += len(response.token_ids)
+                    state.responses[index] = None
+                    state.left += 1
+                    length = int(draw_lengths(self.cfg.response_len, self.rng, 1)[0])
+                    again.append(_Request(state.group, index, length, wall))
+                    state.waiting.append(again[-1])
+            self._track(state)
+        for req in reversed(again):  # late already: first in line
+            self.pending.push(req, req.group.min_version, first=True)
+        self.counters["restarted_tokens"] += restarted
+        self.counters["restarted_groups"] += len(doomed)
+
+    # -- queries ----------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        """Weights wait for the requests in flight to finish (no partial rollout)."""
+        return self.incoming is not None and not self.partial
+
+    def step_s(self) -> float:
+        return self.cfg.step_s + self.cfg.step_s_per_seq * len(self.active)
+
+    def wake_time(self) -> float:
+        """When the next group can finish, at the earliest (exactly, if every
+        one of its samples has started), if nothing arrives meanwhile;
+        infinity if the clock stands."""
+        if self.paused or self.mark is None or not self.active:
+            return math.inf
+        target = self._first_finish()
+        if self.draining:  # nothing starts: the next thing is a finish, or the last end
+            target = min(target, max(r.end for r in self.active))
+        else:
+            # A group with samples not started ends no earlier than its
+            # longest one would if it started as the next slot frees.
+            target = min(target, self._next_end() + self._shortest_wait())
+        return self._time_of(target)
+
+    def idle_for_weights(self) -> bool:
+        """Nothing to decode for want of weights (an update on its way, a barrier)."""
+        return self.incoming is not None or self.pending.waits_for_weights(self.version)
+
+    # -- the steps ----------------------------------------------------------------
+
+    def _run(self, steps: int, step_s: float) -> None:
+        # Slot-seconds in use, for the occupancy the bench reports.
+        self.counters["slot_s"] += steps * len(self.active) * step_s
+        self.step += steps
+        self.mark += steps * step_s
+
+    def _start(self, req: _Request) -> None:
         self.active.add(req)
         heapq.heappush(self._ends, (req.end, next(self._ties), req))
 
@@ -258,57 +325,68 @@ class SimEngine:
                 return end
             heapq.heappop(self._ends)
 
-    async def _advance(self) -> list[_Request]:
-        """Sleep until the next sequence finishes, or less if woken; count
-        the whole steps that passed; the requests that have finished."""
-        active = len(self.active)
-        step_s = self.cfg.step_s + self.cfg.step_s_per_seq * active
-        todo = self._next_end() - self.step
-        self._wake = trio.Event()
-        if self._mark is None:  # busy again after idling
-            self._mark = trio.current_time()
-        if step_s > 0:
-            with trio.move_on_after(max(todo * step_s - (trio.current_time() - self._mark), 0)):
-                await self._wake.wait()
-            # The engine's clock runs on its own, like a real engine's: every
-            # whole step since the last count counts (the time this loop spent
-            # on finishing and admitting requests too), also past the first
-            # finish when this task woke late: sequences that ended meanwhile
-            # stop at their length, the others go on (a late wake costs the
-            # finished ones' slots, not everyone's progress). The part of a
-            # step that has passed counts next time.
-            steps = int((trio.current_time() - self._mark) / step_s + 1e-9)
-            self._mark += steps * step_s
-        else:
-            await trio.sleep(0)
-            steps = todo
-        self.step += steps
-        done = []
+    def _end_sequences(self) -> None:
+        """Finish every sequence that ends at this step."""
+        wall = self.wall_offset + self.mark
         while self._ends and self._ends[0][0] <= self.step:
             end, _, req = heapq.heappop(self._ends)
-            if req in self.active and req.end == end:
-                self.active.remove(req)
-                done.append(req)
-        # Slot-seconds in use, for the occupancy the bench reports: every
-        # sequence for every step, but a finished one only up to its end.
-        used = steps * active - sum(self.step - r.end for r in done)
-        self.ctx.counters["slot_s"] += used * step_s
-        return done
-
-    async def _finish(self, done: list[_Request]) -> None:
-        if not done:
-            return
-        now = time.time()
-        for req in done:
+            if req not in self.active or req.end != end:
+                continue
+            self.active.remove(req)
             state = self.groups[req.group.group_id]
-            state.responses[req.index] = self._response(req, now)
+            state.running.remove(req)
+            state.responses[req.index] = self._response(req, wall)
             state.left -= 1
             if state.left == 0:
                 del self.groups[req.group.group_id]
-                with self.clock.state("blocked"):
-                    await self._send.send((state.group, state.responses))
+                self.outbox.append((state.group, state.responses))
 
-    def _response(self, req: _Request, now: float) -> Response:
+    def _track(self, state: _GroupState) -> None:
+        """Note when `state`'s group can finish at the earliest, after a change."""
+        if state.waiting:
+            heapq.heappush(self._waiting, (state.longest_waiting(), next(self._ties), state))
+        elif state.running:
+            heapq.heappush(self._finishing, (state.finish_step(), next(self._ties), state))
+
+    def _first_finish(self) -> float:
+        """The first step a group whose samples have all started finishes."""
+        heap = self._finishing
+        while heap:
+            step, _, state = heap[0]
+            if self.groups.get(state.group.group_id) is state and state.finish_step() == step:
+                return step
+            heapq.heappop(heap)
+        return math.inf
+
+    def _shortest_wait(self) -> float:
+        """The least, over groups with samples not started, of their longest such sample."""
+        heap = self._waiting
+        if len(heap) > 2 * len(self.pending) + 64:  # mostly entries out of date: keep the live ones
+            heap[:] = [e for e in heap if self._live_wait(*e)]
+            heapq.heapify(heap)
+        while heap:
+            if self._live_wait(*heap[0]):
+                return heap[0][0]
+            heapq.heappop(heap)
+        return math.inf
+
+    def _live_wait(self, longest: int, _tie: int, state: _GroupState) -> bool:
+        return self.groups.get(state.group.group_id) is state and state.longest_waiting() == longest
+
+    def _time_of(self, step: float) -> float:
+        """When step `step` begins at the earliest, on the clock as it runs now."""
+        if step == math.inf:
+            return math.inf
+        if not self.cfg.step_s_per_seq:
+            return self.mark + (step - self.step) * self.cfg.step_s
+        # Steps are shorter with fewer sequences: count only those sure to
+        # still be there (ending at or after `step`).
+        staying = sum(1 for r in self.active if r.end >= step)
+        return self.mark + (step - self.step) * (self.cfg.step_s + self.cfg.step_s_per_seq * max(staying, 1))
+
+    # -- responses ----------------------------------------------------------------
+
+    def _response(self, req: _Request, wall: float) -> Response:
         n = req.target
         versions = np.empty(n, np.int32)
         bounds = [start for _, start in req.spans] + [n]
@@ -317,7 +395,7 @@ class SimEngine:
         stamps = np.full(N_STAGES, np.nan)
         stamps[Stage.ISSUED] = req.issued_at
         stamps[Stage.ROLLOUT_START] = req.started_at
-        stamps[Stage.ROLLOUT_END] = now
+        stamps[Stage.ROLLOUT_END] = wall
         token_ids, logprobs = self._tokens(n)
         return Response(
             token_ids=token_ids,
@@ -328,8 +406,9 @@ class SimEngine:
         )
 
     def _tokens(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """`n` token ids and their log-probabilities: the next slices of the
-        arrays drawn at the start (drawn again, longer, for a longer response)."""
+        """`n` token ids and their log-probabilities: the next slices of
+        arrays drawn once (a simulated response's content does not matter,
+        its length does); drawn again, longer, for a longer response."""
         if n > len(self._ids):
             self._ids, self._logprobs = self._draw_tokens(2 * n)
         if self._cursor + n > len(self._ids):
@@ -345,47 +424,130 @@ class SimEngine:
         ids.flags.writeable = logprobs.flags.writeable = False
         return ids, logprobs
 
+
+class SimEngine:
+    """A simulated engine: `SimBatcher` run on trio's clock.
+
+    It sleeps until a group can finish (`SimBatcher.wake_time`), or less when
+    new work or weights arrive, then plays every step that has passed and
+    sends the groups that finished. So it wakes about once per group rather
+    than once per decode step or per sequence, and a thousand slots cost
+    little more CPU than ten.
+    """
+
+    def __init__(self, cfg: SimRollout, ctx: EngineContext):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.clock = ctx.clock
+        run = ctx.config.run
+        self.batcher = SimBatcher(
+            cfg,
+            rng=np.random.default_rng((run.seed, ctx.rank, 7)),
+            vocab=getattr(ctx.config.task, "vocab_size", 32000),
+            partial=run.partial_rollout,
+            strict=run.staleness_check == "strict",
+            staleness=run.staleness,
+            counters=ctx.counters,
+            wall_offset=time.time() - trio.current_time(),
+        )
+        self._wake = trio.Event()
+        self._fetching = False
+        self._applied = trio.Event()
+        self._send, self.finished = trio.open_memory_channel(2)
+        self._server: str | None = None
+        self._weights: transport.Dealer | None = None
+        self._sockets: contextlib.AsyncExitStack | None = None
+
+    eval_concurrency = 1
+
+    @property
+    def version(self) -> int:
+        return self.batcher.version
+
+    # -- called by the service ------------------------------------------------
+
+    async def start(self) -> None:
+        """Nothing to load."""
+
+    async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec]) -> None:
+        """Weights come over ZeroMQ, on request, from the trainer's weight server."""
+        if not isinstance(transfer, WeightsZmq):
+            raise ValueError(f"the simulated rollout fetches weights over ZeroMQ; the trainer offers {transfer!r}")
+        self._server = transfer.address
+
+    async def set_version(self, version: int) -> None:
+        self.batcher.version = version
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+    def hello_info(self) -> dict[str, str]:
+        self.ctx.counters["slots"] = self.cfg.slots
+        return {"slots": str(self.cfg.slots)}
+
+    async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
+        raise NotImplementedError("the simulated engine has no model to evaluate")
+
+    def submit(self, group: PromptGroup, issued_at: float) -> None:
+        self.batcher.submit(group, issued_at, trio.current_time())
+        self._wake.set()  # it may start now, or finish sooner than the engine's next wake
+
+    async def update_weights(self, version: int, transfer: WeightTransfer | None) -> int:
+        """Fetch the weights over the wire, then apply them between two steps."""
+        if transfer is not None:
+            await self.join_weights(transfer, [])
+        # The payload crosses the wire while generation goes on; only
+        # applying it pauses the engine.
+        self._fetching = True
+        self._wake.set()
+        try:
+            payload = await self._fetch(version)
+        finally:
+            self._fetching = False
+        self.ctx.counters["weight_bytes"] += sum(t.nbytes for t in payload.tensors)
+        self.batcher.advance(trio.current_time())  # what ran before it arrived ran as before
+        self.batcher.incoming = payload.version
+        self._applied = trio.Event()
+        self._wake.set()
+        await self._applied.wait()
+        return self.version
+
+    def queues(self) -> dict[str, int]:
+        return {"pending": len(self.batcher.pending), "active": len(self.batcher.active)}
+
+    # -- the loop -----------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        batcher = self.batcher
+        async with self._send, contextlib.AsyncExitStack() as self._sockets:
+            task_status.started()
+            while True:
+                batcher.advance(trio.current_time())
+                if batcher.outbox:
+                    with self.clock.state("blocked"):
+                        await self._send.send(batcher.outbox.popleft())
+                    continue  # the steps that ran meanwhile first
+                if batcher.incoming is not None and (batcher.partial or not batcher.active):
+                    await self._apply(batcher.incoming)
+                    continue
+                batcher.admit(trio.current_time())
+                self._wake = trio.Event()
+                if not batcher.active:
+                    # Idle for want of weights (a barrier, an update on its
+                    # way) is loading; idle for want of work is starved.
+                    self.clock.set("loading" if self._fetching or batcher.idle_for_weights() else "starved")
+                    await self._wake.wait()
+                    continue
+                self.clock.set("busy")
+                with trio.move_on_at(batcher.wake_time()):
+                    await self._wake.wait()
+
     async def _apply(self, version: int) -> None:
+        self.batcher.pause()  # no decoding while the weights go in
         with self.clock.state("loading"):
             if self.cfg.apply_weights_s:
                 await trio.sleep(self.cfg.apply_weights_s)
-        self.version = version
-        self._new_version = None
-        # Strict: a group whose oldest token is already more than the bound
-        # behind can only be consumed at a trainer version >= this one:
-        # whatever happens, it would be dropped. Start all of it again now, finished
-        # samples included, on these weights (a fresh sample draws a fresh
-        # length, as a new response would).
-        doomed: set[int] = set()
-        if self.strict:
-            doomed = {r.group.group_id for r in self.active if too_stale(r.spans[0][0], version, self.staleness)}
-            for group_id, state in self.groups.items():
-                firsts = [int(r.versions[0]) for r in state.responses if r is not None and len(r.versions)]
-                if firsts and too_stale(min(firsts), version, self.staleness):
-                    doomed.add(group_id)
-        restarted = 0
-        again: list[_Request] = []
-        for req in list(self.active):
-            if req.group.group_id in doomed:
-                restarted += req.generated(self.step)
-                req.target = int(draw_lengths(self.cfg.response_len, self.rng, 1)[0])
-                req.start_step, req.spans = self.step, [(version, 0)]
-                self._activate(req)  # its old end is stale now
-            else:
-                req.spans.append((version, req.generated(self.step)))
-        for group_id in doomed:
-            state = self.groups[group_id]
-            for index, response in enumerate(state.responses):
-                if response is not None:
-                    restarted += len(response.token_ids)
-                    state.responses[index] = None
-                    state.left += 1
-                    length = int(draw_lengths(self.cfg.response_len, self.rng, 1)[0])
-                    again.append(_Request(state.group, index, length, time.time()))
-        for req in reversed(again):  # late already: first in line
-            self.pending.push(req, req.group.min_version, first=True)
-        self.ctx.counters["restarted_tokens"] += restarted
-        self.ctx.counters["restarted_groups"] += len(doomed)
+        self.batcher.apply(version, time.time())
         self._applied.set()
 
     async def _fetch(self, version: int) -> WeightsPayload:
