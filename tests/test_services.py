@@ -1,6 +1,6 @@
 """The services and engines one by one, in this process, on real sockets:
 the simulated rollout engine, the stage service's loop and clock, the
-reward and teacher services' work on a batch."""
+reward and teacher services' work on a batch, the trainer service's intake."""
 
 from __future__ import annotations
 
@@ -27,16 +27,19 @@ from rlflow.protocol import (
     SampleBatch,
     SampleFailure,
     Shutdown,
+    StepDone,
     Stage,
     Welcome,
     WeightsZmq,
     build_batch,
     samples,
+    split,
 )
 from rlflow.services.base import StageService, standalone_context
 from rlflow.services.reward.service import RewardService
 from rlflow.services.rollout.sim import RequestQueue, SimBatcher, SimEngine
 from rlflow.services.teacher.service import TeacherService
+from rlflow.services.trainer import service as trainer_service
 from rlflow.services.trainer.sim import SimTrainerEngine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -364,3 +367,63 @@ async def test_the_teacher_service_adds_a_log_probability_per_token():
     assert out.teacher_logprobs.dtype == "float32" and teacher.shape == (batch.n_tokens,)
     assert (teacher <= 0).all()
     assert [len(s.teacher_logprobs) for s in samples(out)] == [5] * 4
+
+
+# -- the trainer ---------------------------------------------------------------------------
+
+
+class HeldTrainer(SimTrainerEngine):
+    """The simulated trainer, but its first step ends when the test says so."""
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        self.training, self.go = trio.Event(), trio.Event()
+
+    async def train(self, batch: SampleBatch) -> dict[str, float]:
+        self.training.set()
+        await self.go.wait()
+        return {"loss": 0.0}
+
+
+async def test_the_trainer_takes_groups_off_the_stream_while_a_step_trains(monkeypatch):
+    """Groups that arrive during a step wait in the trainer, not upstream; one
+    that is in the step being trained is a duplicate."""
+    config = sim_config("run.batch_size=2", "run.steps=2", "roles.trainer.engine.weights_bytes=4096")
+    engine: list[HeldTrainer] = []
+
+    async def make_engine(ctx):
+        engine.append(HeldTrainer(ctx.config.roles.trainer.engine, ctx))
+        return engine[0]
+
+    monkeypatch.setattr(trainer_service, "make_engine", make_engine)
+    groups = split(batch_of(4, 2))
+    async with transport.open_router(bind="tcp://127.0.0.1:0") as router:
+        service = trainer_service.TrainerService(spec(config, "trainer", transport.bound_address(router)))
+
+        async def next_of(kind):
+            while not isinstance(msg := (await router.recv())[1], kind):
+                pass
+            return msg
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.run)
+                identity, hello = await router.recv()
+                await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
+                                                    weights=hello.weights))
+                await next_of(Ready)
+                async with transport.open_push(connect=hello.endpoints["in"]) as upstream:
+                    for g in groups[:2]:
+                        await upstream.send(g)
+                    await engine[0].training.wait()
+                    for g in (groups[0], *groups[2:]):  # the first is in the step being trained
+                        await upstream.send(g)
+                    while len(service.buffer) < 2 or service.counters["duplicates"] < 1:
+                        await trio.sleep(0.01)
+                    assert not engine[0].go.is_set()  # all taken while the first step trains
+                    engine[0].go.set()
+                    assert (await next_of(StepDone)).acked == [0, 1]
+                    assert (await next_of(StepDone)).acked == [2, 3]
+                await router.send(identity, Shutdown(reason="done"))
+                await next_of(Bye)
+    assert service.counters["duplicates"] == 1 and service.counters["samples"] == 8

@@ -1,13 +1,16 @@
 """The trainer service: consumes groups, takes optimizer steps, publishes weights.
 
-Its loop: pull groups until a step's worth (`run.batch_size`) has arrived,
-dropping duplicates (a reissued group that arrives twice), failed samples
-and, with the strict staleness check, groups too stale to train on (those
-are reported as `Expired` so that the controller reissues them); train;
+Its loop: wait until a step's worth of groups (`run.batch_size`) has
+arrived, dropping duplicates (a reissued group that arrives twice), failed
+samples and, with the strict staleness check, groups too stale to train on
+(those are reported as `Expired` so that the controller reissues them);
+train;
 publish policy version v+1 and tell the controller (`WeightsReady`), then
 acknowledge the step's groups (`StepDone`). It never waits for the rollout
 to load the new weights: it sends them when the controller says so
-(`SendWeights`).
+(`SendWeights`). Groups are taken off the stream the moment they arrive,
+also while a step trains, so that a training step never holds up the roles
+upstream (the credits bound how many can be outstanding).
 """
 
 from __future__ import annotations
@@ -47,8 +50,9 @@ class TrainerService(Service):
         self.step = 0
         self.acked: set[int] = set()
         self.buffer: list[SampleBatch] = []
-        #: Ids of the groups in `buffer`: a group that arrives again meanwhile is a duplicate.
-        self._buffered: set[int] = set()
+        #: Ids of the groups in `buffer` or in the step being trained: one that arrives again meanwhile is a duplicate.
+        self._held: set[int] = set()
+        self._arrived = trio.Event()
         self.engine: TrainerEngine | None = None
 
     def queues(self) -> dict[str, int]:
@@ -71,6 +75,7 @@ class TrainerService(Service):
             await engine.connect(welcome.weights)
             self.say("up, engine %s", type(engine).__name__)
             nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
+            nursery.start_soon(self.receive, inbox, control)
             nursery.start_soon(self.train, inbox, control)
             await control.ready(self.version)
             async for msg in control:
@@ -107,6 +112,7 @@ class TrainerService(Service):
             rewards = batch.rewards.numpy() if batch.rewards is not None else np.zeros(0)
             ids = batch.group_ids
             self.acked.update(ids)
+            self._held.difference_update(ids)
             metrics.update(
                 samples=float(batch.n_samples),
                 tokens=float(batch.n_tokens),
@@ -135,28 +141,32 @@ class TrainerService(Service):
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    async def receive(self, inbox: transport.Pull, control: Control) -> None:
+        """Add every group to the buffer as it arrives."""
+        async for msg in inbox:
+            await self._accept(msg, control)
+            self._arrived.set()
+
     async def collect(self, inbox: transport.Pull, control: Control, want: int) -> list[SampleBatch]:
         """The next `want` groups fit to train on, oldest policy first.
 
-        Everything already delivered is taken off the stream, so that the
-        groups closest to the staleness bound are trained on before they
-        pass it. With `staleness_check = "strict"`, groups that have passed
-        it are dropped and reported for reissue (also those that waited here
+        Everything already delivered is in the buffer, so that the groups
+        closest to the staleness bound are trained on before they pass it.
+        With `staleness_check = "strict"`, groups that have passed it are
+        dropped and reported for reissue (also those that waited here
         across a step).
         """
         while True:
+            while (msg := inbox.recv_nowait()) is not None:  # what `receive` has not got to yet
+                await self._accept(msg, control)
             await self._drop_stale(control)
             if len(self.buffer) >= want:
-                msg = inbox.recv_nowait()
-                if msg is None:
-                    break
-            else:
-                with self.clock.state("starved"):
-                    msg = await inbox.recv()
-            await self._accept(msg, control)
+                break
+            self._arrived = trio.Event()
+            with self.clock.state("starved"):
+                await self._arrived.wait()
         self.buffer.sort(key=self._oldest)
         taken, self.buffer = self.buffer[:want], self.buffer[want:]
-        self._buffered.difference_update(g.groups[0].group_id for g in taken)
         return taken
 
     def _oldest(self, group: SampleBatch) -> int:
@@ -172,7 +182,7 @@ class TrainerService(Service):
         for group in self.buffer:
             (expired if too_stale(self._oldest(group), self.version, k) else keep).append(group)
         self.buffer = keep
-        self._buffered.difference_update(g.groups[0].group_id for g in expired)
+        self._held.difference_update(g.groups[0].group_id for g in expired)
         if expired:
             self.counters["stale_groups"] += len(expired)
             await control.send(Expired(group_ids=[g.groups[0].group_id for g in expired], reason="stale"))
@@ -186,7 +196,7 @@ class TrainerService(Service):
         failed_groups: list[int] = []
         for group in split(msg):
             group_id = group.groups[0].group_id
-            if group_id in self.acked or group_id in self._buffered:
+            if group_id in self.acked or group_id in self._held:
                 self.counters["duplicates"] += 1
                 continue
             failed = {f.index for f in group.failures}
@@ -199,6 +209,6 @@ class TrainerService(Service):
             stamps = group.stamps.numpy().copy()
             stamps[:, Stage.TRAINER_RECEIVED] = now
             self.buffer.append(msgspec.structs.replace(group, stamps=Tensor.from_numpy(stamps)))
-            self._buffered.add(group_id)
+            self._held.add(group_id)
         if failed_groups:
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed"))
