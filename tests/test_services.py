@@ -59,9 +59,10 @@ def spec(config: C.Config, role: str, controller: str = "") -> ServiceSpec:
 
 async def collect(engine: SimEngine, count: int) -> dict[int, list]:
     out = {}
-    async for group, responses in engine.finished:
-        out[group.group_id] = responses
-        if len(out) == count:
+    async for finished in engine.finished:
+        for group, responses in finished:
+            out[group.group_id] = responses
+        if len(out) >= count:
             return out
     raise AssertionError("the engine stopped")
 

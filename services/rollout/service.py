@@ -4,7 +4,9 @@ finished groups to the next role.
 Its loop: credits arrive on the control channel -> the task makes each
 group's prompt -> the engine generates `n` responses per prompt with
 continuous batching -> each group is sent on the moment its last response
-finishes, as one columnar `SampleBatch`. Weight updates arrive while
+finishes, as one columnar `SampleBatch` with every other group finished by
+then (one message and one acknowledgement however many: when this process
+is behind, it catches up in fewer, larger messages). Weight updates arrive while
 requests are in flight; the engine applies them between two decode steps and
 tags later tokens with the new version.
 """
@@ -77,16 +79,21 @@ class RolloutService(Service):
         return self.engine.queues() if self.engine is not None else {}
 
     async def send_finished(self, out: transport.Push, control: Control) -> None:
-        """Send each finished group on, and tell the controller it left."""
-        async for group, responses in self.engine.finished:
-            batch = build_batch([(group, responses)])
+        """Send finished groups on, and tell the controller they left."""
+        async for finished in self.engine.finished:
+            while True:  # and whatever else has finished by now
+                try:
+                    finished += self.engine.finished.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            batch = build_batch(finished)
             await out.send(batch)
-            self.counters["groups"] += 1
-            self.counters["samples"] += len(responses)
+            self.counters["groups"] += len(finished)
+            self.counters["samples"] += batch.n_samples
             self.counters["tokens"] += batch.n_tokens
             self.counters["failed_samples"] += len(batch.failures)
             self.counters["bytes_out"] = out.bytes_sent
-            await control.send(Ack(stage=Stage.ROLLOUT_END, group_ids=[group.group_id]))
+            await control.send(Ack(stage=Stage.ROLLOUT_END, group_ids=batch.group_ids))
 
     async def apply_updates(self, control: Control) -> None:
         """Load each version the controller asks for, in order (a newer order

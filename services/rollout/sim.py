@@ -17,7 +17,7 @@ import heapq
 import itertools
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -165,7 +165,7 @@ class SimBatcher:
         self.pending: RequestQueue[_Request] = RequestQueue()
         self.active: set[_Request] = set()
         self.groups: dict[int, _GroupState] = {}
-        self.outbox: deque[Finished] = deque()
+        self.outbox: list[Finished] = []
         self._ends: list[tuple[int, int, _Request]] = []  # (end step, tie-break, request)
         self._finishing: list[tuple[int, int, _GroupState]] = []  # (finish step, tie, group): every sample started
         self._waiting: list[tuple[int, int, _GroupState]] = []  # (longest sample not started, tie, group)
@@ -524,8 +524,9 @@ class SimEngine:
             while True:
                 batcher.advance(trio.current_time())
                 if batcher.outbox:
+                    finished, batcher.outbox = batcher.outbox, []
                     with self.clock.state("blocked"):
-                        await self._send.send(batcher.outbox.popleft())
+                        await self._send.send(finished)
                     continue  # the steps that ran meanwhile first
                 if batcher.incoming is not None and (batcher.partial or not batcher.active):
                     await self._apply(batcher.incoming)
