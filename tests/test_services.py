@@ -182,10 +182,10 @@ def test_the_batcher_plays_the_same_steps_however_often_it_is_advanced(per_seq):
         assert np.allclose([x[1:] for x in a], [x[1:] for x in b])
     assert at_once.counters["slot_s"] == pytest.approx(often.counters["slot_s"])
     if not per_seq:  # every sequence ran one token a step from its start, and a slot counts its tokens
-        for _, samples in coarse:
-            for n, start, end in samples:
+        for _, spans in coarse:
+            for n, start, end in spans:
                 assert end - start == pytest.approx(n * 0.001)
-        tokens = sum(n for _, samples in coarse for n, _, _ in samples)
+        tokens = sum(n for _, spans in coarse for n, _, _ in spans)
         assert at_once.counters["slot_s"] == pytest.approx(tokens * 0.001)
 
 
