@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -86,8 +87,9 @@ def build_batch(groups: Sequence[tuple[PromptGroup, Sequence[Response]]]) -> Sam
     )
 
 
-def stamp(batch: SampleBatch, stage: Stage, when: float, rows: np.ndarray | None = None) -> SampleBatch:
-    """A copy of `batch` with `stage` set to `when` (for every row, or `rows`)."""
+def stamp(batch: SampleBatch, stage: Stage, when: float, rows: np.ndarray | None = None, **fields: Any) -> SampleBatch:
+    """A copy of `batch` with `stage` set to `when` (for every row, or `rows`)
+    and with `fields` replaced (one copy, checked once)."""
     stamps = batch.stamps.numpy()
     if stamps.shape[1] <= stage:
         wide = np.full((stamps.shape[0], N_STAGES), np.nan)
@@ -99,7 +101,7 @@ def stamp(batch: SampleBatch, stage: Stage, when: float, rows: np.ndarray | None
         stamps[:, stage] = when
     else:
         stamps[rows, stage] = when
-    return msgspec.structs.replace(batch, stamps=Tensor.from_numpy(stamps))
+    return msgspec.structs.replace(batch, stamps=Tensor.from_numpy(stamps), **fields)
 
 
 def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
@@ -268,12 +270,13 @@ class SampleView:
 
 def samples(batch: SampleBatch) -> Iterator[SampleView]:
     """Every row of `batch`, with its group."""
-    p_off = batch.prompt_offsets.numpy()
-    r_off = batch.response_offsets.numpy()
+    # Per-row numbers as Python ints and floats once, not a numpy scalar per row.
+    p_off = batch.prompt_offsets.numpy().tolist()
+    r_off = batch.response_offsets.numpy().tolist()
     prompt_ids = batch.prompt_ids.numpy()
     resp, lp, ver = batch.response_ids.numpy(), batch.logprobs.numpy(), batch.versions.numpy()
-    idx, fin = batch.sample_index.numpy(), batch.finish_reason.numpy()
-    rewards = batch.rewards.numpy() if batch.rewards is not None else None
+    idx, fin = batch.sample_index.numpy().tolist(), batch.finish_reason.numpy().tolist()
+    rewards = batch.rewards.numpy().tolist() if batch.rewards is not None else None
     teacher = batch.teacher_logprobs.numpy() if batch.teacher_logprobs is not None else None
     ref = batch.ref_logprobs.numpy() if batch.ref_logprobs is not None else None
     row = 0
@@ -284,13 +287,13 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
             yield SampleView(
                 row=row,
                 group=info,
-                index=int(idx[row]),
+                index=idx[row],
                 prompt_ids=prompt,
                 response_ids=resp[a:b],
                 logprobs=lp[a:b],
                 versions=ver[a:b],
-                finish_reason=int(fin[row]),
-                reward=None if rewards is None else float(rewards[row]),
+                finish_reason=fin[row],
+                reward=None if rewards is None else rewards[row],
                 teacher_logprobs=None if teacher is None else teacher[a:b],
                 ref_logprobs=None if ref is None else ref[a:b],
             )

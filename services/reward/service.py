@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 
-import msgspec
 import numpy as np
 import trio
 
@@ -43,7 +42,9 @@ class RewardService(StageService):
         def scored(i: int, value: float, parts: dict[str, float]) -> None:
             rewards[i] = value
             for key, part in parts.items():
-                details.setdefault(key, np.full(len(rows), np.nan, dtype=np.float32))[i] = part
+                if key not in details:
+                    details[key] = np.full(len(rows), np.nan, dtype=np.float32)
+                details[key][i] = part
 
         def failed(i: int, exc: Exception) -> None:  # per-sample: recorded in-band, the service goes on
             failures.append(SampleFailure(index=i, stage=Stage.REWARD_END, kind=type(exc).__name__, message=str(exc)[:200]))
@@ -76,13 +77,14 @@ class RewardService(StageService):
                 else:
                     nursery.start_soon(one, i, delay)
         failures.sort(key=lambda f: f.index)
-        scored_batch = msgspec.structs.replace(
+        return stamp(
             batch,
+            Stage.REWARD_END,
+            time.time(),
             rewards=Tensor.from_numpy(rewards),
             reward_details={k: Tensor.from_numpy(v) for k, v in sorted(details.items())},
             failures=[*batch.failures, *failures],
         )
-        return stamp(scored_batch, Stage.REWARD_END, time.time())
 
     def delays(self, n: int) -> np.ndarray | None:
         """The simulated reward's latency for each of `n` samples (None: a real reward)."""

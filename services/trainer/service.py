@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import time
 
-import msgspec
 import numpy as np
 import trio
 
@@ -31,11 +30,11 @@ from rlflow.protocol import (
     Shutdown,
     Stage,
     StepDone,
-    Tensor,
     WeightsReady,
     WeightsZmq,
     concat,
     split,
+    stamp,
     take,
 )
 from rlflow.services.base import Control, Service, bind_host
@@ -192,9 +191,8 @@ class TrainerService(Service):
         msg = self.checked_batch(msg)
         if msg is None:
             return
-        now = time.time()
         failed_groups: list[int] = []
-        for group in split(msg):
+        for group in split(stamp(msg, Stage.TRAINER_RECEIVED, time.time())):
             group_id = group.groups[0].group_id
             if group_id in self.acked or group_id in self._held:
                 self.counters["duplicates"] += 1
@@ -206,9 +204,7 @@ class TrainerService(Service):
             if group.n_samples == 0:
                 failed_groups.append(group_id)
                 continue
-            stamps = group.stamps.numpy().copy()
-            stamps[:, Stage.TRAINER_RECEIVED] = now
-            self.buffer.append(msgspec.structs.replace(group, stamps=Tensor.from_numpy(stamps)))
+            self.buffer.append(group)
             self._held.add(group_id)
         if failed_groups:
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed"))
