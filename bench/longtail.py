@@ -118,6 +118,11 @@ class Workload:
     n: int = 8
     balance: float = 1.0
     """Training time of a step / generation time of a step at full occupancy."""
+    spread: bool = False
+    """Lay the roles out over this machine's cores: the rollout replicas on one
+    (a generate pool of 1 CPU), reward and trainer on the next (0.5 each),
+    as `examples/sim.toml` does; else the reference layout, where the
+    generate and score pools (0.5 and 0.25 CPUs) share the first core."""
 
     def distribution(self) -> C.Distribution:
         return C.load(text=BASE.format(**self._fields("async", 2, 1, True))).roles.rollout.engine.response_len
@@ -162,16 +167,18 @@ class Workload:
         if colocated:  # one pool for both roles
             text = text.replace('pool = "train"', 'pool = "generate"').replace("[pools.train]\ncpus_per_bundle = 0.5\n", "")
             text = text.replace("[pools.generate]\ncpus_per_bundle = 0.5", "[pools.generate]\ncpus_per_bundle = 1.0")
-        return C.load(text=text)
+        spread = ["pools.generate.cpus_per_bundle=1.0", "pools.score.cpus_per_bundle=0.5"] if self.spread else []
+        return C.load(text=text, overrides=spread)
 
 
 REFERENCE = Workload("reference", '{ kind = "lognormal", median = 256, sigma = 1.0, min = 1, max = 4096 }')
 
-#: The bigger simulated clusters of `--scale`: 256 slots a replica, and a
-#: step of half as many groups as slots (4 samples a slot), as `slots-1024`.
+#: The bigger simulated clusters of `--scale`: 256 slots a replica, a step
+#: of half as many groups as slots (4 samples a slot), as the sweep's
+#: `slots-1024`, and the roles spread over the machine's cores.
 SCALE = [
-    Workload("slots-1024", REFERENCE.response_len, slots=256, replicas=4, batch_size=512),
-    Workload("slots-4096", REFERENCE.response_len, slots=256, replicas=16, batch_size=2048),
+    Workload("scale-1024", REFERENCE.response_len, slots=256, replicas=4, batch_size=512, spread=True),
+    Workload("scale-4096", REFERENCE.response_len, slots=256, replicas=16, batch_size=2048, spread=True),
 ]
 
 
@@ -336,7 +343,7 @@ def main() -> None:
                 Workload("pareto", '{ kind = "pareto", scale = 128, alpha = 1.5, max = 4096 }'),
                 Workload("slots-8", REFERENCE.response_len, slots=8, batch_size=4),
                 Workload("slots-256", REFERENCE.response_len, slots=256, batch_size=128),
-                SCALE[0],
+                Workload("slots-1024", REFERENCE.response_len, slots=256, replicas=4, batch_size=512),
             ]
             for w in sweep:
                 results.append(measure(w, "async", 2, steps_async, work))
