@@ -270,20 +270,17 @@ def workload_from_run(run_dir: str | pathlib.Path) -> tuple[Workload, int, int]:
     if not lengths:  # no per-sample record: every response of the mean length
         lengths = [max(1, round(tokens / max(sum(r.samples for r in rows), 1)))]
     counters: dict[str, float] = {}
-    busy_s = 0.0
     for file in sorted(folder.traces.glob("rollout-*.json")):
-        trace = json.loads(file.read_text())
-        for key, value in trace.get("counters", {}).items():
+        for key, value in json.loads(file.read_text()).get("counters", {}).items():
             counters[key] = counters.get(key, 0.0) + value
-        events = trace.get("events", [])
-        busy_s += sum(b[0] - a[0] for a, b in zip(events, events[1:]) if a[1] == "busy")
     if isinstance(rollout.engine, SimRollout):
         slots = rollout.engine.slots * rollout.replicas
         step_s, per_seq = rollout.engine.step_s, rollout.engine.step_s_per_seq
-        if busy_s and counters.get("tokens"):
-            # What the engine really did while busy, its own overheads
-            # included: the decode step that gives its measured tokens/s.
-            step_s, per_seq = slots * busy_s / (rollout.replicas * counters["tokens"]), 0.0
+        if counters.get("slot_s") and counters.get("tokens"):
+            # What the engine really did: seconds a slot spent per token it
+            # generated (its busy time would also count slots left empty
+            # while the last sequences of the run drain).
+            step_s, per_seq = counters["slot_s"] / counters["tokens"], 0.0
     else:
         # A real engine: its measured tokens per busy second at its batch size.
         slots = getattr(rollout.engine, "max_num_seqs", 64) * rollout.replicas
