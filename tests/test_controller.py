@@ -165,6 +165,14 @@ def test_one_version_moves_at_a_time_and_the_newest_waiting_one_goes_next():
     assert not rounds.busy
 
 
+def test_a_receiver_that_got_a_newer_version_has_done_its_part():
+    rounds = WeightRounds()
+    assert rounds.publish(1) == 1
+    assert rounds.publish(2) is None
+    assert rounds.loaded(0, 2, {0, 1}) is None  # it pulled the newest there was
+    assert rounds.loaded(1, 1, {0, 1}) == 2
+
+
 def test_a_round_completes_without_a_receiver_that_left():
     rounds = WeightRounds(version=4)
     assert rounds.publish(4) is None  # every receiver holds it already

@@ -28,6 +28,8 @@ from rlflow.protocol import (
     SampleFailure,
     Shutdown,
     StepDone,
+    UpdateWeights,
+    WeightsLoaded,
     Stage,
     Welcome,
     WeightsZmq,
@@ -37,6 +39,7 @@ from rlflow.protocol import (
 )
 from rlflow.services.base import StageService, standalone_context
 from rlflow.services.reward.service import RewardService
+from rlflow.services.rollout.service import RolloutService
 from rlflow.services.rollout.sim import RequestQueue, SimBatcher, SimEngine
 from rlflow.services.teacher.service import TeacherService
 from rlflow.services.trainer import service as trainer_service
@@ -260,6 +263,45 @@ async def test_a_group_that_waits_for_newer_weights_starts_when_they_arrive_and_
             nursery.cancel_scope.cancel()
     assert all((r.versions == 0).all() for r in first[1])
     assert all((r.versions == 1).all() for r in second[0])
+
+
+async def test_a_rollout_replica_says_at_once_that_it_holds_a_version_it_got_early():
+    """Asked for version 1 when 2 is out, it loads 2 (the newest the server
+    has) and says so; asked for 2 next, it answers at once, so that the
+    controller's round of version 2 completes."""
+    config = sim_config("roles.trainer.engine.weights_bytes=4096")
+    trainer = SimTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:0") as router,
+        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
+    ):
+        service = RolloutService(spec(config, "rollout", transport.bound_address(router)))
+
+        async def next_of(kind):
+            while not isinstance(msg := (await router.recv())[1], kind):
+                pass
+            return msg
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(trainer.serve)
+                nursery.start_soon(service.run)
+                identity, _ = await router.recv()
+                await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
+                                                    peers={"out": [transport.bound_address(downstream)]},
+                                                    weights=WeightsZmq(address=trainer.address)))
+                await next_of(Ready)
+                await trainer.publish(1)
+                await trainer.publish(2)
+                await router.send(identity, UpdateWeights(version=1))
+                assert (await next_of(WeightsLoaded)).version == 2
+                await router.send(identity, UpdateWeights(version=2))
+                loaded = await next_of(WeightsLoaded)
+                assert (loaded.version, loaded.seconds) == (2, 0.0)
+                await router.send(identity, Shutdown(reason="done"))
+                await next_of(Bye)
+                nursery.cancel_scope.cancel()
+    assert service.counters["weight_updates"] == 1
 
 
 # -- the stage service ------------------------------------------------------------------------

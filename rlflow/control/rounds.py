@@ -29,8 +29,11 @@ class WeightRounds:
 
     def loaded(self, rank: int, version: int, receivers: set[int]) -> int | None:
         """Receiver `rank` now holds `version`; `receivers` are the ranks that
-        take part. The next version to move, when this round is complete."""
-        if version == self.moving:
+        take part. The next version to move, when this round is complete.
+
+        A receiver that holds a newer version than the one moving has done
+        its part too: one that pulls weights gets the newest there is."""
+        if self.moving is not None and version >= self.moving:
             self._loaded.add(rank)
         return self._check(receivers)
 

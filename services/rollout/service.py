@@ -97,12 +97,16 @@ class RolloutService(Service):
 
     async def apply_updates(self, control: Control) -> None:
         """Load each version the controller asks for, in order (a newer order
-        replaces one not yet started)."""
+        replaces one not yet started); say at once if it is held already (an
+        earlier fetch may have brought a newer version than it asked for)."""
         while True:
             await self._update.wait()
             self._update = trio.Event()
             msg, self._wanted = self._wanted, None
-            if msg is None or msg.version <= self.engine.version:
+            if msg is None:
+                continue
+            if msg.version <= self.engine.version:
+                await control.send(WeightsLoaded(version=self.engine.version, seconds=0.0))
                 continue
             started = time.monotonic()
             self.version = await self.engine.update_weights(msg.version, msg.transfer)
