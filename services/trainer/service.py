@@ -51,6 +51,8 @@ class TrainerService(Service):
         self.buffer: list[SampleBatch] = []
         #: Ids of the groups in `buffer` or in the step being trained: one that arrives again meanwhile is a duplicate.
         self._held: set[int] = set()
+        #: Group id -> the policy version of its oldest token, for the groups held that have tokens.
+        self._first: dict[int, int] = {}
         self._arrived = trio.Event()
         self.engine: TrainerEngine | None = None
 
@@ -91,8 +93,10 @@ class TrainerService(Service):
         while self.step < run.steps:
             groups = await self.collect(inbox, control, run.batch_size)
             batch = concat(groups)
-            staleness = self.version - batch.versions.numpy()
-            self._record_lengths(groups)
+            versions = batch.versions.numpy()
+            # Versions behind the trainer's, per token (from the extremes: no array as long as the batch).
+            staleness = (self.version - versions.mean(), self.version - versions.min()) if versions.size else (0.0, 0.0)
+            self._record_lengths(batch, [self._oldest(g) for g in groups])
             with self.clock.state("busy"):
                 started = time.monotonic()
                 metrics = await self.engine.train(batch)
@@ -111,20 +115,20 @@ class TrainerService(Service):
             rewards = batch.rewards.numpy() if batch.rewards is not None else np.zeros(0)
             ids = batch.group_ids
             self.acked.update(ids)
-            self._held.difference_update(ids)
+            self._release(ids)
             metrics.update(
                 samples=float(batch.n_samples),
                 tokens=float(batch.n_tokens),
                 reward_mean=float(np.nanmean(rewards)) if rewards.size else float("nan"),
-                staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
-                staleness_max=float(staleness.max()) if staleness.size else 0.0,
+                staleness_mean=float(staleness[0]),
+                staleness_max=float(staleness[1]),
             )
             self.counters["samples"] += batch.n_samples
             self.counters["tokens"] += batch.n_tokens
             await control.send(StepDone(step=self.step - 1, version=self.version, acked=ids, metrics=metrics))
         self.clock.set("idle")
 
-    def _record_lengths(self, groups: list[SampleBatch]) -> None:
+    def _record_lengths(self, batch: SampleBatch, oldest: list[int]) -> None:
         """Per step: the response lengths (for `rlflow plan` to replay) and,
         per group, its id and the oldest policy version of its tokens."""
         if self.run_dir is None:
@@ -133,9 +137,9 @@ class TrainerService(Service):
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "step": self.step,
-            "lengths": [int(n) for g in groups for n in np.diff(g.response_offsets.numpy())],
-            "groups": [g.groups[0].group_id for g in groups],
-            "oldest": [self._oldest(g) for g in groups],
+            "lengths": np.diff(batch.response_offsets.numpy()).tolist(),
+            "groups": batch.group_ids,
+            "oldest": oldest,
         }
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -170,7 +174,13 @@ class TrainerService(Service):
 
     def _oldest(self, group: SampleBatch) -> int:
         """The policy version of a group's oldest token."""
-        return int(group.versions.numpy().min()) if group.n_tokens else self.version
+        return self._first.get(group.groups[0].group_id, self.version)
+
+    def _release(self, group_ids: list[int]) -> None:
+        """These groups are no longer held (trained on, or dropped)."""
+        self._held.difference_update(group_ids)
+        for group_id in group_ids:
+            self._first.pop(group_id, None)
 
     async def _drop_stale(self, control: Control) -> None:
         """Strict check: drop buffered groups past the bound, for reissue."""
@@ -181,7 +191,7 @@ class TrainerService(Service):
         for group in self.buffer:
             (expired if too_stale(self._oldest(group), self.version, k) else keep).append(group)
         self.buffer = keep
-        self._held.difference_update(g.groups[0].group_id for g in expired)
+        self._release([g.groups[0].group_id for g in expired])
         if expired:
             self.counters["stale_groups"] += len(expired)
             await control.send(Expired(group_ids=[g.groups[0].group_id for g in expired], reason="stale"))
@@ -206,5 +216,7 @@ class TrainerService(Service):
                 continue
             self.buffer.append(group)
             self._held.add(group_id)
+            if group.n_tokens:
+                self._first[group_id] = int(group.versions.numpy().min())
         if failed_groups:
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed"))
