@@ -41,11 +41,15 @@ class SimTaskImpl:
     def __init__(self, cfg: SimTask, seed: int):
         self.cfg = cfg
         self.seed = seed
+        # Prompts are slices of tokens drawn once, at a place that depends on
+        # the group id alone (a generator seeded per group costs tens of
+        # microseconds, and a simulated cluster asks for thousands a second).
+        self._tokens = np.random.default_rng((seed, 3)).integers(0, cfg.vocab_size, max(1 << 16, 2 * cfg.prompt_len))
 
     def prompt(self, group_id: int, n: int, min_version: int = 0) -> PromptGroup:
-        rng = np.random.default_rng((self.seed, group_id))
-        ids = rng.integers(0, self.cfg.vocab_size, self.cfg.prompt_len)
-        return PromptGroup(group_id=group_id, prompt_ids=ids.tolist(), n=n, task=self.name, min_version=min_version)
+        start = int(_uniform(self.seed, group_id) * (len(self._tokens) - self.cfg.prompt_len))
+        ids = self._tokens[start : start + self.cfg.prompt_len].tolist()
+        return PromptGroup(group_id=group_id, prompt_ids=ids, n=n, task=self.name, min_version=min_version)
 
     def score(self, group: GroupInfo, index: int, response_ids: np.ndarray) -> tuple[float, dict[str, float]]:
         correct = float(_uniform(self.seed, group.group_id, index) < self.cfg.reward_p)
