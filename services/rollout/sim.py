@@ -216,17 +216,19 @@ class SimBatcher:
             self.mark = now
         wall = self.wall_offset + self.mark
         free = self.cfg.slots - len(self.active)
+        started: dict[int, _GroupState] = {}
         # In order, skipping requests that wait for newer weights (a reissued
         # group may start on the weights held now, behind ones that may not).
         while free > 0 and (req := self.pending.pop(self.version)) is not None:
             req.start_step, req.started_at = self.step, wall
             req.spans = [(self.version, 0)]
-            state = self.groups[req.group.group_id]
+            state = started[req.group.group_id] = self.groups[req.group.group_id]
             state.waiting.remove(req)
             state.running.append(req)
             self._start(req)
-            self._track(state)
             free -= 1
+        for state in started.values():
+            self._track(state)
 
     def pause(self) -> None:
         """Stop the clock (weights going in); `apply` starts it again."""
@@ -388,10 +390,13 @@ class SimBatcher:
 
     def _response(self, req: _Request, wall: float) -> Response:
         n = req.target
-        versions = np.empty(n, np.int32)
-        bounds = [start for _, start in req.spans] + [n]
-        for (version, start), end in zip(req.spans, bounds[1:]):
-            versions[start:end] = version
+        if len(req.spans) == 1:  # the common case: all on one version
+            versions = np.full(n, req.spans[0][0], np.int32)
+        else:
+            versions = np.empty(n, np.int32)
+            bounds = [start for _, start in req.spans] + [n]
+            for (version, start), end in zip(req.spans, bounds[1:]):
+                versions[start:end] = version
         stamps = np.full(N_STAGES, np.nan)
         stamps[Stage.ISSUED] = req.issued_at
         stamps[Stage.ROLLOUT_START] = req.started_at
