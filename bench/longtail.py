@@ -363,14 +363,16 @@ def main() -> None:
             if coloc is not None:
                 r.vs["colocated_sync"] = r.samples_per_s / coloc.samples_per_s
 
+    planned = f"{'planned':>9}" if args.scale else ""
     print(f"{'workload':<15}{'mode':<22}{'samples/s':>10}{'tokens/s':>10}{'trainer idle':>13}{'occupancy':>10}"
-          f"{'stale mean/max':>15}{'vs sync':>8}{'vs coloc':>9}{'efficiency':>11}{'planned':>9}")
+          f"{'stale mean/max':>15}{'vs sync':>8}{'vs coloc':>9}{'efficiency':>11}{planned}")
     for r in results:
         mode = f"{r.mode} k={r.staleness}{_variant(r.partial, r.check).replace('-', ' ')}"
+        planned = f"{r.predicted_samples_per_s:>9.1f}" if args.scale else ""
         print(f"{r.workload:<15}{mode:<22}{r.samples_per_s:>10.1f}{r.tokens_per_s:>10.0f}{r.trainer_idle:>13.0%}"
               f"{r.occupancy:>10.0%}{r.staleness_mean:>9.2f}/{r.staleness_max:<5g}"
               f"{r.vs.get('sync', math.nan):>8.2f}{r.vs.get('colocated_sync', math.nan):>9.2f}{r.efficiency:>11.2f}"
-              f"{r.predicted_samples_per_s:>9.1f}")
+              f"{planned}")
     prefix = "longtail-scale-" if args.scale else "longtail-"
     for r in results:
         for suffix in (".png", ".trace.json"):
