@@ -170,6 +170,9 @@ class SimBatcher:
         self._finishing: list[tuple[int, int, _GroupState]] = []  # (finish step, tie, group): every sample started
         self._waiting: list[tuple[int, int, _GroupState]] = []  # (longest sample not started, tie, group)
         self._ties = itertools.count()
+        # Tokens from a generator of their own, so that the lengths drawn
+        # from `rng` do not depend on how many tokens were drawn.
+        self._token_rng = rng.spawn(1)[0]
         self._ids, self._logprobs = self._draw_tokens(1 << 16)
         self._cursor = 0
         self._cap = getattr(cfg.response_len, "max", math.inf)
@@ -423,8 +426,8 @@ class SimBatcher:
         return self._ids[a : a + n], self._logprobs[a : a + n]
 
     def _draw_tokens(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        ids = self.rng.integers(0, self.vocab, n, dtype=np.int32)
-        logprobs = (-self.rng.exponential(1.0, n)).astype(np.float32)
+        ids = self._token_rng.integers(0, self.vocab, n, dtype=np.int32)
+        logprobs = (-self._token_rng.exponential(1.0, n)).astype(np.float32)
         # Read-only: responses share these arrays.
         ids.flags.writeable = logprobs.flags.writeable = False
         return ids, logprobs
