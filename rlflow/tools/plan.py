@@ -12,8 +12,8 @@ between rollout and trainer, and of the colocated layout (all devices
 generate, then all train, synchronously), ranks them, and prints the pools
 section of the best one.
 
-`simulate` is also what `bench/longtail.py` uses for its overlap bound's
-sanity check, and what a test holds against real runs.
+`simulate` is also what `bench/plan.py` and `bench/longtail.py --scale`
+hold against measured runs.
 """
 
 from __future__ import annotations
