@@ -152,16 +152,16 @@ class SimBatcher:
         self.strict = strict
         self.staleness = staleness
         self.counters = counters
+        #: Wall time minus engine time (for the samples' stamps).
         self.wall_offset = wall_offset
-        """Wall time minus engine time (for the samples' stamps)."""
         self.version = 0
         self.step = 0
+        #: When step `step` began; None while the clock stands (nothing to decode, or paused).
         self.mark: float | None = None
-        """When step `step` began; None while the clock stands (nothing to decode, or paused)."""
         self.paused = False
+        #: A version that has arrived and waits to be applied (without partial
+        #: rollout nothing new starts meanwhile: the requests in flight drain first).
         self.incoming: int | None = None
-        """A version that has arrived and waits to be applied (without partial rollout
-        nothing new starts meanwhile: the requests in flight drain first)."""
         self.pending: RequestQueue[_Request] = RequestQueue()
         self.active: set[_Request] = set()
         self.groups: dict[int, _GroupState] = {}
@@ -201,7 +201,7 @@ class SimBatcher:
         while self.active:
             step_s = self.step_s()
             end = self._next_end()
-            whole = int((now - self.mark) / step_s + 1e-9) if step_s > 0 else math.inf
+            whole = max(int((now - self.mark) / step_s + 1e-9), 0) if step_s > 0 else math.inf
             if end - self.step > whole:
                 self._run(whole, step_s)
                 return
