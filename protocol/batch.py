@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from .checks import validate
 from .messages import GroupInfo, PromptGroup, SampleBatch, SampleFailure, Stage
 from .tensors import Tensor
 
@@ -118,7 +119,7 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
 
     def opt(name: str) -> Tensor | None:
         values = [getattr(b, name) for b in batches]
-        if any(v is None for v in values):
+        if any(v is None for v in values) or len({v.shape[1:] for v in values}) > 1:
             return None
         return Tensor.from_numpy(np.concatenate([v.numpy() for v in values]))
 
@@ -153,7 +154,15 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
         teacher_logprobs=opt("teacher_logprobs"),
         ref_logprobs=opt("ref_logprobs"),
         failures=failures,
+        **_topk(opt("teacher_topk_ids"), opt("teacher_topk_logprobs")),
     )
+
+
+def _topk(ids: Tensor | None, logprobs: Tensor | None) -> dict[str, Tensor | None]:
+    """The top-k columns, kept only if both are there (and of one k)."""
+    if ids is None or logprobs is None or ids.shape != logprobs.shape:
+        return {}
+    return {"teacher_topk_ids": ids, "teacher_topk_logprobs": logprobs}
 
 
 def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
@@ -195,6 +204,8 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
         reward_details={k: per_row(v) for k, v in batch.reward_details.items()},
         teacher_logprobs=tok(batch.teacher_logprobs),
         ref_logprobs=tok(batch.ref_logprobs),
+        teacher_topk_ids=tok(batch.teacher_topk_ids),
+        teacher_topk_logprobs=tok(batch.teacher_topk_logprobs),
         failures=[
             msgspec.structs.replace(f, index=new_index[f.index]) for f in batch.failures if f.index in new_index
         ],
@@ -230,8 +241,16 @@ def split(batch: SampleBatch) -> list[SampleBatch]:
     return out
 
 
-#: Columns with one entry per response token, and with one per sample (row).
-_TOKEN_COLUMNS = ("response_ids", "logprobs", "versions", "teacher_logprobs", "ref_logprobs")
+#: Columns with one entry (or row) per response token, and with one per sample (row).
+_TOKEN_COLUMNS = (
+    "response_ids",
+    "logprobs",
+    "versions",
+    "teacher_logprobs",
+    "ref_logprobs",
+    "teacher_topk_ids",
+    "teacher_topk_logprobs",
+)
 _ROW_COLUMNS = ("sample_index", "finish_reason", "stamps", "rewards")
 
 
@@ -265,6 +284,8 @@ class SampleView:
     reward: float | None
     teacher_logprobs: np.ndarray | None
     ref_logprobs: np.ndarray | None
+    teacher_topk_ids: np.ndarray | None = None
+    teacher_topk_logprobs: np.ndarray | None = None
 
 
 def samples(batch: SampleBatch) -> Iterator[SampleView]:
@@ -278,6 +299,8 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
     rewards = batch.rewards.numpy().tolist() if batch.rewards is not None else None
     teacher = batch.teacher_logprobs.numpy() if batch.teacher_logprobs is not None else None
     ref = batch.ref_logprobs.numpy() if batch.ref_logprobs is not None else None
+    topk_ids = batch.teacher_topk_ids.numpy() if batch.teacher_topk_ids is not None else None
+    topk_lps = batch.teacher_topk_logprobs.numpy() if batch.teacher_topk_logprobs is not None else None
     row = 0
     for g, info in enumerate(batch.groups):
         prompt = prompt_ids[p_off[g] : p_off[g + 1]]
@@ -295,77 +318,10 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
                 reward=None if rewards is None else rewards[row],
                 teacher_logprobs=None if teacher is None else teacher[a:b],
                 ref_logprobs=None if ref is None else ref[a:b],
+                teacher_topk_ids=None if topk_ids is None else topk_ids[a:b],
+                teacher_topk_logprobs=None if topk_lps is None else topk_lps[a:b],
             )
             row += 1
-
-
-#: Columns every batch has: name -> (dtype, dimensions).
-_COLUMNS = {
-    "prompt_ids": ("int32", 1),
-    "prompt_offsets": ("int64", 1),
-    "sample_index": ("int32", 1),
-    "response_ids": ("int32", 1),
-    "response_offsets": ("int64", 1),
-    "logprobs": ("float32", 1),
-    "versions": ("int32", 1),
-    "finish_reason": ("uint8", 1),
-    "stamps": ("float64", 2),
-}
-
-
-def validate(batch: SampleBatch) -> None:
-    """Check that the columns of `batch` agree with each other.
-
-    The codec checks each tensor against its frame; this checks the batch's
-    own invariants (offsets monotone and in range, lengths consistent), so
-    that a consumer can index it without further checks. Raises ValueError.
-
-    It runs on every batch made or received, so its messages are only
-    formatted when a check fails.
-    """
-    for name, (dtype, ndim) in _COLUMNS.items():
-        tensor = getattr(batch, name)
-        if tensor.dtype != dtype:
-            raise _disagree(f"{name} is {tensor.dtype}, expected {dtype}")
-        if len(tensor.shape) != ndim:
-            raise _disagree(f"{name} has shape {list(tensor.shape)}")
-    n = batch.finish_reason.shape[0]
-    g = len(batch.groups)
-    t = batch.response_ids.shape[0]
-    if sum(info.size for info in batch.groups) != n:
-        raise _disagree("group sizes do not add up to the sample count")
-    if batch.prompt_offsets.shape[0] != g + 1:
-        raise _disagree(f"prompt_offsets has {batch.prompt_offsets.numel} entries for {g} groups")
-    if batch.response_offsets.shape[0] != n + 1:
-        raise _disagree(f"response_offsets has {batch.response_offsets.numel} entries for {n} samples")
-    for name, total in (("prompt_offsets", batch.prompt_ids.shape[0]), ("response_offsets", t)):
-        off = getattr(batch, name).numpy()
-        if off[0] != 0 or off[-1] != total:
-            raise _disagree(f"{name} must run from 0 to {total}")
-        if len(off) > 1 and (off[1:] < off[:-1]).any():
-            raise _disagree(f"{name} must not decrease")
-    for name in ("logprobs", "versions"):
-        if getattr(batch, name).shape[0] != t:
-            raise _disagree(f"{name} has {getattr(batch, name).numel} entries for {t} tokens")
-    for name in ("teacher_logprobs", "ref_logprobs"):
-        tensor = getattr(batch, name)
-        if tensor is not None and (tensor.numel != t or tensor.dtype != "float32"):
-            raise _disagree(f"{name} must be float32 [{t}]")
-    if batch.sample_index.shape[0] != n:
-        raise _disagree("per-sample columns must have n entries")
-    if batch.stamps.shape[0] != n:
-        raise _disagree("stamps must have one row per sample")
-    if batch.rewards is not None and (batch.rewards.numel != n or batch.rewards.dtype != "float32"):
-        raise _disagree(f"rewards must be float32 [{n}]")
-    for key, tensor in batch.reward_details.items():
-        if tensor.numel != n:
-            raise _disagree(f"reward_details[{key!r}] must have {n} entries")
-    if any(f.index >= n for f in batch.failures):
-        raise _disagree("a failure names a row past the end")
-
-
-def _disagree(what: str) -> ValueError:
-    return ValueError(f"columns disagree: {what}")
 
 
 def _cat(arrays: Sequence[np.ndarray], dtype: type) -> np.ndarray:

@@ -27,6 +27,7 @@ from typing import Annotated, Union
 import msgspec
 from msgspec import Meta
 
+from .checks import validate
 from .tensors import Tensor
 
 #: Incompatible changes bump this; compatible ones (appended fields with
@@ -185,13 +186,15 @@ class SampleBatch(Message, tag=2):
     """float32 [T]: a frozen reference policy's log-probability of each token."""
     failures: list[SampleFailure] = []
     """Samples that failed at some stage; their other fields are not to be trusted."""
+    teacher_topk_ids: Tensor | None = None
+    """int32 [T, k]: the teacher's k most likely tokens at each response position."""
+    teacher_topk_logprobs: Tensor | None = None
+    """float32 [T, k]: the teacher's log-probabilities of those tokens (at the sampling temperature)."""
 
     def __post_init__(self) -> None:
         # The columns must agree (offsets in range, lengths, dtypes), so that
         # a receiver can index the batch without further checks; a batch whose
         # columns do not is `malformed`.
-        from .batch import validate
-
         validate(self)
 
     @property
@@ -440,9 +443,14 @@ class ErrorReport(Message, tag=23):
     fatal: bool
     """The service is exiting because of it."""
     kind: str
-    """Short class of error (e.g. the exception's type)."""
+    """Short class of error (e.g. the exception's type); `weight_group_broken` (not fatal): a weight broadcast failed, the group must be made anew."""
     message: str
     """What happened, for a person."""
+
+
+#: `ErrorReport.kind` of a trainer or rollout replica whose weight broadcast
+#: failed (a member of the collective group died mid-way).
+WEIGHT_GROUP_BROKEN = "weight_group_broken"
 
 
 class Bye(Message, tag=24):
@@ -497,13 +505,42 @@ class Evaluate(Message, tag=26):
     """0: greedy."""
 
 
+class Dropped(Message, tag=29):
+    """Groups a role dropped for good (e.g. their reward could not be
+    computed): they are counted with the reason and never granted again."""
+
+    group_ids: list[NonNegInt]
+    """The groups."""
+    reason: str = ""
+    """Why, for the ledger and the log."""
+
+
+class Peers(Message, tag=30):
+    """The addresses to stream to now (controller -> replica), when a replica
+    of the next role has been replaced: connect to the new ones, let go of
+    the others."""
+
+    peers: dict[str, list[str]]
+    """As `Welcome.peers`."""
+
+
+class WeightsGroup(Message, tag=31):
+    """The collective group the trainer now hosts (trainer rank 0 ->
+    controller), after `SendWeights` asked for a new generation: its
+    rendezvous port, for the controller to hand to every receiver."""
+
+    transfer: WeightTransfer
+    """The group (its `generation` the one asked for)."""
+
+
 class SendWeights(Message, tag=28):
     """Send policy `version` to the replicas that load weights (controller -> every trainer rank)."""
 
     version: NonNegInt
     """The policy version to send (one the trainer has published)."""
     transfer: WeightTransfer | None = None
-    """A new collective group to host before sending (nil: the current one)."""
+    """A new collective group to host before sending (nil: the current one): its generation and world
+    size; the trainer picks the port and says so in `WeightsGroup` before it sends."""
 
 
 class EvalDone(Message, tag=27):
@@ -540,6 +577,9 @@ ControlMessage = Union[
     Evaluate,
     EvalDone,
     SendWeights,
+    Dropped,
+    Peers,
+    WeightsGroup,
 ]
 WeightsMessage = Union[WeightsRequest, WeightsPayload]
 AnyMessage = Union[DataMessage, ControlMessage, WeightsMessage]
@@ -569,6 +609,9 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         Evaluate,
         EvalDone,
         SendWeights,
+        Dropped,
+        Peers,
+        WeightsGroup,
         WeightsRequest,
         WeightsPayload,
     )

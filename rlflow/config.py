@@ -21,7 +21,9 @@ import msgspec
 import tomli_w
 from msgspec import Meta
 
+from rlflow.data.net import is_loopback
 from rlflow.protocol.spec import field_docs
+from rlflow.rewards.core import FunctionSpec, check_specs
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -111,17 +113,33 @@ class ClusterConfig(Table):
     num_cpus: NonNegInt = 0
     """Logical CPUs of a local Ray (0: this machine's count)."""
     host: str = "127.0.0.1"
-    """Address services bind their sockets on; empty: each node's own IP."""
+    """Address services bind their sockets on; empty: each node's own IP (a run that spans nodes needs that)."""
     handshake_timeout_s: PosFloat = 300.0
     """How long the controller waits for every service to say hello and get ready."""
     heartbeat_s: PosFloat = 0.5
     """Seconds between service heartbeats."""
     heartbeat_timeout_s: PosFloat = 60.0
-    """A service silent for this long is declared dead."""
+    """A service silent for this long is presumed dead (a rollout, reward or teacher replica is restarted)."""
+    progress_timeout_s: PosFloat = 300.0
+    """A rollout, reward or teacher replica that holds work but makes no progress (no decode step, no
+    finished group) for this long is presumed hung, and restarted."""
+    max_restarts: NonNegInt = 3
+    """Times a rollout, reward or teacher replica that dies or hangs is restarted before it is given up
+    on (the run goes on with the role's other replicas, if it has any)."""
     placement_timeout_s: PosFloat = 60.0
     """How long to wait for the placement groups of all pools."""
     dashboard: bool = False
     """Start Ray's dashboard with a local Ray (needs ray[default]; serves Ray's state API on :8265)."""
+    curve: Literal["auto", "on"] = "auto"
+    """ZeroMQ CURVE on every socket of the run (encrypted; only processes given the run's keys may connect).
+    "auto": whenever `host` is not a loopback address (empty included), i.e. whenever other hosts can reach
+    the sockets (there, a socket without CURVE is refused); "on": also on loopback (a machine shared with
+    others). CURVE costs throughput: ~0.25 GB/s per stream here against ~2.4 GB/s without."""
+
+    @property
+    def uses_curve(self) -> bool:
+        """Whether the run's sockets speak CURVE (see `curve`)."""
+        return self.curve == "on" or not is_loopback(self.host)
 
 
 class PoolConfig(Table):
@@ -182,6 +200,29 @@ class SimTeacher(Table, tag_field="kind", tag="sim"):
     """Time to score one response token."""
 
 
+class ModelTeacher(Table, tag_field="kind", tag="model"):
+    """A frozen Hugging Face model that scores every response token as batches
+    stream past: the log-probability of the sampled token, and optionally its
+    own top-k tokens, at the rollout's sampling temperature. The trainer reads
+    them for on-policy distillation and for a KL penalty."""
+
+    model: str = "policy"
+    """Model directory of the teacher ("policy": a frozen copy of the policy's starting weights, the
+    reference of a KL penalty). It must use the policy's tokenizer."""
+    backend: Literal["torch", "vllm"] = "torch"
+    """torch: a forward pass; vllm: vLLM's prompt log-probabilities (measured slower on CPU; see README)."""
+    top_k: NonNegInt = 0
+    """Also send the teacher's k most likely tokens and their log-probabilities at each position (0: none)."""
+    batch_tokens: PosInt = 8192
+    """Tokens (prompt and response, padded) per forward pass."""
+    temperature: NonNegFloat | None = None
+    """Temperature the log-probabilities are taken at (default: the rollout's); it must equal the rollout's."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights and activations."""
+    kv_cache_bytes: PosInt = 256 << 20
+    """KV cache size of the vllm backend on CPU."""
+
+
 class SimTrainer(Table, tag_field="kind", tag="sim"):
     """A simulated trainer: a fixed time per trained token, and a weight
     payload of `weights_bytes` that really crosses the wire to the rollout."""
@@ -192,6 +233,9 @@ class SimTrainer(Table, tag_field="kind", tag="sim"):
     """Fixed time per optimizer step."""
     weights_bytes: NonNegInt = 1 << 20
     """Size of the weights published after each step."""
+    checkpoint_every: NonNegInt = 0
+    """Write a checkpoint (the run state; there are no weights) every this many steps, so that a
+    simulated run resumes (0: none)."""
 
 
 class VllmRollout(Table, tag_field="kind", tag="vllm"):
@@ -236,6 +280,29 @@ class TaskReward(Table, tag_field="kind", tag="task"):
     """A sample whose scoring takes longer fails (recorded in-band, reward NaN)."""
 
 
+class FunctionsReward(Table, tag_field="kind", tag="functions"):
+    """Reward functions named by import path ("package.module:function", e.g.
+    "rlflow.rewards:math"), run in worker processes under a timeout per call;
+    a sample's reward is the weighted sum of theirs."""
+
+    functions: list[FunctionSpec]
+    """The functions, each a table: path, and optionally name, weight, kwargs, timeout_s, workers."""
+    concurrency: PosInt = 16
+    """Samples scored at once (per replica); at least the functions' workers, to keep them busy."""
+    on_failure: Literal["drop", "retry", "fallback"] = "drop"
+    """A sample a function could not score (timeout, error, crash): drop its group for good (counted, never
+    trained on), retry the call (`retries` times, then drop), or score it `fallback` for that function."""
+    retries: PosInt = 1
+    """Calls retried per sample with on_failure = "retry"."""
+    fallback: float = 0.0
+    """The value a failed call counts as with on_failure = "fallback"."""
+    check_references: NonNegInt = 8
+    """At start, score the reference answers of this many rows as if they were responses, and report a
+    function that does not score them right (0: no check)."""
+    start_timeout_s: PosFloat = 120.0
+    """How long the functions' workers may take to start (importing the functions, loading models)."""
+
+
 class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """A torch trainer on the Hugging Face class of the rollout's model: GRPO
     or RLOO advantages, a PPO-clipped objective with off-policy corrections."""
@@ -271,11 +338,23 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """Parameters and compute."""
     checkpoint_every: NonNegInt = 0
     """Write a checkpoint every this many steps (0: only at the end)."""
+    kl_coef: NonNegFloat = 0.0
+    """Weight of a KL penalty to the teacher role's model (a frozen reference; 0: none)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """k1: log(p / ref); k3: ref / p - 1 - log(ref / p) (unbiased, never negative)."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Add the KL penalty as a loss term, or subtract it from each sample's reward."""
+    distill_coef: Fraction = 0.0
+    """Weight of on-policy distillation towards the teacher role's model: 0 is RL alone, 1 distillation
+    alone, in between a mix of the two objectives."""
+    distill: Literal["sampled", "topk"] = "sampled"
+    """sampled: the reverse KL at the sampled token as a per-token advantage; topk: a loss over the
+    teacher's top-k tokens (roles.teacher.engine.top_k > 0)."""
 
 
 RolloutEngine = Union[SimRollout, VllmRollout]
-RewardEngine = Union[SimReward, TaskReward]
-TeacherEngine = Union[SimTeacher]
+RewardEngine = Union[SimReward, TaskReward, FunctionsReward]
+TeacherEngine = Union[SimTeacher, ModelTeacher]
 TrainerEngine = Union[SimTrainer, TorchTrainer]
 
 
@@ -303,6 +382,10 @@ class RewardRole(Table):
     """Replicas; they share the stream."""
     engine: RewardEngine = SimReward()
     """How rewards are computed."""
+    inline: bool = False
+    """Score in the rollout process instead, in line with generation (what AReaL and slime do): its
+    engine waits while each finished group is scored, and the reward replicas pass batches on. A layout
+    to compare against (bench/reward.py); the simulated rollout only."""
 
 
 class TeacherRole(Table):
@@ -400,7 +483,55 @@ class SimTask(Table, tag_field="kind", tag="sim"):
     """Chance that a simulated answer is right."""
 
 
-TaskConfig = Union[SimTask, ArithTask]
+class DatasetTask(Table, tag_field="kind", tag="dataset"):
+    """Prompts from the user's own files, read with the `datasets` library (JSON
+    lines, JSON, Parquet, CSV, or a folder written by `save_to_disk`); nothing is
+    downloaded. Scored by the reward role's functions (`roles.reward.engine.kind =
+    "functions"`), which get each row."""
+
+    train: str
+    """File or folder of the training prompts."""
+    eval: str = ""
+    """File or folder of the evaluation prompts (never trained on); empty: `eval_fraction` of `train`."""
+    eval_fraction: Fraction = 0.0
+    """Share of the training rows held out for evaluation when `eval` is empty (never trained on)."""
+    eval_size: NonNegInt = 0
+    """Evaluate at most this many rows (0: all of the evaluation split)."""
+    prompt: str = "prompt"
+    """Column of the prompt: a string, or a list of chat messages ({role, content} tables)."""
+    answer: str = "answer"
+    """Column of the reference answer the reward functions check against (empty: none)."""
+    chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (and the generation prompt), where it has one;
+    false: plain-text prompts are tokenized as they are."""
+    system_prompt: str = ""
+    """A system message put before each prompt rendered with the chat template."""
+    max_prompt_tokens: PosInt = 1024
+    """Rows whose rendered prompt is longer are left out when the data is loaded (and counted)."""
+
+
+class ReasoningGymTask(Table, tag_field="kind", tag="reasoning_gym"):
+    """Procedural problems of the `reasoning-gym` package, generated locally
+    (the optional extra `rlflow[tasks]`); score them with the reward function
+    `rlflow.rewards:reasoning_gym`, which asks the dataset's own verifier."""
+
+    dataset: str
+    """The reasoning-gym dataset, e.g. "leg_counting" or "basic_arithmetic"."""
+    size: PosInt = 10000
+    """Problems to generate for training (group ids cycle over them, reshuffled each epoch)."""
+    eval_size: NonNegInt = 200
+    """Problems generated for evaluation, from their own seed (never trained on)."""
+    options: dict[str, Union[int, float, str, bool]] = {}
+    """The dataset's own settings (passed to `reasoning_gym.create_dataset`)."""
+    chat_template: bool = True
+    """Render prompts with the tokenizer's chat template (and the generation prompt), where it has one."""
+    system_prompt: str = ""
+    """A system message put before each prompt rendered with the chat template."""
+    max_prompt_tokens: PosInt = 1024
+    """Problems whose rendered prompt is longer are left out (and counted)."""
+
+
+TaskConfig = Union[SimTask, ArithTask, DatasetTask, ReasoningGymTask]
 
 
 class EvalConfig(Table):
@@ -414,6 +545,8 @@ class EvalConfig(Table):
     """Evaluate the starting weights before training."""
     after: bool = True
     """Evaluate the final weights after the last step."""
+    pass_reward: float = 1.0
+    """With reward functions: a held-out answer passes when its reward reaches this (the pass rate)."""
 
 
 class Config(Table):
@@ -440,8 +573,11 @@ class Config(Table):
 
     @property
     def needs_model(self) -> bool:
-        """Whether a real engine loads the policy (the simulated ones do not)."""
-        return kind_of(self.roles.rollout.engine) != "sim" or kind_of(self.roles.trainer.engine) != "sim"
+        """Whether a real engine loads the policy or its tokenizer (the simulated ones do not)."""
+        engines = [self.roles.rollout.engine, self.roles.trainer.engine]
+        if self.roles.teacher is not None:
+            engines.append(self.roles.teacher.engine)
+        return any(kind_of(engine) != "sim" for engine in engines) or not isinstance(self.task, SimTask)
 
     def role_items(self) -> list[tuple[str, Any]]:
         """(name, role config) of every configured role, in pipeline order."""
@@ -528,6 +664,12 @@ def check(config: Config) -> None:
     for name in pools:
         if name not in used:
             raise ConfigError(f"pools.{name}", msgspec.to_builtins(config.pools[name]), "no role runs on this pool")
+    host = config.cluster.host
+    if host.strip("[]") in ("0.0.0.0", "::", "*"):
+        raise ConfigError(
+            "cluster.host", host,
+            "a wildcard is no address to connect to: give one, or leave it empty for each node's own IP",
+        )
     run = config.run
     if run.max_staleness is not None and run.mode != "async":
         implied = {"sync": 0, "one_step": 1}[run.mode]
@@ -535,11 +677,48 @@ def check(config: Config) -> None:
             raise ConfigError(
                 "run.max_staleness", run.max_staleness, f"must be {implied} (or left out) when run.mode = {run.mode!r}"
             )
+    _check_teacher(config)
+    reward = config.roles.reward.engine
+    if isinstance(reward, FunctionsReward):
+        try:
+            check_specs(reward.functions)
+        except ValueError as exc:
+            raise ConfigError("roles.reward.engine.functions", [f.path for f in reward.functions], str(exc)) from None
+    if config.roles.reward.inline and (not isinstance(config.roles.rollout.engine, SimRollout)
+                                       or isinstance(reward, FunctionsReward)):
+        raise ConfigError("roles.reward.inline", True,
+                          "scoring in line is a layout of the simulated rollout with a sim or task reward engine")
+    if isinstance(config.task, (DatasetTask, ReasoningGymTask)) and not isinstance(reward, FunctionsReward):
+        raise ConfigError(
+            "roles.reward.engine.kind", kind_of(reward),
+            f"task.kind = {kind_of(config.task)!r} is scored by reward functions: use kind = 'functions'",
+        )
     trainer = config.roles.trainer
     if trainer.replicas != 1:
         raise ConfigError(
             "roles.trainer.replicas", trainer.replicas, "the trainer runs as 1 replica (data-parallel trainers are not supported yet)"
         )
+
+
+def _check_teacher(config: Config) -> None:
+    """The trainer's teacher terms need a teacher that sends what they read,
+    scored at the temperature the rollout samples at."""
+    trainer, teacher = config.roles.trainer.engine, config.roles.teacher
+    needs = isinstance(trainer, TorchTrainer) and (trainer.kl_coef > 0 or trainer.distill_coef > 0)
+    if needs and (teacher is None or not isinstance(teacher.engine, ModelTeacher)):
+        key = "roles.trainer.engine.distill_coef" if trainer.distill_coef > 0 else "roles.trainer.engine.kl_coef"
+        value = trainer.distill_coef if trainer.distill_coef > 0 else trainer.kl_coef
+        raise ConfigError(key, value, "needs a teacher that scores with a model ([roles.teacher] with engine.kind = 'model')")
+    if needs and trainer.distill_coef > 0 and trainer.distill == "topk" and teacher.engine.top_k == 0:
+        raise ConfigError("roles.teacher.engine.top_k", 0, "must be at least 1 for roles.trainer.engine.distill = 'topk'")
+    if teacher is not None and isinstance(teacher.engine, ModelTeacher) and teacher.engine.temperature is not None:
+        rollout_t = getattr(config.roles.rollout.engine, "temperature", None)
+        if rollout_t is not None and teacher.engine.temperature != rollout_t:
+            raise ConfigError(
+                "roles.teacher.engine.temperature", teacher.engine.temperature,
+                f"must equal the rollout's sampling temperature ({rollout_t:g}): the teacher scores the distribution "
+                "the student samples from",
+            )
 
 
 def resolve_run_dir(config: Config, override: str | None = None, now: datetime.datetime | None = None) -> pathlib.Path:
@@ -594,7 +773,8 @@ def _explain(exc: msgspec.ValidationError, raw: dict[str, Any]) -> ConfigError:
         return ConfigError(_join(key_path), _MISSING, f"required: {_describe(field_type)}")
     given = _lookup(raw, path)
     target = _type_at(path, raw)
-    if target is None:
+    # A table that checks itself (a __post_init__) says what is wrong in its own words.
+    if target is None or (isinstance(target, msgspec.inspect.StructType) and not what.startswith("Expected")):
         return ConfigError(_join(path) or "config", given, what)
     return ConfigError(_join(path), given, f"expected {_describe(target)}")
 

@@ -2,14 +2,16 @@
 the typed records in the JSON files.
 
     config.toml          the resolved config the services got (absolute paths)
-    controller.json      the controller's address, pid and the run's secret (owner-only)
+    controller.json      the controller's address, pid, the run's secret and CURVE keys (owner-only)
     status.json          `Status`, rewritten twice a second; what `rlflow status` reads
     metrics.jsonl        one `StepRow` per optimizer step
+    ledger.jsonl         every change of the ledger of groups (`rlflow.control.ledger.Event`)
     evals.jsonl          one `EvalRow` per held-out evaluation
     summary.json         `Summary`, at the end
     run.log, run.pid     the detached run's output and process (`rlflow up --detach`)
     logs/ROLE-RANK.log   each service's log
-    trace/ROLE-RANK.json each service's state timeline; trace/lengths-RANK.jsonl the trained lengths
+    trace/ROLE-RANK.json each service's state timeline (ROLE-RANK.events.jsonl while it runs);
+                         trace/lengths-RANK.jsonl the trained lengths
     checkpoints/step-NNNNNN/   a Hugging Face model directory plus trainer and controller state
     tensorboard/         event files, when TensorBoard is installed
     timeline.png, trace.json, curves.png   written by `rlflow report`
@@ -24,6 +26,8 @@ import pathlib
 from typing import Any, TypeVar
 
 import msgspec
+
+from rlflow.data.net import CurveKeys
 
 # ---------------------------------------------------------------------------
 # Records
@@ -65,6 +69,8 @@ class StepRow(Record):
     """Each role's time over the step."""
     train: dict[str, float] = {}
     """The trainer engine's own statistics (loss, gradient norm, clipped share, ...)."""
+    reward_failed_share: float | None = None
+    """Share of the samples scored over the step whose reward could not be computed."""
     controller_msgs: int = 0
     """Messages the controller had received by then."""
 
@@ -102,6 +108,8 @@ class RoleStatus(Record):
 
     replicas: int
     up: int
+    restarts: int = 0
+    """Replicas of the role restarted so far."""
     placed: list[Placed] = []
     states: Shares = Shares()
     """Over the last few heartbeats."""
@@ -136,9 +144,23 @@ class GroupCounts(Record):
     queued: int = 0
     generating: int = 0
     downstream: int = 0
+    received: int = 0
     trained: int = 0
     granted: int = 0
     reissued: int = 0
+    dropped: dict[str, int] = {}
+    """Groups dropped for good, by reason."""
+
+
+class Trend(Record):
+    """A training statistic over the latest steps (e.g. the KL to the teacher)."""
+
+    last: float
+    mean: float
+    """Over the last `steps` steps."""
+    steps: int
+    change: float | None = None
+    """`mean` minus the mean of the `steps` steps before (None: not that many yet)."""
 
 
 class Status(Record):
@@ -166,6 +188,11 @@ class Status(Record):
     last_eval: EvalRow | None = None
     roles: dict[str, RoleStatus] = {}
     controller: ControllerStats = ControllerStats()
+    warnings: list[str] = []
+    """The latest things a person should look at (e.g. rewards failing, a reward
+    function that cannot score a reference answer)."""
+    trends: dict[str, Trend] = {}
+    """Training statistics to watch as they move (``kl_teacher``: the per-token KL to the teacher)."""
 
 
 class Summary(Record):
@@ -210,6 +237,8 @@ class ControllerInfo(Record):
     pid: int
     address: str
     secret: str
+    curve: CurveKeys | None = None
+    """The run's CURVE keys, which a client needs to reach `address` (None: loopback, none needed)."""
 
 
 R = TypeVar("R", bound=Record)
@@ -247,6 +276,11 @@ class RunDir:
     @property
     def metrics(self) -> pathlib.Path:
         return self.path / "metrics.jsonl"
+
+    @property
+    def ledger(self) -> pathlib.Path:
+        """Every change of the controller's ledger of groups (`rlflow audit` replays it)."""
+        return self.path / "ledger.jsonl"
 
     @property
     def evals(self) -> pathlib.Path:
@@ -299,6 +333,11 @@ class RunDir:
     def service_trace(self, name: str) -> pathlib.Path:
         """``trace/<role>-<rank>.json``: a service's state timeline."""
         return self.traces / f"{name}.json"
+
+    def service_events(self, name: str) -> pathlib.Path:
+        """``trace/<role>-<rank>.events.jsonl``: a running service's state
+        changes so far, one per line (it ends in the service's trace)."""
+        return self.traces / f"{name}.events.jsonl"
 
     def lengths(self, rank: int) -> pathlib.Path:
         """``trace/lengths-<rank>.jsonl``: what a trainer rank trained on, per step."""

@@ -27,7 +27,7 @@ import trio
 from rlflow.config import Config
 from rlflow.control.spec import ServiceSpec
 from rlflow.data import transport
-from rlflow.data.net import node_ip
+from rlflow.data import net
 from rlflow.data.tasks import Task, load_tokenizer, make_task, needs_tokenizer
 from rlflow.errors import leaves
 from rlflow.protocol import (
@@ -36,6 +36,7 @@ from rlflow.protocol import (
     ErrorReport,
     Heartbeat,
     Hello,
+    Peers,
     Ready,
     Role,
     SampleBatch,
@@ -55,8 +56,15 @@ class StateClock:
         self._state = "idle"
         self._since = time.monotonic()
         self._totals = dict.fromkeys(STATES, 0.0)
-        #: (wall time, state) at every change of state: the service's timeline.
+        #: (wall time, state) at every change of state since the last `drain`:
+        #: the service's timeline is every drain's events in order, then these.
         self.events: list[tuple[float, str]] = [(time.time(), "idle")]
+
+    def drain(self) -> list[tuple[float, str]]:
+        """The state changes recorded since the last drain, forgotten here
+        (a busy service changes state thousands of times a second)."""
+        events, self.events = self.events, []
+        return events
 
     def set(self, state: str) -> None:
         now = time.monotonic()
@@ -100,6 +108,8 @@ class EngineContext:
     watch: Callable[[transport.Socket], None]
     """Report this socket's rejected messages in the heartbeats."""
     log: logging.Logger
+    curve: net.CurveKeys | None = None
+    """The run's CURVE keys, for the sockets the engine opens (None: the run stays on loopback)."""
 
     def say(self, text: str, *args: Any) -> None:
         self.log.info(f"[{self.name}] " + text, *args)
@@ -208,13 +218,27 @@ async def open_control(spec: ServiceSpec) -> AsyncIterator[Control]:
     # A random identity: a peer that guessed it could otherwise take this
     # service's place at the controller's ROUTER before it connects.
     identity = f"{spec.name}-{secrets.token_hex(8)}".encode()
-    async with transport.open_dealer(connect=spec.controller, identity=identity, name=f"{spec.name}/control") as dealer:
+    async with transport.open_dealer(
+        connect=spec.controller, identity=identity, curve=spec.curve, name=f"{spec.name}/control"
+    ) as dealer:
         yield Control(dealer, spec)
+
+
+def follow(push: transport.Push, current: list[str], peers: list[str]) -> list[str]:
+    """Point `push` at `peers` (after a replica of the next role was replaced):
+    connect the new addresses, let go of the old; the addresses now."""
+    for address in peers:
+        if address not in current:
+            transport.connect(push, address)
+    for address in current:
+        if address not in peers:
+            transport.disconnect(push, address)
+    return list(peers)
 
 
 def bind_host(config: Config) -> str:
     """The address services bind their sockets on (the node's own, unless configured)."""
-    return config.cluster.host or node_ip()
+    return net.bind_host(config.cluster.host)
 
 
 class Service:
@@ -249,6 +273,7 @@ class Service:
             run_dir=self.run_dir,
             watch=self.sockets.append,
             log=self.log,
+            curve=self.spec.curve,
         )
 
     def load_task(self) -> Task:
@@ -270,6 +295,7 @@ class Service:
         return msg
 
     def heartbeat(self, seq: int) -> Heartbeat:
+        self.save_timeline()
         totals = self.clock.totals()
         counters = {k: float(v) for k, v in self.counters.items()}
         for sock in self.sockets:
@@ -287,15 +313,37 @@ class Service:
             counters=counters,
         )
 
+    def save_timeline(self) -> None:
+        """Move the state changes recorded so far out of memory (at every
+        heartbeat): appended to the run directory's events file, or dropped
+        when there is none, so that a long run's timeline does not grow the
+        process."""
+        events = self.clock.drain()
+        if self.run_dir is None or not events:
+            return
+        path = self.run_dir.service_events(self.spec.name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:
+            f.writelines(json.dumps(event) + "\n" for event in events)
+
     def write_trace(self) -> None:
-        """The state timeline into the run directory (read by `rlflow report`)."""
+        """The state timeline into the run directory (read by `rlflow report`):
+        the events file, streamed into the trace, which then replaces it."""
         if self.run_dir is None:
             return
-        path = self.run_dir.service_trace(self.spec.name)
-        path.parent.mkdir(parents=True, exist_ok=True)
         self.clock.set("idle")
-        data = {"role": self.spec.role, "rank": self.spec.rank, "events": self.clock.events, "counters": dict(self.counters)}
-        path.write_text(json.dumps(data))
+        self.save_timeline()
+        events = self.run_dir.service_events(self.spec.name)
+        self.run_dir.traces.mkdir(parents=True, exist_ok=True)
+        head = json.dumps({"role": self.spec.role, "rank": self.spec.rank, "counters": dict(self.counters)})
+        with open(self.run_dir.service_trace(self.spec.name), "w") as out:
+            out.write(head[:-1] + ', "events": [')
+            if events.exists():
+                with open(events) as lines:
+                    for i, line in enumerate(lines):
+                        out.write(("," if i else "") + line.rstrip("\n"))
+            out.write("]}")
+        events.unlink(missing_ok=True)
 
     async def run(self) -> None:
         async with open_control(self.spec) as control:
@@ -332,9 +380,18 @@ class StageService(Service):
         super().__init__(spec)
         self._working = 0
         self._waiting_out = 0
+        #: The control channel, once `main` runs (`process` may tell the controller things).
+        self.control: Control | None = None
+
+    async def prepare(self) -> None:
+        """Get ready to work (load a model), before saying hello."""
+
+    def hello_info(self) -> dict[str, str]:
+        """What the controller should know of this replica (in its hello)."""
+        return {}
 
     async def process(self, batch: Any) -> Any:
-        """The batch with this stage's fields filled in."""
+        """The batch with this stage's fields filled in (None: nothing of it goes on)."""
         raise NotImplementedError
 
     def queues(self) -> dict[str, int]:
@@ -349,13 +406,17 @@ class StageService(Service):
             self.clock.set("starved")
 
     async def main(self, control: Control) -> None:
+        self.control = control
         bind = transport.tcp_address(bind_host(self.config))
-        async with transport.open_pull(bind=bind, name=f"{self.spec.name}/in") as inbox:
+        await self.prepare()
+        async with transport.open_pull(bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/in") as inbox:
             self.sockets.append(inbox)
-            welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)})
+            welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)}, info=self.hello_info())
             self.say("up, sending to %s", ", ".join(welcome.peers["out"]))
             async with (
-                transport.open_push(connect=welcome.peers["out"], name=f"{self.spec.name}/out") as out,
+                transport.open_push(
+                    connect=welcome.peers["out"], curve=self.spec.curve, name=f"{self.spec.name}/out"
+                ) as out,
                 trio.open_nursery() as nursery,
             ):
                 done_send, done_recv = trio.open_memory_channel(0)
@@ -367,6 +428,9 @@ class StageService(Service):
                     finally:
                         self._working -= 1
                         slots.release()
+                    if result is None:
+                        self._retime()
+                        return
                     self._waiting_out += 1
                     self._retime()
                     await done_send.send(result)
@@ -395,8 +459,12 @@ class StageService(Service):
                 nursery.start_soon(send)
                 nursery.start_soon(receive)
                 await control.ready(self.version)
+                peers = welcome.peers["out"]
                 async for msg in control:
-                    if isinstance(msg, Shutdown):
-                        self.say("shutting down (%s)", msg.reason)
-                        break
+                    match msg:
+                        case Peers():
+                            peers = follow(out, peers, msg.peers.get("out", []))
+                        case Shutdown(reason=reason):
+                            self.say("shutting down (%s)", reason)
+                            break
                 nursery.cancel_scope.cancel()

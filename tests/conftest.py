@@ -33,17 +33,21 @@ def ray_cluster():
 
 def leftovers(run_id: str = "") -> tuple[list[str], list[str]]:
     """rlflow actors and placement groups Ray's state API still reports."""
+    import ray
     from ray.util.state import list_actors, list_placement_groups
 
+    # This cluster's, by address: another Ray may be running on the machine.
+    address = ray.get_runtime_context().gcs_address
     prefix = f"rlflow:{run_id}"
     actors = [
         a.name
-        for a in list_actors(filters=[("state", "!=", "DEAD")], limit=10_000, raise_on_missing_output=False)
+        for a in list_actors(address=address, filters=[("state", "!=", "DEAD")], limit=10_000,
+                             raise_on_missing_output=False)
         if (a.name or "").startswith(prefix)
     ]
     groups = [
         g.name
-        for g in list_placement_groups(limit=10_000, raise_on_missing_output=False)
+        for g in list_placement_groups(address=address, limit=10_000, raise_on_missing_output=False)
         if (g.name or "").startswith(prefix) and g.state != "REMOVED"
     ]
     return actors, groups

@@ -23,6 +23,7 @@ from rlflow.protocol import (
     Bye,
     Codec,
     Credits,
+    Dropped,
     ErrorReport,
     EvalDone,
     Evaluate,
@@ -31,6 +32,7 @@ from rlflow.protocol import (
     Heartbeat,
     Hello,
     ParamSpec,
+    Peers,
     Pause,
     PromptGroup,
     Ready,
@@ -45,6 +47,7 @@ from rlflow.protocol import (
     UpdateWeights,
     WeightsLoaded,
     WeightsGloo,
+    WeightsGroup,
     WeightsPayload,
     WeightsReady,
     WeightsRequest,
@@ -139,6 +142,11 @@ def examples() -> dict[str, object]:
         "Ack": Ack(stage=Stage.ROLLOUT_END, group_ids=[10, 12]),
         "Evaluate": Evaluate(version=7, temperature=0.0),
         "EvalDone": EvalDone(version=7, metrics={"accuracy": 0.5, "accuracy.digits_2": 0.75}, seconds=3.5, version_end=8),
+        "Peers": Peers(peers={"out": ["tcp://127.0.0.1:5001", "tcp://127.0.0.1:5009"]}),
+        "WeightsGroup": WeightsGroup(
+            transfer=WeightsGloo(host="10.0.0.2", port=29511, world_size=3, nbytes=4096, generation=2)
+        ),
+        "Dropped": Dropped(group_ids=[7, 9], reason="reward function 'math': timeout"),
         "SendWeights": SendWeights(
             version=6, transfer=WeightsGloo(host="10.0.0.2", port=29500, world_size=3, nbytes=4096, generation=1)
         ),

@@ -125,6 +125,13 @@ def sample_batches(draw) -> SampleBatch:
         batch = msgspec.structs.replace(batch, rewards=Tensor.of(draw(st.lists(st.floats(width=32), min_size=n, max_size=n)), "float32"))
     if draw(st.booleans()):
         batch = msgspec.structs.replace(batch, teacher_logprobs=Tensor.of(np.zeros(t), "float32"))
+    if draw(st.booleans()):
+        k = draw(st.integers(1, 4))
+        batch = msgspec.structs.replace(
+            batch,
+            teacher_topk_ids=Tensor.from_numpy(np.zeros((t, k), np.int32)),
+            teacher_topk_logprobs=Tensor.from_numpy(np.full((t, k), -1.0, np.float32)),
+        )
     if n and draw(st.booleans()):
         failures = [SampleFailure(index=draw(st.integers(0, n - 1)), stage=Stage.REWARD_END, kind="timeout")]
         batch = msgspec.structs.replace(batch, failures=failures)

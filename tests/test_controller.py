@@ -5,12 +5,15 @@ sockets started in this process."""
 from __future__ import annotations
 
 import json
+import math
 import pathlib
+import re
 import subprocess
 import sys
 
 import msgspec
 import pytest
+import rich.console
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -78,14 +81,20 @@ def test_an_expired_group_is_granted_again_first_on_weights_the_bound_allows():
     assert ledger.reissued == 1
 
 
-def test_a_lost_replica_gives_back_exactly_the_groups_it_was_generating():
+def test_a_lost_replica_gives_back_what_it_held_and_what_did_not_reach_the_trainer():
     ledger = GroupLedger(batch_size=4, max_staleness=1, steps=100)
     granted = ledger.grant({0: 3, 1: 3}, 0)
     mine = [g.group_id for g in granted[1]]
-    ledger.generated(1, mine[:1])  # this one already left the replica
-    assert sorted(ledger.lost(1)) == sorted(mine[1:])
+    ledger.generated(1, mine[:2])  # these left the replica...
+    ledger.received(mine[:1])  # ... and this one reached the trainer
+    assert sorted(ledger.lost(1)) == sorted(mine[1:])  # the second may have died in its socket
     assert all(ledger.groups[g].state is GroupState.QUEUED for g in mine[1:])
-    assert ledger.groups[mine[0]].state is GroupState.DOWNSTREAM
+    assert ledger.groups[mine[0]].state is GroupState.RECEIVED
+    others = [g.group_id for g in granted[0]]
+    ledger.generated(0, others)
+    assert sorted(ledger.lost_downstream("reward-0")) == sorted(others)  # on their way: who knows where
+    events = [e.event for e in ledger.drain()]
+    assert events == ["issued", "issued", "generated", "received", "requeued", "generated", "requeued"]
 
 
 def test_an_ack_from_the_wrong_replica_changes_nothing():
@@ -104,7 +113,7 @@ def test_restore_queues_every_untrained_group_again_and_keeps_the_clock():
     state = msgspec.json.decode(msgspec.json.encode(ledger.snapshot()), type=type(ledger.snapshot()))
     back = GroupLedger.restore(state, batch_size=2, max_staleness=1, steps=10)
     assert back.steps_done == 1 and back.next_group == 4
-    assert back.counts() == {"queued": 2, "generating": 0, "downstream": 0}
+    assert back.counts() == {"queued": 2, "generating": 0, "downstream": 0, "received": 0}
     granted = back.grant({0: 100}, version=1)[0]
     # The untrained ones first, then new ones up to the bound of step 1.
     assert [g.group_id for g in granted] == [2, 3, 4, 5]
@@ -165,7 +174,16 @@ def test_one_version_moves_at_a_time_and_the_newest_waiting_one_goes_next():
     assert not rounds.busy
 
 
-def test_a_receiver_that_got_a_newer_version_has_done_its_part():
+def test_a_receiver_that_got_a_newer_version_than_the_one_moving_completes_the_round():
+    rounds = WeightRounds()
+    assert rounds.publish(1) == 1
+    assert rounds.publish(2) is None
+    # The weight server had 2 by the time replica 0 fetched: it holds 2.
+    assert rounds.loaded(0, 2, {0}) == 2
+    assert rounds.loaded(0, 2, {0}) is None and not rounds.busy  # it says it holds 2 (see the rollout service)
+
+
+def test_a_round_counts_receivers_that_got_the_version_moving_or_a_newer_one():
     rounds = WeightRounds()
     assert rounds.publish(1) == 1
     assert rounds.publish(2) is None
@@ -215,36 +233,132 @@ def test_the_gain_is_in_points():
     assert summary.gain_points == pytest.approx(20.0)
 
 
+def test_the_kl_to_the_teacher_is_shown_with_its_trend(tmp_path):
+    """The status, the live table and the log line say where the KL is going;
+    the curves get a panel for it."""
+    from rlflow.rundir import RunDir, Status
+    from rlflow.tools.cli import progress_line
+    from rlflow.tools.display import render
+    from rlflow.tools.report import load, write_curves
+
+    stats = RunStats(["trainer"])
+    assert stats.trends() == {}
+    for step in range(25):  # 1.0 for 8 steps, then 0.5; one step without a teacher's figure
+        metrics = {} if step == 3 else {"kl_teacher": 1.0 if step < 8 else 0.5}
+        stats.close_step(StepDone(step=step, version=step + 1, acked=[], metrics=metrics), float(step), 0)
+    trend = stats.trends()["kl_teacher"]
+    assert (trend.last, trend.mean, trend.steps) == (0.5, 0.5, 10)
+    assert trend.change == pytest.approx(0.5 - (3 * 1.0 + 7 * 0.5) / 10)  # steps 15-24 against 5-14
+    status = Status(run_id="r", state="running", trends=stats.trends())
+    assert "kl_teacher 0.500 (10-step mean 0.500, -0.150)" in progress_line(status)
+    console = rich.console.Console(record=True, width=200)
+    console.print(render(status))
+    assert "kl_teacher 0.500" in console.export_text()
+    folder = RunDir(tmp_path)
+    folder.metrics.write_text("".join(msgspec.json.encode(row).decode() + "\n" for row in stats.rows))
+    png = write_curves(load(tmp_path), tmp_path / "curves.png")
+    import matplotlib.image
+
+    assert matplotlib.image.imread(png).shape[1] > 2 * 4.2 * 110  # reward, staleness, and the KL
+
+
 # -- the shell, with real services in this process ----------------------------------------
 
 
 class InProcessLauncher:
     """Starts each service of the config as a trio task of this process
-    (real sockets, real services, simulated engines; no Ray)."""
+    (real sockets, real services, simulated engines; no Ray). `crash` ends a
+    replica's task at once, as a SIGKILL would (no bye); `restart` starts its
+    next incarnation; `services` holds each replica's service object (to
+    make one hang)."""
 
-    def __init__(self, config: C.Config, run_id: str, secret: str, token: trio.lowlevel.TrioToken):
-        self.config, self.run_id, self.secret, self.token = config, run_id, secret, token
+    def __init__(self, config: C.Config, run_id: str, secret: str, token: trio.lowlevel.TrioToken, run_dir: str = ""):
+        self.config, self.run_id, self.secret, self.token, self.run_dir = config, run_id, secret, token, run_dir
         self.nursery: trio.Nursery | None = None
+        self.controller = ""
+        self.scopes: dict[tuple[str, int], trio.CancelScope] = {}
+        self.incarnations: dict[tuple[str, int], int] = {}
+        self.services: dict[tuple[str, int], object] = {}
+        self.ended: list = []
+        #: role -> incarnations from which restarts of it start nothing (a replacement that never comes up).
+        self.dud_from: dict[str, int] = {}
 
     def start(self, controller_address: str) -> None:
-        from rlflow.services import service_class
-
+        self.controller = controller_address
         for role, cfg in self.config.role_items():
             for rank in range(cfg.replicas):
-                spec = ServiceSpec(role=role, rank=rank, replicas=cfg.replicas, run_id=self.run_id,
-                                   controller=controller_address, config=self.config, secret=self.secret)
-                trio.from_thread.run_sync(self.nursery.start_soon, service_class(role)(spec).run, trio_token=self.token)
+                trio.from_thread.run_sync(self._start, role, rank, 0, trio_token=self.token)
 
-    def failures(self) -> list[str]:
-        return []
+    def _start(self, role: str, rank: int, incarnation: int) -> None:
+        from rlflow.services import service_class
+
+        cfg = dict(self.config.role_items())[role]
+        spec = ServiceSpec(role=role, rank=rank, replicas=cfg.replicas, run_id=self.run_id, controller=self.controller,
+                           config=self.config, secret=self.secret, incarnation=incarnation, run_dir=self.run_dir)
+        scope = self.scopes[(role, rank)] = trio.CancelScope()
+        self.incarnations[(role, rank)] = incarnation
+        if incarnation >= self.dud_from.get(role, 1 << 30):
+            return
+        service = self.services[(role, rank)] = service_class(role)(spec)
+
+        async def run() -> None:
+            with scope:
+                try:
+                    await service.run()
+                except Exception as exc:  # as a process would: it dies, and the launcher says so
+                    self.ended.append((f"died: {type(exc).__name__}: {exc}", role, rank, incarnation))
+
+        self.nursery.start_soon(run)
+
+    def _end(self, role: str, rank: int, why: str) -> None:
+        self.scopes[(role, rank)].cancel()
+        self.ended.append((why, role, rank, self.incarnations[(role, rank)]))
+
+    async def crash(self, role: str, rank: int) -> None:
+        """Kill a replica from the test (as a SIGKILL would)."""
+        self._end(role, rank, "died: killed")
+        await trio.sleep(0)
+
+    def kill(self, role: str, rank: int) -> None:
+        """The controller ends a replica (one that hangs)."""
+        trio.from_thread.run_sync(self._end, role, rank, "died: killed by the controller", trio_token=self.token)
+
+    def failures(self) -> list:
+        from rlflow.control.placement import Failure
+
+        out = [Failure(role, rank, incarnation, message) for message, role, rank, incarnation in self.ended]
+        self.ended.clear()
+        return out
+
+    def restart(self, role: str, rank: int) -> int:
+        incarnation = self.incarnations[(role, rank)] + 1
+        trio.from_thread.run_sync(self._start, role, rank, incarnation, trio_token=self.token)
+        return incarnation
 
 
-async def run_in_process(config: C.Config, run_dir: pathlib.Path) -> tuple[Controller, object]:
+async def run_in_process(config: C.Config, run_dir: pathlib.Path, during=None) -> tuple[Controller, object]:
+    """Run `config` with its services in this process; `during(controller,
+    launcher)` runs alongside (e.g. to kill replicas)."""
+    try:
+        return await _run_in_process(config, run_dir, during)
+    except BaseExceptionGroup as group:  # the run's own error, as `run` raises it
+        failed = group.subgroup(RunFailed)
+        while isinstance(failed, BaseExceptionGroup) and len(failed.exceptions) == 1:
+            failed = failed.exceptions[0]
+        if isinstance(failed, RunFailed):
+            raise failed from group
+        raise
+
+
+async def _run_in_process(config: C.Config, run_dir: pathlib.Path, during) -> tuple[Controller, object]:
     async with trio.open_nursery() as nursery:
-        launcher = InProcessLauncher(config, "test", "s3cret", trio.lowlevel.current_trio_token())
+        launcher = InProcessLauncher(config, "test", "s3cret", trio.lowlevel.current_trio_token(), str(run_dir))
         launcher.nursery = nursery
         controller = Controller(config, run_dir, "test", launcher, secret="s3cret")
+        if during is not None:
+            nursery.start_soon(during, controller, launcher)
         summary = await controller.run()
+        nursery.cancel_scope.cancel()
     return controller, summary
 
 
@@ -366,3 +480,170 @@ async def test_a_peer_that_may_not_join_is_told_why_on_the_wire(tmp_path):
             assert f"schema version {SCHEMA_VERSION + 1}, this peer speaks {SCHEMA_VERSION}" in refused.message
             nursery.cancel_scope.cancel()
     assert controller.ignored == {"unauthenticated": 1, "unexpected_hello": 1, "wrong_version": 1}
+
+
+def test_a_dropped_group_is_gone_for_good_and_makes_room_for_a_new_one():
+    ledger = GroupLedger(batch_size=2, max_staleness=0, steps=10)
+    assert [g.group_id for g in ledger.grant({0: 10}, 0)[0]] == [0, 1]
+    ledger.generated(0, [0, 1])
+    assert ledger.drop([1, 1, 7], "reward function 'math': timeout") == [1]
+    assert ledger.dropped == {"reward function 'math': timeout": 1}
+    assert [g.group_id for g in ledger.grant({0: 10}, 0)[0]] == [2]  # the bound of step 0, less the dropped one
+    assert ledger.expired([1]) == []  # never granted again
+    state = ledger.snapshot()
+    assert GroupLedger.restore(state, 2, 0, 10).dropped == {"reward function 'math': timeout": 1}
+
+
+async def test_a_replica_that_dies_is_restarted_its_groups_reissued_and_nothing_is_lost(tmp_path):
+    """Kill the rollout, reward and teacher replicas mid-run (their tasks end
+    at once, as with SIGKILL): each is restarted as a new incarnation, the
+    groups it held are granted again, and the audit of the run's ledger
+    finds nothing lost and nothing trained twice."""
+    from rlflow.tools.audit import audit
+
+    async def kill_some(controller: Controller, launcher: InProcessLauncher) -> None:
+        for n, role in enumerate(("rollout", "reward", "teacher", "rollout")):
+            while controller.ledger.steps_done < 2 + 2 * n or not all(r.live for r in controller.replicas.values()):
+                await trio.sleep(0.05)
+            before = controller.replicas[(role, 0)].incarnation
+            await launcher.crash(role, 0)
+            while controller.replicas[(role, 0)].incarnation == before or not controller.replicas[(role, 0)].live:
+                await trio.sleep(0.05)
+
+    config = sim("run.steps=14", "cluster.heartbeat_timeout_s=5", "roles.rollout.engine.step_s=0.002")
+    with trio.fail_after(120):
+        controller, summary = await run_in_process(config, tmp_path, during=kill_some)
+    assert summary.state == "stopped", summary.error
+    assert summary.steps == 14
+    status = RunDir(tmp_path).read_status()
+    assert {role: info.restarts for role, info in status.roles.items()} == {
+        "rollout": 2, "reward": 1, "teacher": 1, "trainer": 0}
+    assert [p.incarnation for p in status.roles["rollout"].placed] == [2]
+    result = audit(tmp_path)
+    assert (result.lost, result.duplicated) == (0, 0), result
+    assert result.trained == 14 * 4 and result.issued == result.trained + result.dropped
+    assert summary.groups.reissued > 0
+
+
+def ks_distance(a: list[int], b: list[int]) -> float:
+    """The two-sample Kolmogorov-Smirnov statistic: the largest gap between
+    the empirical distribution functions of `a` and `b`."""
+    import numpy as np
+
+    a, b = np.sort(a), np.sort(b)
+    grid = np.concatenate([a, b])
+    return float(np.max(np.abs(np.searchsorted(a, grid, "right") / len(a) - np.searchsorted(b, grid, "right") / len(b))))
+
+
+async def test_ten_kill_and_resume_cycles_lose_nothing_and_train_what_an_uninterrupted_run_does(tmp_path):
+    """Kill the trainer at a random moment, resume from the newest checkpoint,
+    ten times over; then finish. The audit finds no group lost or trained
+    twice, every step trained each of its groups within the staleness bound
+    (also the first step after each resume), and the trained response
+    lengths are distributed as in a run that was never interrupted."""
+    import random
+
+    from conftest import late_starts, trained_groups
+
+    from rlflow.tools.audit import audit
+
+    steps, batch = 30, 4
+    base = (f"run.steps={steps}", "roles.trainer.engine.checkpoint_every=1", "roles.rollout.engine.step_s=0.002")
+    with trio.fail_after(120):
+        await run_in_process(sim(*base), tmp_path / "whole")
+    rng = random.Random(12)
+    run_dir, resume, kills = tmp_path / "cut", [], 0
+
+    async def kill_trainer(controller: Controller, launcher: InProcessLauncher) -> None:
+        nonlocal kills
+        start = controller.ledger.steps_done
+        while controller.ledger.steps_done < start + 1:
+            await trio.sleep(0.01)
+        await trio.sleep(rng.uniform(0, 0.3))
+        await launcher.crash("trainer", 0)
+        kills += 1
+
+    for cycle in range(10):
+        with trio.fail_after(120), pytest.raises(RunFailed, match=r"trainer-0 died: killed; .*rlflow up --resume"):
+            await run_in_process(sim(*base, *resume), run_dir, during=kill_trainer)
+        checkpoint = RunDir(run_dir).latest_checkpoint()
+        assert checkpoint is not None, f"cycle {cycle}: no checkpoint"
+        resume = [f"run.resume={json.dumps(str(checkpoint))}"]
+    assert kills == 10
+    with trio.fail_after(120):
+        _, summary = await run_in_process(sim(*base, *resume), run_dir)
+    assert summary.state == "stopped" and summary.steps == steps
+    result = audit(run_dir)
+    assert (result.lost, result.duplicated, result.trained) == (0, 0, steps * batch), result
+    trained = trained_groups(run_dir)
+    assert sorted(g for _, g, _ in trained) == list(range(steps * batch))  # none skipped, none twice
+    assert [s for s, _, _ in trained] == [s for s in range(steps) for _ in range(batch)]
+    assert late_starts(run_dir, batch, 2) == []
+
+    def lengths(folder) -> list[int]:
+        return [n for line in RunDir(folder).lengths(0).read_text().splitlines() for n in json.loads(line)["lengths"]]
+
+    cut, whole = lengths(run_dir), lengths(tmp_path / "whole")
+    assert len(cut) == len(whole) == steps * batch * 4
+    # Two samples of 480 from one distribution: a gap over 0.13 has p < 0.001.
+    assert ks_distance(cut, whole) < 0.13
+
+
+async def test_a_replica_that_hangs_while_holding_work_is_killed_and_restarted(tmp_path):
+    """Its heartbeats go on, its tokens do not: after
+    `cluster.progress_timeout_s` it counts as dead."""
+    from rlflow.tools.audit import audit
+
+    async def hang(controller: Controller, launcher: InProcessLauncher) -> None:
+        while controller.ledger.steps_done < 2:
+            await trio.sleep(0.02)
+        # Its batcher's clock stands: no decode step, no group finishes.
+        batcher = launcher.services[("rollout", 0)].engine.batcher
+        batcher.advance = lambda now: None
+        batcher.wake_time = lambda: math.inf
+
+    with trio.fail_after(120):
+        _, summary = await run_in_process(sim("run.steps=8", "cluster.progress_timeout_s=1"), tmp_path, during=hang)
+    assert summary.state == "stopped" and summary.steps == 8, summary.error
+    status = RunDir(tmp_path).read_status()
+    assert status.roles["rollout"].restarts == 1
+    assert any("rollout-0 made no progress for" in w and "presumed hung" in w for w in status.warnings), status.warnings
+    result = audit(tmp_path)
+    assert (result.lost, result.duplicated) == (0, 0)
+
+
+async def test_a_replica_that_keeps_dying_is_given_up_on_and_the_others_go_on(tmp_path):
+    async def kill_twice(controller: Controller, launcher: InProcessLauncher) -> None:
+        for n in range(2):
+            while controller.ledger.steps_done < 2 + 2 * n or not controller.replicas[("rollout", 1)].live \
+                    or controller.replicas[("rollout", 1)].incarnation != n:
+                await trio.sleep(0.02)
+            await launcher.crash("rollout", 1)
+
+    config = sim("run.steps=10", "roles.rollout.replicas=2", "cluster.max_restarts=1")
+    with trio.fail_after(30):
+        _, summary = await run_in_process(config, tmp_path, during=kill_twice)
+    assert summary.state == "stopped" and summary.steps == 10, summary.error
+    status = RunDir(tmp_path).read_status()
+    assert status.roles["rollout"].restarts == 1
+    # The controller learns of the death from the launcher, or first from a send that finds no one.
+    assert any(re.fullmatch(r"rollout-1 is given up on after 1 restarts; its last error: "
+                            r"(died: killed|closed its connection)", w) for w in status.warnings), status.warnings
+
+
+async def test_a_role_whose_last_replica_is_given_up_on_stops_the_run_naming_it(tmp_path):
+    """The reward replica dies; its replacement never comes up (within three
+    times the first start, and never less than the heartbeat timeout); with
+    no restarts left the run stops, saying which replica and why."""
+    async def kill_reward(controller: Controller, launcher: InProcessLauncher) -> None:
+        launcher.dud_from["reward"] = 1
+        while controller.ledger.steps_done < 2:
+            await trio.sleep(0.02)
+        await launcher.crash("reward", 0)
+
+    config = sim("run.steps=100000", "cluster.max_restarts=1", "cluster.heartbeat_timeout_s=1")
+    with trio.fail_after(120), pytest.raises(
+            RunFailed, match=r"every reward replica is given up on; the last, reward-0: was not back within 1 s"):
+        await run_in_process(config, tmp_path, during=kill_reward)
+    status = RunDir(tmp_path).read_status()
+    assert status.state == "failed" and status.roles["reward"].restarts == 1

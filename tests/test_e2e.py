@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 import time
@@ -18,6 +19,8 @@ from rlflow.control.launch import run
 from rlflow.rundir import RunDir
 
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 CONFIG = """
 [pools.generate]
@@ -121,3 +124,85 @@ def test_a_run_resumes_from_its_last_checkpoint_detached(real_run, ray_cluster):
     assert C.load(folder.config).roles == C.load(text=config_before).roles
     state = json.loads((folder.checkpoint(4) / "controller_state.json").read_text())
     assert state["step"] == 4
+
+
+OWN_TASK = """
+[pools.generate]
+cpus_per_bundle = 1.0
+[pools.score]
+cpus_per_bundle = 0.5
+[pools.train]
+cpus_per_bundle = 0.5
+
+[roles.rollout]
+pool = "generate"
+model = "{model}"
+[roles.rollout.engine]
+kind = "vllm"
+max_num_seqs = 32
+max_tokens = 24
+kv_cache_bytes = 33554432
+
+[roles.reward]
+pool = "score"
+[roles.reward.engine]
+kind = "functions"
+check_references = 4
+[[roles.reward.engine.functions]]
+path = "rlflow.rewards:math"
+kwargs = {{ extract = "marker", marker = "#" }}
+workers = 1
+
+[roles.teacher]
+pool = "score"
+[roles.teacher.engine]
+kind = "model"
+model = "{teacher}"
+top_k = 4
+
+[roles.trainer]
+pool = "train"
+[roles.trainer.engine]
+kind = "torch"
+lr = 1e-3
+distill_coef = 0.5
+distill = "topk"
+kl_coef = 0.05
+
+[task]
+kind = "dataset"
+train = "{data}"
+eval_fraction = 0.25
+
+[eval]
+every_steps = 0
+
+[run]
+mode = "async"
+batch_size = 4
+samples_per_prompt = 4
+steps = 2
+"""
+
+
+def test_own_data_reward_functions_and_a_teacher_end_to_end(ray_cluster, tmp_path):
+    """A dataset task scored by a reward function, with a teacher scoring
+    every token on its own pool and the trainer distilling from it."""
+    import itertools
+
+    model = tiny_model(tmp_path / "model", tied=False, seed=11)
+    teacher = tiny_model(tmp_path / "teacher", tied=False, seed=12)
+    data = tmp_path / "arith.jsonl"
+    with open(ROOT / "examples" / "data" / "arith.jsonl") as source:
+        data.write_text("".join(itertools.islice(source, 40)))
+    config = C.load(text=OWN_TASK.format(model=model, teacher=teacher, data=data))
+    summary = run(config, tmp_path / "run")
+    assert summary.state == "stopped", summary.error
+    rows = RunDir(tmp_path / "run").read_metrics()
+    assert [r.step for r in rows] == [0, 1]
+    for row in rows:
+        assert row.samples == 16 and 0.0 <= row.reward_mean <= 1.0
+        assert row.train["kl_teacher"] == row.train["kl_teacher"]  # a number: the teacher scored every token
+        assert "distill_loss" in row.train and "kl_loss" in row.train
+    evals = RunDir(tmp_path / "run").read_evals()
+    assert {"pass_rate", "reward_mean"} <= set(evals[0].metrics) and evals[0].metrics["problems"] == 10.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pathlib
@@ -127,31 +128,55 @@ def test_metrics_also_go_to_tensorboard(three_steps, clean):
     assert samples == [r.samples for r in rows(run_dir)]
 
 
-def test_a_service_dying_midway_fails_the_run_and_leaves_nothing(clean, tmp_path):
+def wait_for_status(run_dir: pathlib.Path, ready, timeout_s: float = 120.0) -> dict:
+    """The run's status.json once `ready(status)` holds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            status = json.loads((run_dir / "status.json").read_text())
+        except (OSError, ValueError):
+            status = {}
+        if status and ready(status):
+            return status
+        time.sleep(0.05)
+    raise TimeoutError(f"the run in {run_dir} never got there")
+
+
+def running_at(step: int):
+    return lambda s: s.get("state") == "running" and s.get("step", 0) >= step
+
+
+def test_chaos_kills_a_hang_and_a_trainer_resume_lose_nothing(clean, tmp_path, monkeypatch):
+    """The chaos bench, shorter: SIGKILL three random rollout, reward or
+    teacher replicas, SIGSTOP one until it is presumed dead, SIGKILL the
+    trainer and resume; the audit finds nothing lost or trained twice."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chaos", ROOT / "bench" / "chaos.py")
+    chaos = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "chaos", chaos)  # its dataclasses look their module up there
+    spec.loader.exec_module(chaos)
+    done, result, steps = chaos.chaos_run(tmp_path, kills=3, hang=True, kill_trainer=True, steps=100, seed=3)
+    assert (done.kills, done.hangs, done.trainer_kills) == (3, 1, 1), done.log
+    assert (result.lost, result.duplicated) == (0, 0), result
+    assert steps == 100 and result.trained == 100 * 4
+
+
+def test_with_no_restarts_allowed_a_dead_replica_fails_the_run_and_leaves_nothing(clean, tmp_path):
     import ray
 
     run_dir = tmp_path / "run"
-    config = sim_config("run.steps=100000")
     killed = []
 
     def kill_reward_when_running() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                status = json.loads((run_dir / "status.json").read_text())
-            except (OSError, ValueError):
-                status = {}
-            if status.get("state") == "running" and status.get("step", 0) >= 2:
-                actor = ray.get_actor(f"rlflow:{status['run_id']}:reward:0", namespace="rlflow")
-                ray.kill(actor)
-                killed.append(status["run_id"])
-                return
-            time.sleep(0.1)
+        status = wait_for_status(run_dir, running_at(2))
+        ray.kill(ray.get_actor(f"rlflow:{status['run_id']}:reward:0", namespace="rlflow"))
+        killed.append(status["run_id"])
 
     killer = threading.Thread(target=kill_reward_when_running, daemon=True)
     killer.start()
-    with pytest.raises(RunFailed, match="reward-0 died"):
-        run(config, run_dir)
+    with pytest.raises(RunFailed, match="every reward replica is given up on; the last, reward-0: died"):
+        run(sim_config("run.steps=100000", "cluster.max_restarts=0"), run_dir)
     killer.join()
     assert killed
     assert leftovers(killed[0]) == ([], [])
@@ -183,12 +208,14 @@ def test_cli_up_runs_twenty_steps(clean, tmp_path):
     assert late_starts(run_dir, written.batch_size, written.staleness) == []
 
 
-def test_detach_status_and_down(clean, tmp_path):
+@pytest.mark.parametrize("curve", ["auto", "on"])
+def test_detach_status_and_down(curve, clean, tmp_path):
+    """With CURVE on, `rlflow down` reaches the controller with the keys in controller.json."""
     run_dir = tmp_path / "run"
     base = [sys.executable, "-m", "rlflow"]
     up = subprocess.run(
         [*base, "up", "--detach", "--config", str(SIM), "--steps", "100000",
-         "--run-dir", str(run_dir), "--set", f"cluster.address={clean}"],
+         "--run-dir", str(run_dir), "--set", f"cluster.address={clean}", "--set", f"cluster.curve={curve}"],
         capture_output=True, text=True, timeout=300,
     )
     pid = int((run_dir / "run.pid").read_text()) if (run_dir / "run.pid").exists() else None
@@ -199,7 +226,9 @@ def test_detach_status_and_down(clean, tmp_path):
         assert status.returncode == 0
         for role in ("rollout", "reward", "teacher", "trainer"):
             assert role in status.stdout
-        run_id = json.loads((run_dir / "controller.json").read_text())["run_id"]
+        info = json.loads((run_dir / "controller.json").read_text())
+        run_id = info["run_id"]
+        assert (info.get("curve") is not None) == (curve == "on")
         assert len(leftovers(run_id)[0]) == 4
         down = subprocess.run([*base, "down", str(run_dir)], capture_output=True, text=True, timeout=180)
         assert down.returncode == 0, down.stderr
@@ -217,31 +246,67 @@ def test_detach_status_and_down(clean, tmp_path):
 DEEP = b"\x92\x01" + b"\x91" * 1000 + b"\x00"
 
 
+def hostile_stream() -> list[tuple[str, list[bytes]]]:
+    """(the rejection it must count, the frames) of one message of each kind
+    of breakage, built from a valid `SampleBatch`, then 40 generated ones
+    (a hostile value spliced into the batch's header: "any")."""
+    import msgspec
+    from golden import examples
+    from hypothesis import HealthCheck, given, settings
+    from strategies import spliced
+
+    from rlflow.protocol import Codec
+
+    frames = [bytes(f) for f in Codec().encode(examples()["SampleBatch"])]
+    header = msgspec.msgpack.decode(frames[0])
+
+    def rewrite(change) -> bytes:
+        copy = msgspec.msgpack.decode(frames[0])
+        change(copy)
+        return msgspec.msgpack.encode(copy)
+
+    tensor = next(i for i in range(1, len(frames)) if len(frames[i]) > 4)
+    out = [
+        ("malformed", [b"\xc1" * 64]),
+        ("malformed", [DEEP]),
+        ("truncated", [frames[0][: len(frames[0]) // 2], *frames[1:]]),
+        ("wrong_version", [rewrite(lambda h: h.__setitem__(0, header[0] + 1)), *frames[1:]]),
+        ("unknown_type", [rewrite(lambda h: h[1].__setitem__(0, 99)), *frames[1:]]),
+        ("frame_count", frames[:-1]),
+        ("frame_count", [*frames, b"extra"]),
+        ("frame_size", [*frames[:tensor], frames[tensor][:-4], *frames[tensor + 1:]]),
+    ]
+
+    @settings(max_examples=40, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(spliced(frames))
+    def collect(message: list[bytes]) -> None:
+        out.append(("any", message))
+
+    collect()
+    return out
+
+
 def test_hostile_messages_to_every_live_socket_are_counted_and_the_run_goes_on(clean, tmp_path):
-    """While a run goes on, an outsider sends the controller and every
-    service socket that listens (data inputs, the weight server) a header
-    nested a thousand levels deep and other garbage, and the controller a
-    hello and a shutdown without the run's secret. The run finishes its
-    steps; every rejection is counted where it happened."""
+    """While a run goes on, an outsider sends every socket that listens (the
+    controller, the data inputs, the weight server) one message of each kind
+    of breakage (random bytes, a header nested a thousand levels deep,
+    truncation, another schema version, an unknown type, missing and extra
+    frames, a frame shorter than its header says) and 40 generated hostile
+    headers, and the controller a hello and a shutdown without the run's
+    secret. The run finishes its steps; every message is rejected and
+    counted, by kind, where it arrived; each kind is logged a few times, not
+    once per message; the services' memory does not grow with it."""
+    import psutil
     import zmq
 
     from rlflow.protocol import SCHEMA_VERSION, Codec, Hello, Role, Shutdown
 
     run_dir = tmp_path / "run"
-    attacked = {}
+    stream = hostile_stream()
+    attacked, rss = {}, {}
 
     def attack() -> None:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                status = json.loads((run_dir / "status.json").read_text())
-            except (OSError, ValueError):
-                status = {}
-            if status.get("state") == "running" and status.get("step", 0) >= 2:
-                break
-            time.sleep(0.05)
-        else:
-            return
+        status = wait_for_status(run_dir, running_at(2))
         placed = {role: info["placed"][0] for role, info in status["roles"].items()}
         targets = {
             "controller": (zmq.DEALER, status["address"]),
@@ -250,16 +315,18 @@ def test_hostile_messages_to_every_live_socket_are_counted_and_the_run_goes_on(c
             "trainer": (zmq.PUSH, placed["trainer"]["endpoints"]["in"]),
             "weights": (zmq.DEALER, placed["trainer"]["endpoints"]["weights"]),
         }
+        pids = {role: p["pid"] for role, p in placed.items()}
+        rss["before"] = {role: psutil.Process(pid).memory_info().rss for role, pid in pids.items()}
         codec = Codec()
         impostor = Hello(role=Role.ROLLOUT, rank=0, replicas=1, schema_version=SCHEMA_VERSION, secret="guess")
         ctx = zmq.Context()
         try:
             for name, (kind, address) in targets.items():
                 sock = ctx.socket(kind)
-                sock.setsockopt(zmq.LINGER, 2000)
+                sock.setsockopt(zmq.LINGER, 5000)
                 sock.connect(address)
-                sock.send_multipart([DEEP])
-                sock.send_multipart([b"\xc1" * 64])
+                for _, frames in stream:
+                    sock.send_multipart(frames)
                 if name == "controller":
                     sock.send_multipart(codec.encode(impostor))
                     sock.send_multipart(codec.encode(Shutdown(reason="outsider")))
@@ -267,19 +334,33 @@ def test_hostile_messages_to_every_live_socket_are_counted_and_the_run_goes_on(c
             attacked["step"] = status["step"]
         finally:
             ctx.term()
+        wait_for_status(run_dir, running_at(status["step"] + 3))
+        rss["after"] = {role: psutil.Process(pid).memory_info().rss for role, pid in pids.items()}
 
     attacker = threading.Thread(target=attack, daemon=True)
     attacker.start()
-    summary = run(sim_config("run.steps=30"), run_dir)
+    summary = run(sim_config("run.steps=40"), run_dir)
     attacker.join()
     assert attacked, "the run never reached step 2"
     assert summary.state == "stopped", summary.error
-    assert summary.steps == 30 and summary.stop_reason == "30 steps done"
+    assert summary.steps == 40 and summary.stop_reason == "40 steps done"
     status = RunDir(run_dir).read_status()
-    assert status.controller.rejected == {"malformed": 2}
-    assert status.controller.ignored == {"unauthenticated": 2}
-    counters = {role: info.counters for role, info in status.roles.items()}
-    assert counters["reward"]["rejected.malformed"] == 2
-    assert counters["teacher"]["rejected.malformed"] == 2
-    assert counters["trainer"]["rejected.malformed"] == 4  # its input and its weight server
-    assert "RecursionError" not in "".join(p.read_text() for p in (run_dir / "logs").glob("*.log"))
+    # ... and the peer of another schema version is told so, in this one's.
+    assert status.controller.ignored == {"unauthenticated": 2, "wrong_version": 1}
+    sent = collections.Counter(kind for kind, _ in stream)
+    counts = {"controller": status.controller.rejected}
+    counts.update({role: {k.removeprefix("rejected."): v for k, v in info.counters.items() if k.startswith("rejected.")}
+                   for role, info in status.roles.items()})
+    for role, times in (("controller", 1), ("reward", 1), ("teacher", 1), ("trainer", 2)):  # trainer: input + weights
+        assert sum(counts[role].values()) == times * len(stream), (role, counts[role])
+    for role in ("reward", "teacher", "trainer"):  # on a data socket, each breakage is what is counted
+        for kind, n in sent.items():
+            if kind != "any":
+                assert counts[role].get(kind, 0) >= n, (role, kind, counts[role])
+    logs = {p.name: p.read_text() for p in (run_dir / "logs").glob("*.log")}
+    assert "RecursionError" not in "".join(logs.values())
+    for name, text in logs.items():  # the first three of a kind, then every thousandth
+        for kind in sent:
+            assert text.count(f"of kind {kind}:") <= 3 * 2, (name, kind)
+    growth = {role: rss["after"][role] - rss["before"][role] for role in rss["before"]}
+    assert max(growth.values()) < 64 << 20, growth

@@ -5,14 +5,18 @@ reward and teacher services' work on a batch, the trainer service's intake."""
 from __future__ import annotations
 
 import collections
+import json
 import math
 import pathlib
 import time
+from typing import Any
 
 import msgspec
 import numpy as np
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from golden import examples
 
 from rlflow import config as C
@@ -27,22 +31,24 @@ from rlflow.protocol import (
     SampleBatch,
     SampleFailure,
     Shutdown,
+    Stage,
     StepDone,
     UpdateWeights,
-    WeightsLoaded,
-    Stage,
     Welcome,
+    WeightsLoaded,
     WeightsZmq,
     build_batch,
     samples,
     split,
 )
-from rlflow.services.base import StageService, standalone_context
+from rlflow.rundir import RunDir
+from rlflow.services.base import Service, StageService, standalone_context
 from rlflow.services.reward.service import RewardService
 from rlflow.services.rollout.service import RolloutService
 from rlflow.services.rollout.sim import RequestQueue, SimBatcher, SimEngine
 from rlflow.services.teacher.service import TeacherService
 from rlflow.services.trainer import service as trainer_service
+from rlflow.services.trainer.service import GroupIds
 from rlflow.services.trainer.sim import SimTrainerEngine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -109,6 +115,29 @@ async def test_weights_arrive_between_steps_and_later_tokens_carry_the_new_versi
     for r in finished[0]:
         cut = int(np.argmax(r.versions == 1))
         assert 0 < cut < 2000 and (r.versions[:cut] == 0).all() and (r.versions[cut:] == 1).all()
+
+
+async def test_the_weight_server_outlives_a_replica_that_died_waiting_for_a_version():
+    """A rollout replica asks for a version not published yet and dies; when
+    the version comes, the reply finds no one: the server goes on serving."""
+    from rlflow.protocol import Codec, WeightsMessage, WeightsRequest
+
+    config = sim_config("roles.trainer.engine.weights_bytes=4096")
+    ctx = standalone_context(config, "trainer")
+    trainer = SimTrainerEngine(config.roles.trainer.engine, ctx)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trainer.serve)
+            async with transport.open_dealer(connect=trainer.address, codec=Codec(WeightsMessage)) as doomed:
+                await doomed.send(WeightsRequest(version=1))
+                await trio.sleep(0.2)  # it is parked at the server
+            await trio.sleep(0.3)  # the server has seen it go
+            await trainer.publish(1)
+            async with transport.open_dealer(connect=trainer.address, codec=Codec(WeightsMessage)) as next_one:
+                await next_one.send(WeightsRequest(version=1))
+                assert (await next_one.recv()).version == 1
+            nursery.cancel_scope.cancel()
+    assert ctx.counters["weights_unclaimed"] == 1
 
 
 async def test_strict_staleness_restarts_a_group_that_fell_behind():
@@ -265,45 +294,6 @@ async def test_a_group_that_waits_for_newer_weights_starts_when_they_arrive_and_
     assert all((r.versions == 1).all() for r in second[0])
 
 
-async def test_a_rollout_replica_says_at_once_that_it_holds_a_version_it_got_early():
-    """Asked for version 1 when 2 is out, it loads 2 (the newest the server
-    has) and says so; asked for 2 next, it answers at once, so that the
-    controller's round of version 2 completes."""
-    config = sim_config("roles.trainer.engine.weights_bytes=4096")
-    trainer = SimTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
-    async with (
-        transport.open_router(bind="tcp://127.0.0.1:0") as router,
-        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
-    ):
-        service = RolloutService(spec(config, "rollout", transport.bound_address(router)))
-
-        async def next_of(kind):
-            while not isinstance(msg := (await router.recv())[1], kind):
-                pass
-            return msg
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                await nursery.start(trainer.serve)
-                nursery.start_soon(service.run)
-                identity, _ = await router.recv()
-                await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
-                                                    peers={"out": [transport.bound_address(downstream)]},
-                                                    weights=WeightsZmq(address=trainer.address)))
-                await next_of(Ready)
-                await trainer.publish(1)
-                await trainer.publish(2)
-                await router.send(identity, UpdateWeights(version=1))
-                assert (await next_of(WeightsLoaded)).version == 2
-                await router.send(identity, UpdateWeights(version=2))
-                loaded = await next_of(WeightsLoaded)
-                assert (loaded.version, loaded.seconds) == (2, 0.0)
-                await router.send(identity, Shutdown(reason="done"))
-                await next_of(Bye)
-                nursery.cancel_scope.cancel()
-    assert service.counters["weight_updates"] == 1
-
-
 # -- the stage service ------------------------------------------------------------------------
 
 
@@ -348,6 +338,79 @@ async def test_a_stage_service_registers_works_on_batches_and_accounts_its_time(
     assert elapsed >= 2 * Slow.seconds  # two at a time, four batches
     totals = service.clock.totals()
     assert totals["busy"] >= 2 * Slow.seconds and service.counters["samples"] == 4 * batch.n_samples
+
+
+async def test_a_rollout_told_to_load_a_version_it_holds_says_so():
+    """The trainer's weight server hands out its newest version: ordered to
+    load v1 after v2 is out, the rollout loads v2; ordered to load v2 next,
+    it answers at once that it holds v2 (else the controller's round waits
+    for ever)."""
+    config = sim_config("roles.trainer.engine.weights_bytes=4096")
+    trainer = SimTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:0") as router,
+        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(trainer.serve)
+        service = RolloutService(spec(config, "rollout", transport.bound_address(router)))
+        nursery.start_soon(service.run)
+
+        async def answer(kind: type) -> Any:
+            while not isinstance(msg := (await router.recv())[1], kind):
+                pass
+            return msg
+
+        with trio.fail_after(30):
+            identity, hello = await router.recv()
+            await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
+                                                peers={"out": [transport.bound_address(downstream)]},
+                                                weights=WeightsZmq(address=trainer.address)))
+            await answer(Ready)
+            await trainer.publish(1)
+            await trainer.publish(2)
+            await router.send(identity, UpdateWeights(version=1))
+            assert (await answer(WeightsLoaded)).version == 2
+            await router.send(identity, UpdateWeights(version=2))
+            assert await answer(WeightsLoaded) == WeightsLoaded(version=2, seconds=0.0)
+            await router.send(identity, Shutdown(reason="done"))
+            await answer(Bye)
+        nursery.cancel_scope.cancel()
+    assert service.counters["weight_updates"] == 1
+
+
+@given(st.lists(st.integers(0, 60), max_size=120))
+def test_group_ids_hold_exactly_the_ids_added_in_few_ranges(ids):
+    held = GroupIds()
+    held.update(ids)
+    assert [i for i in range(62) if i in held] == sorted(set(ids))
+    assert len(held) == len(set(ids))
+    runs = sum(1 for i in sorted(set(ids)) if i - 1 not in set(ids))
+    assert len(held.ranges) == runs  # adjacent ids always merge
+
+
+def test_group_ids_of_a_long_run_stay_a_few_ranges():
+    held = GroupIds()
+    rng = np.random.default_rng(0)
+    for step in range(2000):  # each step's 64 groups in any order; group 1000 never comes
+        held.update(i for i in rng.permutation(range(64 * step, 64 * (step + 1))) if i != 1000)
+    assert held.ranges == [(0, 1000), (1001, 128_000)]
+
+
+def test_the_timeline_leaves_memory_at_each_heartbeat_and_ends_whole_in_the_trace(tmp_path):
+    service = Service(msgspec.structs.replace(spec(sim_config(), "reward"), run_dir=str(tmp_path)))
+    states = ["busy", "starved", "busy", "blocked"] * 50
+    for i, state in enumerate(states):
+        service.clock.set(state)
+        if i % 7 == 0:
+            service.heartbeat(i)
+        assert len(service.clock.events) <= 7
+    service.write_trace()
+    folder = RunDir(tmp_path)
+    trace = json.loads(folder.service_trace("reward-0").read_text())
+    assert [state for _, state in trace["events"]] == ["idle", *states, "idle"]
+    assert [t for t, _ in trace["events"]] == sorted(t for t, _ in trace["events"])
+    assert trace["role"] == "reward" and not folder.service_events("reward-0").exists()
 
 
 # -- reward and teacher ----------------------------------------------------------------------
@@ -396,7 +459,7 @@ async def test_a_reward_that_hangs_is_a_failed_sample_and_the_service_goes_on():
     service.task.score = score
     with trio.fail_after(30):
         scored = await service.process(batch_of(1, 3))
-    assert [f.index for f in scored.failures] == [1] and scored.failures[0].kind == "TimeoutError"
+    assert [f.index for f in scored.failures] == [1] and scored.failures[0].kind == "timeout"
     assert "roles.reward.engine.timeout_s" in scored.failures[0].message
     assert scored.rewards.tolist()[0] == 1.0 and scored.rewards.tolist()[2] == 1.0
 
@@ -470,3 +533,110 @@ async def test_the_trainer_takes_groups_off_the_stream_while_a_step_trains(monke
                 await router.send(identity, Shutdown(reason="done"))
                 await next_of(Bye)
     assert service.counters["duplicates"] == 1 and service.counters["samples"] == 8
+
+
+# -- reward functions in the reward service ---------------------------------------------------
+
+
+def functions_config(tmp_path: pathlib.Path, on_failure: str = "drop", module: str = "") -> C.Config:
+    from models import tiny_model
+
+    model = tiny_model(tmp_path / "model", tied=True)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"prompt": "{i}+{i}=", "answer": "{2 * i}"}}\n' for i in range(6)))
+    functions = '{path = "rlflow.rewards:math", kwargs = {extract = "marker", marker = "#"}}'
+    if module:
+        functions += f', {{path = "{module}:slow", weight = 0.0, timeout_s = 0.5}}, {{path = "{module}:flaky", timeout_s = 0.5}}'
+    return C.load(text=f"""
+[pools.p]
+[roles.rollout]
+pool = "p"
+model = "{model}"
+engine = {{ kind = "vllm" }}
+[roles.reward]
+pool = "p"
+engine = {{ kind = "functions", on_failure = "{on_failure}", functions = [{functions}] }}
+[roles.trainer]
+pool = "p"
+[task]
+kind = "dataset"
+train = "{data}"
+""")
+
+
+def answers(task, texts: dict[int, list[str]]) -> SampleBatch:
+    """A batch of the given response texts for the given groups."""
+    from rlflow.protocol import Response
+
+    items = []
+    for group_id, responses in texts.items():
+        group = task.prompt(group_id, len(responses))
+        out = []
+        for text in responses:
+            ids = np.asarray(task.tokenizer.encode(text, add_special_tokens=False), np.int32)
+            out.append(Response(ids, np.zeros(len(ids), np.float32), np.zeros(len(ids), np.int32), 0))
+        items.append((group, out))
+    return build_batch(items)
+
+
+async def test_reward_functions_score_the_decoded_response_against_the_reference(tmp_path):
+    from rlflow.control.launch import resolve
+    from rlflow.rewards import open_pool
+
+    config = resolve(functions_config(tmp_path))
+    service = RewardService(spec(config, "reward"))
+    right = str(2 * service.task.index(0))  # group 0's row i asks for i+i
+    with trio.fail_after(120):
+        async with open_pool(config.roles.reward.engine.functions) as pool:
+            service.pool = pool
+            scored = await service.process(answers(service.task, {0: [f"1,#{right}", "#99", "no marker"]}))
+    assert scored.rewards.tolist() == [1.0, 0.0, 0.0]
+    assert scored.reward_details["math"].tolist() == [1.0, 0.0, 0.0]
+    assert service.counters["reward.math.ok"] == 3
+
+
+REWARDS_MODULE = '''
+import os, time
+
+def slow(sample):
+    time.sleep(5)  # hangs: killed at its timeout
+    return 1.0
+
+def flaky(sample):
+    if sample.response.startswith("#0"):
+        raise ValueError("cannot score this one")
+    return 0.5
+'''
+
+
+@pytest.mark.parametrize("policy", ["drop", "fallback"])
+async def test_a_sample_a_function_cannot_score_drops_its_group_or_falls_back(tmp_path, monkeypatch, policy):
+    from rlflow.control.launch import resolve
+    from rlflow.protocol import Dropped
+    from rlflow.rewards import open_pool
+    from rlflow.services.base import Control
+
+    (tmp_path / "user_rewards.py").write_text(REWARDS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = resolve(functions_config(tmp_path, policy, "user_rewards"))
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:0") as router,
+        transport.open_dealer(connect=transport.bound_address(router)) as dealer,
+    ):
+        service = RewardService(spec(config, "reward"))
+        service.control = Control(dealer, service.spec)
+        with trio.fail_after(120):
+            async with open_pool(config.roles.reward.engine.functions) as pool:
+                service.pool = pool
+                scored = await service.process(answers(service.task, {3: ["#0 x", "#1"], 4: ["#2", "#4"]}))
+            if policy == "drop":
+                _, msg = await router.recv()
+    if policy == "drop":
+        assert isinstance(msg, Dropped) and msg.group_ids == [3] and "flaky:error" in msg.reason
+        assert scored.group_ids == [4] and not scored.failures  # the other group goes on
+        assert service.counters["dropped_groups"] == 1
+    else:
+        assert scored.group_ids == [3, 4]
+        assert scored.reward_details["flaky.failed"].tolist() == [1.0, 0.0, 0.0, 0.0]
+    # The weight-0 function that hangs is killed every time and logged, never failing a sample.
+    assert service.counters["reward.slow.timeout"] == 4

@@ -283,3 +283,30 @@ def test_only_the_transport_module_imports_zmq():
                         if any(line.startswith(("import zmq", "from zmq")) for line in f):
                             offenders.append(path)
     assert offenders == []
+
+
+async def test_a_sender_with_no_live_peer_waits_and_goes_on_to_the_next_one():
+    """A PUSH queues only to connected peers: with its one peer gone, a send
+    waits (nothing is queued for the dead peer), and goes out as soon as the
+    stream is pointed at a new peer, also when the new connection's signal
+    came while another call used the socket."""
+    async with transport.open_pull(bind=transport.tcp_address()) as first, \
+            transport.open_push(connect=transport.bound_address(first)) as push:
+        await push.send_frames([b"x"])
+        assert [bytes(f) for f in await first.recv_frames()] == [b"x"]
+        old = transport.bound_address(first)
+        first.close()
+        for _ in range(50):  # until this side has seen the disconnect
+            if not push._sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                break
+            await trio.sleep(0.02)
+        with trio.move_on_after(0.3) as waited:
+            await push.send_frames([b"nobody"])
+        assert waited.cancelled_caught, "a message was queued for a peer that is gone"
+        async with transport.open_pull(bind=transport.tcp_address()) as second, trio.open_nursery() as nursery:
+            nursery.start_soon(push.send_frames, [b"y"])
+            await trio.sleep(0.1)  # parked
+            transport.connect(push, transport.bound_address(second))
+            transport.disconnect(push, old)
+            with trio.fail_after(10):
+                assert [bytes(f) for f in await second.recv_frames()] == [b"y"]

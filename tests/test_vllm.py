@@ -227,3 +227,23 @@ pool = "p"
     assert "512" in failed.failures[0].message
     assert all(len(r.token_ids) > 0 and r.error is None for r in finished[2][1])
     assert ctx.counters["failed_requests"] == 1
+
+
+async def test_prompt_log_probabilities_for_the_teacher_match_a_hf_forward(engine, tied_model):
+    """The vllm teacher backend's scores: vLLM's prompt log-probabilities, at
+    temperature 1, equal a Hugging Face forward of the same weights."""
+    backend, _ = engine
+    weights = hf_model(tied_model, seed=7)
+    with trio.fail_after(120):
+        await push(engine, weights, version=10)  # whatever the tests before loaded: known weights now
+        prompt = prompt_ids(tied_model)
+        response = [5, 9, 11, 3, 8, 8, 14]
+        positions = await backend.prompt_logprobs(prompt + response, 3)
+    expected = hf_logprobs(weights, prompt, response)
+    got = np.array([positions[len(prompt) + j][t].logprob for j, t in enumerate(response)])
+    assert np.abs(got - expected).max() < 2e-3
+    top = {t for t, lp in positions[len(prompt)].items() if lp.rank <= 3}
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = weights(input_ids=ids).logits[0, len(prompt) - 1]
+    assert top == set(torch.topk(logits, 3).indices.tolist())

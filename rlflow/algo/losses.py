@@ -19,6 +19,12 @@ With one optimizer step per batch the proximal policy equals the current
 one before the step, so its log-probabilities are the current ones,
 detached: no extra forward pass is needed.
 
+Teacher terms (see `kl_to_reference`, `topk_reverse_kl`): a KL penalty to a
+frozen reference, and on-policy distillation towards a teacher, by the
+sampled token's reverse KL as a per-token advantage or by the reverse KL
+over the teacher's top-k tokens as a loss; both are reweighted by the same
+behaviour importance weights as the policy loss.
+
 The loss works on flat per-token tensors (the tokens of every sample of a
 micro-batch, concatenated); the advantages on per-sample ones.
 """
@@ -79,6 +85,9 @@ class LossConfig:
 class LossOutput:
     loss: torch.Tensor
     """Sum over tokens of the per-token loss (divide by the batch's token count)."""
+    weight: torch.Tensor
+    """Per token, the behaviour importance weight applied (1 without the correction), detached:
+    other per-token terms of the objective are reweighted by it too."""
     clipped: torch.Tensor
     """Tokens whose ratio was clipped (count)."""
     ratio_mean: torch.Tensor
@@ -120,6 +129,7 @@ def policy_loss(
         was_clipped = ((ratio * advantages) > (clipped_ratio * advantages)).sum()
     return LossOutput(
         loss=loss,
+        weight=weight.detach(),
         clipped=was_clipped,
         ratio_mean=ratio.detach().mean() if ratio.numel() else torch.zeros(()),
         behaviour_weight_mean=weight.mean() if weight.numel() else torch.zeros(()),
@@ -130,7 +140,35 @@ def policy_loss(
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / T) at `targets`, computed stably."""
+    return logprobs_at(logits, targets.unsqueeze(-1), temperature).squeeze(-1)
+
+
+def logprobs_at(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / T) at `ids` ([tokens, k]), without a second
+    [tokens, vocabulary] tensor: the gathered logits minus their logsumexp."""
     if temperature != 1.0:
         logits = logits / temperature
     logits = logits.float()
-    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return logits.gather(-1, ids) - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+def kl_to_reference(logprobs: torch.Tensor, reference: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per token, an estimate of KL(policy || reference) from the sampled
+    token's log-probabilities under each (the token was sampled from the
+    policy). k1: ``log p - log ref`` (unbiased, can be negative); k3:
+    ``ref / p - 1 - log(ref / p)`` (unbiased, never negative, lower variance)."""
+    if estimator == "k1":
+        return logprobs - reference
+    if estimator == "k3":
+        log_ratio = reference - logprobs
+        return torch.exp(log_ratio) - 1 - log_ratio
+    raise ValueError(f"unknown KL estimator {estimator!r}")
+
+
+def topk_reverse_kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """Per token, KL(student || teacher) over the teacher's top-k tokens, both
+    renormalised to that set: ``student`` and ``teacher`` are the two models'
+    log-probabilities of the same k tokens ([tokens, k])."""
+    s = student - torch.logsumexp(student, dim=-1, keepdim=True)
+    t = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    return (s.exp() * (s - t)).sum(-1)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -32,12 +33,15 @@ from rlflow.control.metrics import Sink, open_sinks
 from rlflow.control.rounds import WeightRounds
 from rlflow.control.stats import RunStats, process_cpu
 from rlflow.data import transport
+from rlflow.data.net import CurveKeys, bind_host
 from rlflow.errors import RunFailed, leaves
 from rlflow.protocol import (
     SCHEMA_VERSION,
     Ack,
     Bye,
     Credits,
+    Dropped,
+    WEIGHT_GROUP_BROKEN,
     ErrorReport,
     EvalDone,
     Evaluate,
@@ -45,6 +49,7 @@ from rlflow.protocol import (
     Heartbeat,
     Hello,
     ProtocolError,
+    Peers,
     Ready,
     SchemaVersionMismatch,
     SendWeights,
@@ -55,6 +60,7 @@ from rlflow.protocol import (
     WeightsGloo,
     WeightsLoaded,
     WeightsNccl,
+    WeightsGroup,
     WeightsReady,
     Welcome,
 )
@@ -70,6 +76,7 @@ from rlflow.rundir import (
     Status,
     Summary,
     append_jsonl,
+    encode,
     read_json,
     write_json,
 )
@@ -80,6 +87,14 @@ log = logging.getLogger("rlflow.controller")
 HOLD = 16
 #: Peers refused with an answer, at most (more are refused in silence).
 MAX_REFUSED = 4096
+#: Heartbeat counters whose growth means a replica is getting on with its work.
+PROGRESS_COUNTERS = ("decode_steps", "samples", "groups", "tokens")
+#: Teacher replicas whose probe log-probabilities differ by more (nats) do not run together.
+PROBE_TOLERANCE = 1e-4
+#: A step where a larger share of the samples' rewards failed is a warning.
+FAILED_SHARE_WARNING = 0.05
+#: Warnings kept for the status.
+WARNINGS_KEPT = 10
 #: Roles that hold the policy (and so can be behind the trainer).
 POLICY_ROLES = ("rollout", "trainer")
 
@@ -89,7 +104,14 @@ class Launcher(Protocol):
 
     def start(self, controller_address: str) -> None: ...
 
-    def failures(self) -> list[str]: ...
+    def failures(self) -> list[Any]:
+        """Replicas whose process ended since the last call (role, rank, incarnation, message)."""
+
+    def kill(self, role: str, rank: int) -> None:
+        """End a replica (one that hangs)."""
+
+    def restart(self, role: str, rank: int) -> int:
+        """Start a new incarnation of a replica that has ended; its number."""
 
 
 class ControllerState(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,10 +133,29 @@ class Replica:
     last_seen: float = dataclasses.field(default_factory=time.monotonic)
     capacity: int = 1
     """Groups it may hold (rollout)."""
+    incarnation: int = 0
+    """The incarnation that said hello last."""
+    launched: int = 0
+    """The newest incarnation started (ahead of `incarnation` while a restart comes up)."""
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    """When this incarnation was started (or, the first, said hello)."""
+    start_s: float = 0.0
+    """How long the first incarnation took from hello to ready: what a restart may take, times a margin."""
+    progress: float = 0.0
+    """Its progress counters' sum at `progressed`."""
+    progressed: float = dataclasses.field(default_factory=time.monotonic)
+    restarts: int = 0
+    last_error: str = ""
+    caught_up: bool = True
+    """A replacement is given work only once it holds the current weights."""
 
     @property
     def name(self) -> str:
         return f"{self.role}-{self.rank}"
+
+    @property
+    def live(self) -> bool:
+        return self.state == "ready"
 
 
 class Controller:
@@ -129,6 +170,7 @@ class Controller:
         *,
         on_status: Callable[[Status], None] | None = None,
         secret: str = "",
+        curve: CurveKeys | None = None,
     ):
         self.config = config
         self.run_dir = RunDir(run_dir)
@@ -138,6 +180,8 @@ class Controller:
         #: Shown by every service in its hello and by `rlflow down`; a
         #: message from outside the run without it is ignored.
         self.secret = secret
+        #: The run's CURVE keys (None: the run stays on loopback).
+        self.curve = curve
         run = config.run
         self.expected = {(name, rank) for name, role in config.role_items() for rank in range(role.replicas)}
         self.replicas: dict[tuple[str, int], Replica] = {}
@@ -151,6 +195,9 @@ class Controller:
             self.ledger = GroupLedger.restore(state.ledger, run.batch_size, run.staleness, run.steps)
             self.version = state.version
             log.info("[controller] resumed at step %d, %d groups to grant again", state.step, len(self.ledger.groups))
+        #: The version of the weights a replica loads when it starts (the
+        #: checkpoint resumed from, else the policy's start).
+        self.start_version = self.version
         self.rounds = WeightRounds(self.version)
         self.stats = RunStats([name for name, _ in config.role_items()])
         self.has_heldout = kind_of(config.task) != "sim"
@@ -158,6 +205,7 @@ class Controller:
         self.error: str | None = None
         self.stop_reason = ""
         self.ignored: collections.Counter[str] = collections.Counter()
+        self.warnings: list[str] = []
         self.received_by_type: collections.Counter[str] = collections.Counter()
         self.started = time.monotonic()
         self.training_started: float | None = None
@@ -168,8 +216,15 @@ class Controller:
         self._round_done = trio.Event()
         self.done = trio.Event()
         self._router: transport.Router | None = None
+        self._nursery: trio.Nursery | None = None
         self._refused: set[bytes] = set()
         self._refusals, self._refusals_out = trio.open_memory_channel(16)
+        self._new_welcomes, self._new_welcomes_out = trio.open_memory_channel(len(self.expected))
+        #: A collective weight group must be made anew before the next round.
+        self._regroup = False
+        self._generation = 0
+        self._members: list[int] = []
+        self._moving_version = 0
         self._sinks: list[Sink] = []
         self._cpu0 = process_cpu()
 
@@ -177,21 +232,25 @@ class Controller:
 
     async def run(self) -> Summary:
         """Start the services, run every step, shut them down; the summary."""
-        host = self.config.cluster.host or "0.0.0.0"
+        bind = transport.tcp_address(bind_host(self.config.cluster.host))
         self.run_dir.path.mkdir(parents=True, exist_ok=True)
         self._sinks = open_sinks(self.run_dir)
         try:
-            async with transport.open_router(bind=transport.tcp_address(host), name="controller") as router:
+            async with transport.open_router(bind=bind, curve=self.curve, name="controller") as router:
                 self._router = router
                 router.on_reject = self._on_reject
                 self.address = transport.bound_address(router)
-                info = ControllerInfo(run_id=self.run_id, pid=os.getpid(), address=self.address, secret=self.secret)
+                info = ControllerInfo(
+                    run_id=self.run_id, pid=os.getpid(), address=self.address, secret=self.secret, curve=self.curve
+                )
                 write_json(self.run_dir.controller, info, private=True)
                 try:
                     async with trio.open_nursery() as nursery:
+                        self._nursery = nursery
                         nursery.start_soon(self._receive)
                         nursery.start_soon(self._watch)
                         nursery.start_soon(self._send_refusals)
+                        nursery.start_soon(self._welcome_replacements)
                         await trio.to_thread.run_sync(self.launcher.start, self.address)
                         await self._handshake()
                         await self._train()
@@ -209,6 +268,7 @@ class Controller:
                     log.error("[controller] failed", exc_info=cause)
                     raise RunFailed(self.error) from cause
                 finally:
+                    self._nursery = None
                     with trio.CancelScope(shield=True):
                         await self._shutdown_services()
                         if self.state in ("running", "evaluating"):
@@ -224,6 +284,9 @@ class Controller:
         finally:
             for sink in self._sinks:
                 sink.close()
+            if self.state == "stopped":
+                self.ledger.end()
+            self._flush_journal()
             self._write_status()
             summary = self.summary()
             write_json(self.run_dir.summary, summary)
@@ -240,7 +303,7 @@ class Controller:
         await self.done.wait()
         if self.config.eval.after and self.ledger.steps_done >= self.config.run.steps:
             self.state = "evaluating"
-            while self.rounds.published > min(r.version for r in self._role("rollout")):
+            while any(r.version < self.rounds.published for r in self._role("rollout") if r.live):
                 await self._round_done.wait()
             await self._evaluate(wait=True)
 
@@ -254,6 +317,7 @@ class Controller:
                 f"no hello from {', '.join(missing)} within {cluster.handshake_timeout_s:g} s; "
                 "raise cluster.handshake_timeout_s if they are slow to start"
             )
+        self._check_teachers()
         for replica in self.replicas.values():
             await self._send(replica, self._welcome(replica))
         with trio.move_on_after(cluster.handshake_timeout_s):
@@ -266,6 +330,20 @@ class Controller:
             )
         log.info("[controller] all %d services ready", len(self.replicas))
 
+    def _check_teachers(self) -> None:
+        """Replicas of the teacher must score alike (each scored the same probe)."""
+        probes = {r.name: json.loads(r.hello.info["probe"]) for r in self._role("teacher") if "probe" in r.hello.info}
+        if len(probes) < 2:
+            return
+        (first, reference), *others = probes.items()
+        for name, values in others:
+            worst = max((abs(a - b) for a, b in zip(values, reference, strict=True)), default=0.0)
+            if not worst <= PROBE_TOLERANCE:  # NaN fails too
+                raise RunFailed(
+                    f"teacher replicas disagree: {name} scores the probe sequence {worst:.2g} nats away from "
+                    f"{first} (at most {PROBE_TOLERANCE:g}); they must load the same model and settings"
+                )
+
     def _welcome(self, replica: Replica) -> Welcome:
         """Who it streams to, the clock, and how weights reach it."""
         trainer = self.replicas[("trainer", 0)].hello
@@ -275,15 +353,18 @@ class Controller:
             group = msgspec.structs.replace(offer, world_size=1 + receivers)
             if replica.role == "trainer" and replica.rank == 0:
                 weights = group
-            elif replica.role == "rollout":
+            elif replica.role == "rollout" and replica.incarnation == 0:
                 weights, layout = msgspec.structs.replace(group, rank=1 + replica.rank), trainer.layout
+            elif replica.role == "rollout":  # a replacement joins the next generation of the group
+                layout = trainer.layout
         elif replica.role == "rollout":
             weights = offer
         return Welcome(
             schema_version=SCHEMA_VERSION,
             run_id=self.run_id,
             peers=self._peers(replica.role),
-            version=self.version,
+            # What it loads at start: a replacement catches up after its welcome.
+            version=self.version if replica.incarnation == 0 else self.start_version,
             heartbeat_s=self.config.cluster.heartbeat_s,
             weights=weights,
             layout=layout,
@@ -295,7 +376,7 @@ class Controller:
         i = order.index(role)
         if i + 1 == len(order):
             return {}
-        return {"out": [r.hello.endpoints["in"] for r in self._role(order[i + 1])]}
+        return {"out": [r.hello.endpoints["in"] for r in self._role(order[i + 1]) if r.state in ("hello", "ready")]}
 
     def _role(self, role: str) -> list[Replica]:
         return sorted((r for r in self.replicas.values() if r.role == role), key=lambda r: r.rank)
@@ -331,24 +412,31 @@ class Controller:
                 self.stats.heartbeat(replica.role, replica.rank, msg)
                 replica.version = max(replica.version, msg.version)
             case Ready():
-                replica.state = "ready"
-                replica.version = msg.version
-                if len(self.replicas) == len(self.expected) and all(r.state == "ready" for r in self.replicas.values()):
-                    self._all_ready.set()
+                await self._on_ready(replica, msg)
             case Ack(stage=Stage.ROLLOUT_END, group_ids=ids):
                 self.ledger.generated(replica.rank, ids)
                 await self._grant()
+            case Ack(stage=Stage.TRAINER_RECEIVED, group_ids=ids):
+                self.ledger.received(ids)
+            case WeightsGroup(transfer=transfer):
+                await self._join_group(transfer)
             case StepDone():
                 await self._on_step(msg)
             case Expired(group_ids=ids, reason=reason):
                 again = self.ledger.expired(ids)
                 log.info("[controller] %d groups to grant again (%s)", len(again), reason or "expired")
                 await self._grant()
+            case Dropped(group_ids=ids, reason=reason):
+                gone = self.ledger.drop(ids, reason)
+                log.warning("[controller] %s dropped %d groups: %s", replica.name, len(gone), reason or "no reason given")
+                await self._grant()
             case WeightsReady(version=version):
                 self.version = replica.version = version
                 await self._move(self.rounds.publish(version))
             case WeightsLoaded(version=version, seconds=seconds):
                 replica.version = version
+                if version >= self.rounds.moved:
+                    replica.caught_up = True
                 self.stats.weights_loaded(seconds)
                 await self._move(self.rounds.loaded(replica.rank, version, self._receivers()))
                 await self._grant()
@@ -367,14 +455,24 @@ class Controller:
                 self._eval_done = trio.Event()
             case ErrorReport(fatal=fatal, kind=kind, message=message):
                 text = f"{replica.name} failed: {kind}: {message}"
-                if fatal:
+                if fatal and replica.role == "trainer":
                     self.error = text
                     raise RunFailed(text)
+                if fatal:  # it is exiting: its death, when the launcher sees it, restarts it
+                    replica.last_error = f"{kind}: {message}"[:500]
                 log.warning("[controller] %s", text)
+                if kind == WEIGHT_GROUP_BROKEN and self._collective():
+                    await self._rebuild_weight_group()
             case Bye():
                 replica.state = "bye"
             case _:
                 self._ignore("unexpected", f"a {type(msg).__name__} from {replica.name}")
+
+    def _warn(self, text: str) -> None:
+        """Something a person should look at: logged, and the latest few in the status."""
+        log.warning("[controller] %s", text)
+        self.warnings.append(text)
+        del self.warnings[:-WARNINGS_KEPT]
 
     def _ignore(self, kind: str, what: str) -> None:
         """Count a well-formed message that is not acted on (log the first few)."""
@@ -419,8 +517,14 @@ class Controller:
         if key not in self.expected:
             self._refuse(identity, "unexpected_hello", f"a hello from {name}, which the config does not have")
             return
-        if key in self.replicas:
-            raise RunFailed(f"{name} said hello twice (restarted?); recovering a replica is not supported")
+        old = self.replicas.get(key)
+        if old is not None:
+            if msg.incarnation <= old.incarnation or old.state not in ("gone", "restarting"):
+                self._refuse(identity, "unexpected_hello", f"{name} said hello again as incarnation {msg.incarnation} "
+                             f"while incarnation {old.incarnation} is {old.state}")
+                return
+            self._replaced(old, identity, msg)
+            return
         replica = Replica(role=key[0], rank=key[1], identity=identity, hello=msg, version=self.version)
         if replica.role == "rollout":
             # A group keeps its place until its last sample finishes, so with
@@ -430,30 +534,185 @@ class Controller:
             replica.capacity = max(1, math.ceil(HOLD * slots / self.config.run.samples_per_prompt))
         self.replicas[key] = replica
         self.by_identity[identity] = replica
+        for problem in json.loads(msg.info.get("reference_problems", "[]")):
+            self._warn(f"{replica.name}: {problem}")
         if len(self.replicas) == len(self.expected):
             self._all_hello.set()
 
     async def _send(self, replica: Replica, msg: Any) -> None:
+        """Send to a replica; one whose connection is gone (it died, and the
+        launcher has not said so yet) is lost, outside the caller's work."""
         assert self._router is not None
-        await self._router.send(replica.identity, msg)
+        try:
+            await self._router.send(replica.identity, msg)
+        except transport.PeerUnreachable:
+            if self._nursery is None:
+                raise
+            if replica.state in ("gone", "given_up", "restarting"):
+                return
+            log.info("[controller] %s is unreachable (sending %s)", replica.name, type(msg).__name__)
+            self._nursery.start_soon(self._lose, replica, "closed its connection")
+
+    # --------------------------------------------------------- replica lives
+
+    def _replaced(self, old: Replica, identity: bytes, hello: Hello) -> None:
+        """A new incarnation of a replica said hello: it takes the old one's place."""
+        self.by_identity.pop(old.identity, None)
+        old.identity, old.hello, old.incarnation = identity, hello, hello.incarnation
+        old.state, old.last_seen, old.version = "hello", time.monotonic(), 0
+        old.caught_up = old.role != "rollout"
+        self.by_identity[identity] = old
+        self.stats.forget(old.role, old.rank)
+        self._new_welcomes.send_nowait(old)
+
+    async def _on_ready(self, replica: Replica, msg: Ready) -> None:
+        replica.state = "ready"
+        replica.version = msg.version
+        replica.progressed = replica.last_seen = time.monotonic()
+        if replica.incarnation == 0:
+            replica.start_s = time.monotonic() - replica.started
+        if len(self.replicas) == len(self.expected) and all(r.live for r in self.replicas.values()):
+            self._all_ready.set()
+        if replica.incarnation == 0:
+            return
+        log.info("[controller] %s is back (incarnation %d)", replica.name, replica.incarnation)
+        await self._send_peers_to_upstream(replica.role)
+        if replica.role == "rollout":
+            await self._catch_up(replica)
+
+    async def _welcome_replacements(self) -> None:
+        """Welcome each new incarnation (after the run's handshake)."""
+        await self._all_ready.wait()
+        async for replica in self._new_welcomes_out:
+            await self._send(replica, self._welcome(replica))
+
+    async def _send_peers_to_upstream(self, role: str) -> None:
+        """The role before `role` streams to its replicas' current endpoints."""
+        order = [name for name, _ in self.config.role_items()]
+        i = order.index(role)
+        if i == 0:
+            return
+        for upstream in self._role(order[i - 1]):
+            if upstream.live:
+                await self._send(upstream, Peers(peers=self._peers(upstream.role)))
+
+    async def _lose(self, replica: Replica, why: str, *, kill: bool = False) -> None:
+        """A replica died or hangs: give its work back, restart it (within its
+        budget), and go on without it meanwhile."""
+        if replica.state in ("gone", "given_up"):
+            return
+        text = f"{replica.name} {why}"
+        if replica.role == "trainer":
+            self.error = f"{text}; the run stops (continue it with rlflow up --resume {self.run_dir.path})"
+            raise RunFailed(self.error)
+        was_up = replica.state in ("hello", "ready")  # not a replacement that never came up
+        replica.state = "gone"
+        replica.last_error = why
+        self.by_identity.pop(replica.identity, None)
+        if kill:
+            await trio.to_thread.run_sync(self.launcher.kill, replica.role, replica.rank)
+        again = []
+        if was_up:
+            again = self.ledger.lost(replica.rank) if replica.role == "rollout" else self.ledger.lost_downstream(replica.name)
+        self._warn(f"{text}; {len(again)} groups granted again")
+        if replica.role == "rollout":
+            self._regroup = True  # a collective weight group without it
+            await self._move(self.rounds.left(self._receivers()))
+        else:  # the role before it stops sending to it (until its replacement is ready)
+            await self._send_peers_to_upstream(replica.role)
+        if replica.restarts >= self.config.cluster.max_restarts:
+            replica.state = "given_up"
+            self._warn(f"{replica.name} is given up on after {replica.restarts} restarts; its last error: "
+                       f"{replica.last_error}")
+            if not any(r.live or r.state in ("gone", "restarting") for r in self._role(replica.role)):
+                self.error = f"every {replica.role} replica is given up on; the last, {replica.name}: {replica.last_error}"
+                raise RunFailed(self.error)
+        else:
+            replica.restarts += 1
+            replica.launched += 1
+            replica.state, replica.started = "restarting", time.monotonic()
+            assert self._nursery is not None
+            self._nursery.start_soon(self._restart, replica)
+        await self._grant()
+
+    async def _restart(self, replica: Replica) -> None:
+        """Start the replica's next incarnation (beside the watch: starting may
+        take a while); one that fails to start is lost again when its time to
+        come up has passed."""
+        try:
+            await trio.to_thread.run_sync(self.launcher.restart, replica.role, replica.rank)
+        except Exception as exc:
+            replica.last_error = f"could not be restarted: {type(exc).__name__}: {exc}"
+            log.warning("[controller] %s %s", replica.name, replica.last_error)
+
+    def _restart_allowance(self, replica: Replica) -> float:
+        """How long a restarted replica may take to be ready: three times what
+        the first took, and never less than the heartbeat timeout."""
+        return max(3 * replica.start_s, self.config.cluster.heartbeat_timeout_s)
 
     # ---------------------------------------------------------------- weights
 
     def _receivers(self) -> set[int]:
-        return {r.rank for r in self._role("rollout")}
+        """The rollout replicas that take part in weight rounds now."""
+        return {r.rank for r in self._role("rollout") if r.live}
+
+    def _collective(self) -> bool:
+        return isinstance(self.replicas[("trainer", 0)].hello.weights, (WeightsGloo, WeightsNccl))
 
     async def _move(self, version: int | None) -> None:
         """Start moving `version` (if there is one to move): the trainer
-        ranks send it, every rollout replica loads it."""
+        ranks send it, every live rollout replica loads it. A collective
+        group that lost or gained a member is made anew first: the trainer
+        hosts the new generation and says where (`WeightsGroup`), and the
+        receivers join it as they load."""
         if version is None:
             if not self.rounds.busy:
                 self._round_done.set()
                 self._round_done = trio.Event()
             return
+        transfer = None
+        if self._regroup and self._collective():
+            self._generation += 1
+            offer = self.replicas[("trainer", 0)].hello.weights
+            transfer = msgspec.structs.replace(offer, world_size=1 + len(self._receivers()), port=0,
+                                               generation=self._generation)
+            self._regroup = False
+            self._members = sorted(self._receivers())
         for trainer in self._role("trainer"):
-            await self._send(trainer, SendWeights(version=version))
+            await self._send(trainer, SendWeights(version=version, transfer=transfer))
+        if transfer is not None:
+            self._moving_version = version
+            return  # the receivers are told when the trainer says where the group is
         for rollout in self._role("rollout"):
-            await self._send(rollout, UpdateWeights(version=version))
+            if rollout.live:
+                await self._send(rollout, UpdateWeights(version=version))
+
+    async def _join_group(self, transfer: Any) -> None:
+        """The trainer hosts a new generation of the weight group: every live
+        receiver joins it, with its rank, and loads the version moving."""
+        for i, rank in enumerate(self._members, start=1):
+            rollout = self.replicas[("rollout", rank)]
+            if rollout.live:
+                mine = msgspec.structs.replace(transfer, rank=i)
+                await self._send(rollout, UpdateWeights(version=self._moving_version, transfer=mine))
+
+    async def _rebuild_weight_group(self) -> None:
+        """A broadcast failed (a member died mid-way): the round moving is
+        abandoned and the newest version moved again, through a new
+        generation of the group."""
+        self._regroup = True
+        self.rounds.abandon()
+        await self._move(self.rounds.repeat())
+
+    async def _catch_up(self, replica: Replica) -> None:
+        """A replacement rollout replica gets the current weights before any work."""
+        replica.caught_up = False
+        if self._collective():
+            self._regroup = True
+            if not self.rounds.busy:
+                await self._move(self.rounds.repeat())
+            return
+        await self._send(replica, UpdateWeights(version=self.rounds.moved))
 
     # -------------------------------------------------------------- evaluation
 
@@ -475,7 +734,7 @@ class Controller:
         """Hand the groups the staleness bound allows to the rollout replicas with room."""
         if self.training_started is None or self.state not in ("running", "evaluating"):
             return
-        room = {r.rank: r.capacity for r in self._role("rollout")}
+        room = {r.rank: r.capacity for r in self._role("rollout") if r.live and r.caught_up}
         for rank, groups in self.ledger.grant(room, self.version).items():
             await self._send(
                 self.replicas[("rollout", rank)],
@@ -488,6 +747,9 @@ class Controller:
             self._save_state(msg)
         since = self.training_started or self.started
         row = self.stats.close_step(msg, time.monotonic() - since, sum(self.received_by_type.values()))
+        if row.reward_failed_share is not None and row.reward_failed_share > FAILED_SHARE_WARNING:
+            self._warn(f"step {row.step}: the reward of {100 * row.reward_failed_share:.0f}% of the samples could not "
+                       "be computed (see the reward counters in the status)")
         for sink in self._sinks:
             sink.write(row)
         if self.ledger.steps_done >= self.config.run.steps:
@@ -512,26 +774,64 @@ class Controller:
     # ------------------------------------------------------------- watching
 
     async def _watch(self) -> None:
-        timeout = self.config.cluster.heartbeat_timeout_s
+        """Every half second: replicas that died, went silent or hang are
+        lost (and restarted); the ledger's changes are written; the status too."""
+        cluster = self.config.cluster
         last_failures = 0.0
         while True:
             now = time.monotonic()
             if now - last_failures > 1.0:
                 last_failures = now
-                failures = await trio.to_thread.run_sync(self.launcher.failures)
-                if failures:
-                    self.error = "; ".join(failures)
-                    raise RunFailed(self.error)
-            if self.state in ("running", "evaluating"):
-                for replica in self.replicas.values():
-                    if replica.state == "ready" and now - replica.last_seen > timeout:
-                        self.error = (
-                            f"{replica.name} sent nothing for {now - replica.last_seen:.0f} s "
-                            "(cluster.heartbeat_timeout_s); it is presumed dead"
-                        )
+                for failure in await trio.to_thread.run_sync(self.launcher.failures):
+                    replica = self.replicas.get((failure.role, failure.rank))
+                    if replica is None:  # before its hello: the run cannot start
+                        self.error = f"{failure.role}-{failure.rank} {failure.message}"
                         raise RunFailed(self.error)
+                    if failure.incarnation == replica.launched:  # not one lost already
+                        await self._lose(replica, failure.message)
+            if self.state in ("running", "evaluating"):
+                for replica in list(self.replicas.values()):
+                    await self._check_alive(replica, now, cluster)
+            self._flush_journal()
             self._write_status()
             await trio.sleep(0.5)
+
+    async def _check_alive(self, replica: Replica, now: float, cluster: Any) -> None:
+        if replica.state == "restarting" and now - replica.started > self._restart_allowance(replica):
+            await self._lose(replica, f"was not back within {self._restart_allowance(replica):.0f} s of its restart",
+                             kill=True)
+            return
+        if not replica.live:
+            return
+        if now - replica.last_seen > cluster.heartbeat_timeout_s:
+            await self._lose(replica, f"sent nothing for {now - replica.last_seen:.0f} s "
+                             "(cluster.heartbeat_timeout_s): presumed dead", kill=True)
+            return
+        if replica.role == "trainer":
+            return
+        clock = self.stats.clocks.get((replica.role, replica.rank))
+        if clock is None:
+            return
+        beat = clock.last
+        progress = sum(beat.counters.get(k, 0.0) for k in PROGRESS_COUNTERS)
+        if progress != replica.progress or not self._holds_work(replica, beat):
+            replica.progress, replica.progressed = progress, now
+        elif now - replica.progressed > cluster.progress_timeout_s:
+            await self._lose(replica, f"made no progress for {now - replica.progressed:.0f} s while holding work "
+                             "(cluster.progress_timeout_s): presumed hung", kill=True)
+
+    def _holds_work(self, replica: Replica, beat: Heartbeat) -> bool:
+        if replica.role == "rollout":
+            return self.ledger.held_by(replica.rank) > 0
+        return any(v > 0 for v in beat.queues.values())
+
+    def _flush_journal(self) -> None:
+        """The ledger's changes, appended to the run's ledger file."""
+        events = self.ledger.drain()
+        if events:
+            now = time.time()
+            with open(self.run_dir.ledger, "ab") as f:
+                f.write(b"".join(encode(msgspec.structs.replace(e, t=round(now, 3))) + b"\n" for e in events))
 
     async def _shutdown_services(self) -> None:
         targets = [r for r in self.replicas.values() if r.state in ("hello", "ready")]
@@ -563,10 +863,12 @@ class Controller:
             for beat in beats:
                 queues.update(beat.queues)
                 counters.update(beat.counters)
-            version = min((r.version for r in replicas), default=0) if name in POLICY_ROLES else None
+            held = [r.version for r in replicas if r.live] or [r.version for r in replicas]
+            version = min(held, default=0) if name in POLICY_ROLES else None
             roles[name] = RoleStatus(
                 replicas=cfg.replicas,
-                up=sum(r.state == "ready" for r in replicas),
+                up=sum(r.live for r in replicas),
+                restarts=sum(r.restarts for r in replicas),
                 placed=[
                     Placed(rank=r.rank, host=r.hello.host, pid=r.hello.pid, incarnation=r.hello.incarnation,
                            endpoints=r.hello.endpoints, info=r.hello.info)
@@ -598,6 +900,8 @@ class Controller:
             last_eval=self.stats.evals[-1] if self.stats.evals else None,
             roles=roles,
             controller=self._controller_stats(),
+            warnings=list(self.warnings),
+            trends=self.stats.trends(),
         )
 
     def _group_counts(self) -> GroupCounts:
@@ -606,9 +910,11 @@ class Controller:
             queued=counts["queued"],
             generating=counts["generating"],
             downstream=counts["downstream"],
+            received=counts["received"],
             trained=self.ledger.trained_count,
             granted=self.ledger.granted,
             reissued=self.ledger.reissued,
+            dropped=dict(self.ledger.dropped),
         )
 
     def _controller_stats(self) -> ControllerStats:

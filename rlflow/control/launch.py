@@ -4,13 +4,18 @@
 (the "default" model to its directory, relative paths to absolute ones) and
 writes that resolved config into the run directory: what the services get,
 so that a service on another node needs nothing from the launcher's machine
-but the paths themselves. Then it joins or starts Ray, reserves the pools,
-runs the controller (which starts the services) until the last step, and,
-whatever happened, stops every service and removes every actor and
-placement group.
+but the paths themselves. It makes the run's secret and, when its sockets
+are reachable from other hosts (`cluster.uses_curve`), its CURVE keys,
+which every service gets in its `ServiceSpec`. Then it joins or starts Ray,
+reserves the pools (and refuses a run that spans nodes on loopback
+addresses), runs the controller (which starts the services) until the last
+step, and, whatever happened, stops every service and removes every actor
+and placement group.
 """
 
 from __future__ import annotations
+
+import json
 
 import os
 import pathlib
@@ -20,9 +25,11 @@ from collections.abc import Callable
 import msgspec
 import trio
 
-from rlflow.config import Config, ConfigError, to_toml
+from rlflow.config import Config, ConfigError, ModelTeacher, to_toml
 from rlflow.control import placement
 from rlflow.control.controller import Controller
+from rlflow.data import transport
+from rlflow.data.net import is_loopback
 from rlflow.rundir import RunDir, Status, Summary
 
 
@@ -48,7 +55,55 @@ def resolve(config: Config) -> Config:
             raise ConfigError("roles.rollout.model", rollout.model, str(exc)) from None
         rollout = msgspec.structs.replace(rollout, model=model)
     roles = msgspec.structs.replace(config.roles, rollout=rollout)
+    teacher = config.roles.teacher
+    if teacher is not None and isinstance(teacher.engine, ModelTeacher):
+        engine = teacher.engine
+        if engine.model == "policy":  # the policy's starting weights, not a checkpoint resumed from
+            path = rollout.model
+        else:
+            try:
+                path = str(resolve_model(engine.model).resolve())
+            except FileNotFoundError as exc:
+                raise ConfigError("roles.teacher.engine.model", engine.model, str(exc)) from None
+        _same_tokenizer(path, rollout.model)
+        vocab = _vocab_size(path)
+        if vocab is not None and engine.top_k > vocab:
+            raise ConfigError("roles.teacher.engine.top_k", engine.top_k,
+                              f"asks for more tokens than the teacher's vocabulary has ({vocab})")
+        roles = msgspec.structs.replace(roles, teacher=msgspec.structs.replace(
+            teacher, engine=msgspec.structs.replace(engine, model=path)))
     return msgspec.structs.replace(config, run=run, roles=roles)
+
+
+def _vocab_size(model: str) -> int | None:
+    """The vocabulary size in a Hugging Face model directory's config (None if it does not say)."""
+    try:
+        return int(json.loads((pathlib.Path(model) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_reach(host: str, nodes: int) -> None:
+    """A run on more than one node cannot bind loopback: the others could not reach it."""
+    if nodes > 1 and is_loopback(host):
+        raise ConfigError(
+            "cluster.host", host,
+            f"the run spans {nodes} Ray nodes, and a socket on a loopback address cannot be reached from another "
+            "node: leave it empty (each node's own IP)",
+        )
+
+
+def _same_tokenizer(teacher: str, policy: str) -> None:
+    """The teacher must score the tokens the policy samples: one vocabulary."""
+    from rlflow.data.tasks import load_tokenizer
+
+    if teacher == policy:
+        return
+    if load_tokenizer(teacher).get_vocab() != load_tokenizer(policy).get_vocab():
+        raise ConfigError(
+            "roles.teacher.engine.model", teacher,
+            f"its tokenizer differs from the policy's ({policy}): the teacher must score the policy's tokens",
+        )
 
 
 def run(
@@ -68,10 +123,12 @@ def run(
     placement.start_ray(config.cluster)
     pools = placement.PoolManager(config, run_id)
     secret = secrets.token_hex(16)
-    launcher = placement.RayLauncher(config, run_id, str(folder.path.resolve()), pools, secret=secret)
+    curve = transport.new_curve_keys() if config.cluster.uses_curve else None
+    launcher = placement.RayLauncher(config, run_id, str(folder.path.resolve()), pools, secret=secret, curve=curve)
     try:
         pools.create()
-        controller = Controller(config, folder, run_id, launcher, on_status=on_status, secret=secret)
+        check_reach(config.cluster.host, len(pools.nodes()))
+        controller = Controller(config, folder, run_id, launcher, on_status=on_status, secret=secret, curve=curve)
         return trio.run(controller.run)
     finally:
         launcher.stop()

@@ -18,6 +18,7 @@ import importlib
 import logging
 import math
 import os
+import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlflow.data import transport
-from rlflow.data.net import free_port
+from rlflow.data.net import CurveKeys, free_port
 from rlflow.config import ClusterConfig, Config, PoolConfig
 from rlflow.control.spec import ServiceSpec
 
@@ -174,6 +175,14 @@ class PoolManager:
                     f"strategy {self.config.pools[name].strategy} may be impossible on this cluster"
                 )
 
+    def nodes(self) -> set[str]:
+        """The Ray nodes this run occupies: those of its bundles and the driver's (the controller's)."""
+        table = ray.util.placement_group_table()
+        out = {ray.get_runtime_context().get_node_id()}
+        for group in self.groups.values():
+            out.update(table.get(group.id.hex(), {}).get("bundles_to_node_id", {}).values())
+        return out
+
     def slots(self) -> dict[str, list[Slot]]:
         """Role -> the slot of each replica (see `share_bundles`)."""
         cores = self._cores()
@@ -234,33 +243,53 @@ class ServiceHost:
 
 
 @dataclass
+class Failure:
+    """A replica whose process ended on its own (an error, or a death)."""
+
+    role: str
+    rank: int
+    incarnation: int
+    message: str
+
+
+@dataclass
 class _Running:
     role: str
     rank: int
+    incarnation: int
     actor: Any
     ref: Any
+    options: dict[str, Any]
+    cores: tuple[int, int] | None
+    master: tuple[str, int]
 
 
 class RayLauncher:
-    """Starts, watches and stops the services of one run on Ray."""
+    """Starts, watches, restarts and stops the services of one run on Ray."""
 
-    def __init__(self, config: Config, run_id: str, run_dir: str, pools: PoolManager, *, secret: str = ""):
+    def __init__(
+        self, config: Config, run_id: str, run_dir: str, pools: PoolManager, *, secret: str = "",
+        curve: CurveKeys | None = None,
+    ):
         self.config = config
         self.secret = secret
+        self.curve = curve
         self.run_id = run_id
         self.run_dir = run_dir
         self.pools = pools
-        self.running: list[_Running] = []
+        self.running: dict[tuple[str, int], _Running] = {}
+        self.controller = ""
         self._stopping = False
 
     def actor_name(self, role: str, rank: int) -> str:
         return f"rlflow:{self.run_id}:{role}:{rank}"
 
     def start(self, controller_address: str) -> None:
+        self.controller = controller_address
         host_cls = ray.remote(ServiceHost)
         slots = self.pools.slots()
         for role, cfg in self.config.role_items():
-            actors = []
+            started: list[tuple[int, Any, dict[str, Any], tuple[int, int] | None]] = []
             local_ranks: dict[tuple[str, int], int] = defaultdict(int)
             for rank, slot in enumerate(slots[role][: cfg.replicas]):
                 local_rank = local_ranks[(slot.pool, slot.bundle)]
@@ -284,43 +313,74 @@ class RayLauncher:
                     "max_restarts": 0,
                     "max_concurrency": 2,
                 }
-                actors.append(host_cls.options(**options).remote(slot.cores))
-            master = ray.get(actors[0].address.remote())
-            for rank, actor in enumerate(actors):
-                spec = ServiceSpec(
-                    role=role,
-                    rank=rank,
-                    replicas=cfg.replicas,
-                    run_id=self.run_id,
-                    controller=controller_address,
-                    config=self.config,
-                    run_dir=self.run_dir,
-                    secret=self.secret,
-                )
-                self.running.append(_Running(role, rank, actor, actor.run.remote(spec.encode(), master)))
+                started.append((rank, host_cls.options(**options).remote(slot.cores), options, slot.cores))
+            master = ray.get(started[0][1].address.remote())
+            for rank, actor, options, cores in started:
+                self._run(role, rank, 0, actor, options, cores, master)
 
-    def failures(self) -> list[str]:
-        """Services whose process has ended on its own (an error, or a death)."""
-        if not self.running or self._stopping:
+    def _run(self, role: str, rank: int, incarnation: int, actor: Any, options: dict[str, Any],
+             cores: tuple[int, int] | None, master: tuple[str, int]) -> None:
+        spec = ServiceSpec(
+            role=role,
+            rank=rank,
+            replicas=dict(self.config.role_items())[role].replicas,
+            run_id=self.run_id,
+            controller=self.controller,
+            config=self.config,
+            run_dir=self.run_dir,
+            incarnation=incarnation,
+            secret=self.secret,
+            curve=self.curve,
+        )
+        ref = actor.run.remote(spec.encode(), master)
+        self.running[(role, rank)] = _Running(role, rank, incarnation, actor, ref, options, cores, master)
+
+    def failures(self) -> list[Failure]:
+        """Replicas whose process has ended on its own since the last call
+        (each reported once)."""
+        if self._stopping:
             return []
-        refs = [r.ref for r in self.running]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        items = [item for item in list(self.running.values()) if item.ref is not None]  # not those reported
+        if not items:
+            return []
+        done, _ = ray.wait([r.ref for r in items], num_returns=len(items), timeout=0)
         out = []
-        for item in self.running:
+        for item in items:
             if item.ref in done:
                 try:
                     ray.get(item.ref)
-                    out.append(f"{item.role}-{item.rank} exited before the run ended")
+                    message = "exited before the run ended"
                 except Exception as exc:
-                    out.append(f"{item.role}-{item.rank} died: {_first_line(exc)}")
+                    message = f"died: {_first_line(exc)}"
+                out.append(Failure(item.role, item.rank, item.incarnation, message))
+                item.ref = None
         return out
+
+    def kill(self, role: str, rank: int) -> None:
+        """End a replica (e.g. one that hangs); it is then reported as a failure."""
+        item = self.running.get((role, rank))
+        if item is not None:
+            ray.kill(item.actor, no_restart=True)
+
+    def restart(self, role: str, rank: int) -> int:
+        """Start a new incarnation of a replica that has ended, in its bundle;
+        its incarnation number."""
+        item = self.running[(role, rank)]
+        ray.kill(item.actor, no_restart=True)  # frees its name, if it lingers
+        deadline = time.monotonic() + 30
+        while self.actor_name(role, rank) in alive_actors(self.run_id) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        actor = ray.remote(ServiceHost).options(**item.options).remote(item.cores)
+        self._run(role, rank, item.incarnation + 1, actor, item.options, item.cores, item.master)
+        return item.incarnation + 1
 
     def stop(self, wait_s: float = 20.0) -> None:
         """Let services that are shutting down finish, then kill what is left."""
         self._stopping = True
-        if self.running:
-            ray.wait([r.ref for r in self.running], num_returns=len(self.running), timeout=wait_s)
-        for item in self.running:
+        refs = [r.ref for r in self.running.values() if r.ref is not None]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        for item in self.running.values():
             ray.kill(item.actor, no_restart=True)
         self.running.clear()
         self.pools.remove()
@@ -328,6 +388,9 @@ class RayLauncher:
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
+    if isinstance(exc, ray.exceptions.ActorDiedError) and "worker process has died" in text:  # the gist of a paragraph
+        kind = re.search(r"Worker exit type: (\w+)", text)
+        return f"its process ended ({kind.group(1) if kind else 'actor died'}: killed, out of memory, or crashed)"
     lines = [line for line in text.splitlines() if line.strip()]
     # Ray wraps the service's own error; its last line names it.
     return (lines[-1] if lines else type(exc).__name__)[:500]

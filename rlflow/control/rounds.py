@@ -32,7 +32,9 @@ class WeightRounds:
         take part. The next version to move, when this round is complete.
 
         A receiver that holds a newer version than the one moving has done
-        its part too: one that pulls weights gets the newest there is."""
+        its part: a weight server may hand out its newest version, published
+        after this round started.
+        """
         if self.moving is not None and version >= self.moving:
             self._loaded.add(rank)
         return self._check(receivers)
@@ -58,3 +60,15 @@ class WeightRounds:
     def busy(self) -> bool:
         """Whether a version is moving now."""
         return self.moving is not None
+
+    def abandon(self) -> None:
+        """The round moving cannot complete (its broadcast broke): forget it."""
+        self.moving, self._loaded = None, set()
+
+    def repeat(self) -> int | None:
+        """Move the newest version sent again (e.g. to a replica that joined
+        late, through a new collective group); None if a round is moving."""
+        if self.moving is not None:
+            return None
+        self.moving, self._loaded = self.moved, set()
+        return self.moving

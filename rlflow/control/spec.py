@@ -1,11 +1,13 @@
 """What a service process is started with: its role, rank, the controller's
-address, the resolved config and the run's secret (passed to it as bytes)."""
+address, the resolved config, the run's secret and, when its sockets are
+reachable from other hosts, the run's CURVE keys (passed to it as bytes)."""
 
 from __future__ import annotations
 
 import msgspec
 
 from rlflow.config import Config
+from rlflow.data.net import CurveKeys
 
 
 class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -23,6 +25,8 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: int = 0
     secret: str = ""
     """The run's secret, shown to the controller in `Hello`."""
+    curve: CurveKeys | None = None
+    """The run's CURVE keys, for every socket the service opens; None: the run stays on loopback."""
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

@@ -16,9 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow.protocol import Heartbeat, StepDone
-from rlflow.rundir import EvalRow, Shares, StepRow, Summary
+from rlflow.rundir import EvalRow, Shares, StepRow, Summary, Trend
 
 STATES = ("busy", "starved", "blocked", "loading")
+#: Trainer statistics whose trend the status shows.
+TRENDS = ("kl_teacher",)
+#: Steps over which a trend is taken.
+TREND_STEPS = 10
 #: Heartbeats of each replica kept for the live window.
 WINDOW = 32
 
@@ -86,6 +90,7 @@ class RunStats:
             staleness_max=known["staleness_max"] or 0.0,
             train_s=known["train_s"] or 0.0,
             occupancy=self._occupancy(),
+            reward_failed_share=self._failed_share(),
             roles={role: self._role_shares(role, "step") for role in self.roles},
             train=metrics,
             controller_msgs=messages,
@@ -135,6 +140,35 @@ class RunStats:
             used += last.counters["slot_s"] - first.counters.get("slot_s", 0.0)
             capacity += elapsed * last.counters.get("slots", 0.0)
         return round(used / capacity, 4) if capacity > 0 else None
+
+    def _failed_share(self) -> float | None:
+        """Share of the samples the reward role scored since the last step
+        whose reward could not be computed."""
+        scored = failed = 0.0
+        for clock in self.replicas("reward"):
+            last, first = clock.last.counters, clock.at_step.counters
+            scored += last.get("scored_samples", 0.0) - first.get("scored_samples", 0.0)
+            failed += last.get("failed_samples", 0.0) - first.get("failed_samples", 0.0)
+        return round(failed / scored, 4) if scored > 0 else None
+
+    def trends(self, window: int = TREND_STEPS) -> dict[str, Trend]:
+        """The statistics of `TRENDS` over the last `window` steps, and how
+        their mean moved from the `window` steps before."""
+        out = {}
+        for key in TRENDS:
+            values = []
+            for row in reversed(self.rows):  # the latest 2 x window that have it
+                if math.isfinite(row.train.get(key, math.nan)):
+                    values.insert(0, row.train[key])
+                    if len(values) == 2 * window:
+                        break
+            if not values:
+                continue
+            recent, before = values[-window:], values[-2 * window:-window]
+            mean = sum(recent) / len(recent)
+            change = mean - sum(before) / len(before) if len(before) == window else None
+            out[key] = Trend(last=values[-1], mean=mean, steps=len(recent), change=change)
+        return out
 
     def latest(self, role: str) -> list[Heartbeat]:
         return [clock.last for clock in self.replicas(role)]

@@ -1,8 +1,9 @@
 """Tasks: where prompts come from and how answers are scored.
 
-Two tasks ship: ``sim`` (random tokens, random rewards: for simulated runs)
-and ``arith`` (the embedded default: addition written out column by column,
-verifiable, with long-tailed response lengths).
+Tasks: ``sim`` (random tokens, random rewards: for simulated runs),
+``arith`` (the embedded default: addition written out column by column,
+verifiable, with long-tailed response lengths), ``dataset`` (the user's own
+files) and ``reasoning_gym`` (procedural problems), see `dataset_task`.
 
 A task turns a group id into a prompt, deterministically (from the run's
 seed), so that the controller hands out ids, never data, and a group that has
@@ -13,23 +14,41 @@ prompts; the reward role asks it for scores.
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
-from rlflow.config import ArithTask, Config, SimTask
+from rlflow.config import ArithTask, Config, DatasetTask, ReasoningGymTask, SimTask
+from rlflow.data.dataset_task import DatasetTaskImpl, ReasoningGymTaskImpl
 from rlflow.protocol import GroupInfo, PromptGroup
 
 
 class Task(Protocol):
     name: str
+    scored_by_functions: bool
+    """True: its answers are scored by the reward role's functions (it has no
+    verifier of its own, and its held-out answers are scored by them too)."""
 
     def prompt(self, group_id: int, n: int, min_version: int = 0) -> PromptGroup:
         """The prompt of group `group_id`, to be answered `n` times."""
         ...
 
     def score(self, group: GroupInfo, index: int, response_ids: np.ndarray) -> tuple[float, dict[str, float]]:
-        """Reward of one response, and its named components."""
+        """Reward of one response, and its named components (tasks scored by
+        reward functions raise)."""
+        ...
+
+    def row(self, group_id: int) -> Mapping[str, Any]:
+        """What reward functions get as the group's dataset row."""
+        ...
+
+    def prompt_text(self, group_id: int) -> str:
+        """The group's prompt, as the model sees it."""
+        ...
+
+    def decode(self, ids: np.ndarray) -> str:
+        """A response's text."""
         ...
 
 
@@ -37,6 +56,7 @@ class SimTaskImpl:
     """Random token prompts; each answer is right with probability `reward_p`."""
 
     name = "sim"
+    scored_by_functions = False
 
     def __init__(self, cfg: SimTask, seed: int):
         self.cfg = cfg
@@ -54,6 +74,15 @@ class SimTaskImpl:
     def score(self, group: GroupInfo, index: int, response_ids: np.ndarray) -> tuple[float, dict[str, float]]:
         correct = float(_uniform(self.seed, group.group_id, index) < self.cfg.reward_p)
         return correct, {"correct": correct}
+
+    def row(self, group_id: int) -> Mapping[str, Any]:
+        return {}
+
+    def prompt_text(self, group_id: int) -> str:
+        return ""
+
+    def decode(self, ids: np.ndarray) -> str:
+        return " ".join(str(i) for i in ids.tolist())
 
 
 _MASK64 = (1 << 64) - 1
@@ -168,6 +197,7 @@ class ArithTaskImpl:
     """`Arith` behind the `Task` interface: prompts as token ids, scores from ids."""
 
     name = "arith"
+    scored_by_functions = False
 
     def __init__(self, cfg: ArithTask, seed: int, tokenizer):
         self.cfg = cfg
@@ -182,8 +212,17 @@ class ArithTaskImpl:
         )
 
     def score(self, group: GroupInfo, index: int, response_ids: np.ndarray) -> tuple[float, dict[str, float]]:
-        text = self.tokenizer.decode(response_ids.tolist(), skip_special_tokens=True)
-        return self.arith.check(group.reference, text)
+        return self.arith.check(group.reference, self.decode(response_ids))
+
+    def row(self, group_id: int) -> Mapping[str, Any]:
+        a, b = self.arith.training_problem(group_id)
+        return {"a": a, "b": b}
+
+    def prompt_text(self, group_id: int) -> str:
+        return Arith.prompt_text(*self.arith.training_problem(group_id))
+
+    def decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
 
     def heldout_prompts(self) -> list[list[int]]:
         """Token ids of every held-out prompt."""
@@ -225,4 +264,12 @@ def make_task(config: Config, tokenizer=None) -> Task:
             if tokenizer is None:
                 raise ValueError("the arith task needs the model's tokenizer")
             return ArithTaskImpl(cfg, config.run.seed, tokenizer)
+        case DatasetTask() as cfg:
+            if tokenizer is None:
+                raise ValueError("the dataset task needs the model's tokenizer")
+            return DatasetTaskImpl(cfg, config.run.seed, tokenizer)
+        case ReasoningGymTask() as cfg:
+            if tokenizer is None:
+                raise ValueError("the reasoning_gym task needs the model's tokenizer")
+            return ReasoningGymTaskImpl(cfg, config.run.seed, tokenizer)
     raise ValueError(f"unknown task {config.task!r}")

@@ -20,12 +20,21 @@ to wait watches the descriptor and the others park behind it; every
 completed operation wakes them all, because an operation can consume the
 edge another task was waiting for (see `Socket._until`).
 
+Who may reach a socket: one on a loopback address (or ``ipc://``) is
+reachable from this host only and needs nothing more. Any other address is
+reachable from the network, so a socket opened with `curve` (the run's
+`CurveKeys`) speaks CURVE (encrypted, and a peer must prove it holds the
+run's keys), and one without is refused (`InsecureEndpoint`) before it binds
+or connects there. A CURVE server accepts only its run's client key: the
+process's ZAP handler checks every client key (see `_ServerKeys`).
+
 This is the only module that imports zmq.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 from collections import Counter
@@ -35,7 +44,9 @@ from typing import Any
 
 import trio
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
+from rlflow.data.net import CurveKeys, endpoint_is_local
 from rlflow.protocol import Codec, ControlMessage, DataMessage, Message, ProtocolError
 
 log = logging.getLogger("rlflow.data.transport")
@@ -69,7 +80,13 @@ class PeerUnreachable(TransportError):
     """A ROUTER was asked to send to an identity that is not connected."""
 
 
+class InsecureEndpoint(TransportError):
+    """A socket without CURVE keys was asked to bind or connect to an address
+    that other hosts can reach."""
+
+
 _context: zmq.Context | None = None
+_authenticator: ThreadAuthenticator | None = None
 
 
 def context() -> zmq.Context:
@@ -93,22 +110,116 @@ def context() -> zmq.Context:
 
 
 def _terminate(ctx: zmq.Context) -> None:
+    global _authenticator
+    # Its thread polls sockets of this context: stop it before they are closed.
+    if _authenticator is not None:
+        _authenticator.stop()
+        _authenticator = None
     ctx.destroy(linger=0)
+
+
+def new_curve_keys() -> CurveKeys:
+    """A fresh pair of keypairs for one run (see `CurveKeys`)."""
+    server_public, server_secret = zmq.curve_keypair()
+    client_public, client_secret = zmq.curve_keypair()
+    return CurveKeys(
+        server_public=server_public.decode(),
+        server_secret=server_secret.decode(),
+        client_public=client_public.decode(),
+        client_secret=client_secret.decode(),
+    )
+
+
+class _ServerKeys:
+    """The ZAP handler's answer: a client completes the CURVE handshake with
+    a server socket only if its public key is its run's client key.
+
+    Without a ZAP handler, libzmq admits any client that knows the server's
+    public key, whatever its own keypair: the server public key would be the
+    run's only secret, though CURVE treats it as public (it may be logged or
+    shown). With this, a client must hold the run's client secret key too.
+    Each server socket is a ZAP domain of its own, so that each counts the
+    clients it refused (its `Socket.rejected["unauthenticated"]`).
+
+    `callback` runs on the handler's thread; it reads what the sockets'
+    thread registers, and must not raise (that would end the handler).
+    """
+
+    def __init__(self) -> None:
+        #: ZAP domain -> the client public key it admits.
+        self.allowed: dict[str, str] = {}
+        #: ZAP domain -> the socket's name, for the log.
+        self.names: dict[str, str] = {}
+        #: ZAP domain -> handshakes refused (written by the handler's thread only).
+        self.refused: dict[str, int] = {}
+        self._domains = itertools.count()
+
+    def admit(self, keys: CurveKeys, name: str) -> str:
+        """A new domain that admits the client key of `keys`."""
+        domain = f"rlflow.{next(self._domains)}"
+        self.allowed[domain], self.names[domain] = keys.client_public, name
+        return domain
+
+    def forget(self, domain: str) -> None:
+        self.allowed.pop(domain, None)
+        self.names.pop(domain, None)
+        self.refused.pop(domain, None)
+
+    def callback(self, domain: str, client_key: bytes) -> bool:
+        if self.allowed.get(domain) == client_key.decode("ascii", "replace"):
+            return True
+        count = self.refused[domain] = self.refused.get(domain, 0) + 1
+        if count <= 3 or count % 1000 == 0:
+            log.warning("%s: refused CURVE client #%d: its key is not the run's", self.names.get(domain, domain), count)
+        return False
+
+
+_server_keys = _ServerKeys()
+
+
+def _zap_domain(keys: CurveKeys, name: str) -> str:
+    """Start the process's ZAP handler (once) and register a domain that
+    admits the run's client key (see `_ServerKeys`); the domain.
+
+    libzmq admits every client when no ZAP handler listens, so the handler
+    must run before a CURVE server socket binds: `Socket._secure` calls this
+    before `_open` binds.
+    """
+    global _authenticator
+    if _authenticator is None:
+        auth = ThreadAuthenticator(context(), log=log.getChild("zap"))
+        auth.start()
+        _authenticator = auth
+    domain = _server_keys.admit(keys, name)
+    _authenticator.configure_curve_callback(domain, _server_keys)
+    return domain
+
+
+def _check_local(name: str, verb: str, address: str) -> None:
+    """Refuse to `verb` (bind, connect) a socket without CURVE off this host."""
+    if not endpoint_is_local(address):
+        raise InsecureEndpoint(
+            f"{name}: refusing to {verb} {address} without CURVE keys: other hosts can reach it; use a loopback "
+            "address (cluster.host = \"127.0.0.1\") or let the run use CURVE (cluster.curve: rlflow up makes the "
+            "keys whenever cluster.host is not loopback)"
+        )
 
 
 class Socket:
     """A ZeroMQ socket driven from trio, encoding with one `Codec`."""
 
-    def __init__(self, sock: zmq.Socket, codec: Codec, name: str):
+    def __init__(self, sock: zmq.Socket, codec: Codec, name: str, curve: CurveKeys | None = None):
         self._sock = sock
         self._codec = codec
         self.name = name
+        #: The run's keys, if this socket speaks CURVE.
+        self.curve = curve
+        self._zap_domain = ""
         self._fd = sock.getsockopt(zmq.FD)
         self._changed = trio.Event()
         self._parked = 0
         self._leader: trio.CancelScope | None = None
-        #: Bad messages received, by `ProtocolError.kind`.
-        self.rejected: Counter[str] = Counter()
+        self._rejected: Counter[str] = Counter()
         #: Messages of more frames than this are thrown away on receipt.
         self.max_frames = MAX_FRAMES
         self.sent = 0
@@ -118,6 +229,30 @@ class Socket:
         self.bytes_sent = 0
         self._closed = False
         self._unyielded = 0
+
+    @property
+    def rejected(self) -> Counter[str]:
+        """Bad messages received, by `ProtocolError.kind`, and CURVE clients
+        refused for a key that is not the run's (``unauthenticated``)."""
+        out = Counter(self._rejected)
+        if refused := _server_keys.refused.get(self._zap_domain, 0):
+            out["unauthenticated"] += refused
+        return out
+
+    def _secure(self, *, server: bool) -> None:
+        """Make the socket a CURVE server (for its binds) or client (for its
+        connects), with the run's keys."""
+        keys, sock = self.curve, self._sock
+        assert keys is not None
+        if server:
+            self._zap_domain = _zap_domain(keys, self.name)
+            sock.setsockopt_string(zmq.ZAP_DOMAIN, self._zap_domain)
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.server_secret.encode())
+        else:
+            sock.setsockopt(zmq.CURVE_SERVERKEY, keys.server_public.encode())
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, keys.client_public.encode())
+            sock.setsockopt(zmq.CURVE_SECRETKEY, keys.client_secret.encode())
 
     # -- readiness ----------------------------------------------------------
 
@@ -245,8 +380,8 @@ class Socket:
     def _reject(self, kind: str, why: str) -> None:
         """Count a bad message; log the first few of each kind and then every
         1000th, so that a hostile or broken peer cannot flood the log."""
-        self.rejected[kind] += 1
-        count = self.rejected[kind]
+        self._rejected[kind] += 1
+        count = self._rejected[kind]
         if count <= 3 or count % 1000 == 0:
             log.warning("%s: rejected message #%d of kind %s: %s", self.name, count, kind, why)
 
@@ -254,6 +389,10 @@ class Socket:
         if not self._closed:
             self._closed = True
             self._sock.close(linger=linger_ms)
+            if self._zap_domain:
+                # Refused from now on. The handler keeps its entry for the
+                # domain: removing it could race a handshake in flight.
+                _server_keys.forget(self._zap_domain)
 
     @property
     def closed(self) -> bool:
@@ -370,9 +509,15 @@ async def _open(
     linger_ms: int,
     max_frame_bytes: int | None,
     identity: bytes | None = None,
+    curve: CurveKeys | None,
     name: str,
 ) -> AsyncIterator[Any]:
-    sock = context().socket(kind)
+    connects = [connect] if isinstance(connect, str) else list(connect or ())
+    if curve is None:
+        for verb, address in [("bind", bind)] * (bind is not None) + [("connect", a) for a in connects]:
+            _check_local(name, verb, address)
+    wrapper = cls(context().socket(kind), codec, name, curve)
+    sock = wrapper._sock
     try:
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
@@ -383,14 +528,24 @@ async def _open(
             sock.setsockopt(zmq.IDENTITY, identity)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if kind == zmq.PUSH:
+            # Queue only to peers that are connected: a message for a peer
+            # that died would wait in its pipe and vanish with it; this way a
+            # send waits (or goes to a live peer) instead.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+        # CURVE options apply to the binds and connects made after they are
+        # set: a socket that binds serves, one that connects is a client.
+        if curve is not None:
+            wrapper._secure(server=bind is not None)
         if bind is not None:
             sock.bind(bind)
-        for address in [connect] if isinstance(connect, str) else connect or ():
+        if curve is not None and bind is not None and connects:
+            wrapper._secure(server=False)
+        for address in connects:
             sock.connect(address)
     except BaseException:
-        sock.close(linger=0)
+        wrapper.close(0)
         raise
-    wrapper = cls(sock, codec, name)
     try:
         yield wrapper
     finally:
@@ -404,12 +559,16 @@ def bound_address(sock: Socket) -> str:
 
 def connect(sock: Socket, address: str) -> None:
     """Connect an open socket to one more peer (e.g. a replica that came up later)."""
+    if sock.curve is None:
+        _check_local(sock.name, "connect", address)
     sock._sock.connect(address)
+    sock._wake()  # a parked send or receive re-checks the socket
 
 
 def disconnect(sock: Socket, address: str) -> None:
     """Stop sending to / receiving from a peer (e.g. a replica that died)."""
     sock._sock.disconnect(address)
+    sock._wake()
 
 
 def tcp_address(host: str = "127.0.0.1") -> str:
@@ -432,9 +591,15 @@ def open_push(
     hwm: int = DEFAULT_HWM,
     linger_ms: int = 1000,
     codec: Codec | None = None,
+    curve: CurveKeys | None = None,
     name: str = "push",
 ) -> Any:
-    """The sending end of a stream; `async with open_push(...) as push`."""
+    """The sending end of a stream; `async with open_push(...) as push`.
+
+    Every ``open_*`` takes `curve`, the run's keys: with them the socket
+    speaks CURVE; without them it may bind or connect only on this host
+    (`InsecureEndpoint` otherwise).
+    """
     return _open(
         Push,
         zmq.PUSH,
@@ -444,6 +609,7 @@ def open_push(
         hwm=hwm,
         linger_ms=linger_ms,
         max_frame_bytes=None,
+        curve=curve,
         name=name,
     )
 
@@ -455,6 +621,7 @@ def open_pull(
     hwm: int = DEFAULT_HWM,
     max_frame_bytes: int | None = None,
     codec: Codec | None = None,
+    curve: CurveKeys | None = None,
     name: str = "pull",
 ) -> Any:
     """The receiving end of a stream; `max_frame_bytes` caps any one frame a
@@ -468,6 +635,7 @@ def open_pull(
         hwm=hwm,
         linger_ms=0,
         max_frame_bytes=max_frame_bytes,
+        curve=curve,
         name=name,
     )
 
@@ -478,6 +646,7 @@ def open_router(
     hwm: int = 1000,
     max_frame_bytes: int | None = 64 << 20,
     codec: Codec | None = None,
+    curve: CurveKeys | None = None,
     name: str = "router",
 ) -> Any:
     """The controller's control socket."""
@@ -490,6 +659,7 @@ def open_router(
         hwm=hwm,
         linger_ms=0,
         max_frame_bytes=max_frame_bytes,
+        curve=curve,
         name=name,
     )
 
@@ -501,6 +671,7 @@ def open_dealer(
     hwm: int = 1000,
     linger_ms: int = 500,
     codec: Codec | None = None,
+    curve: CurveKeys | None = None,
     name: str = "dealer",
 ) -> Any:
     """A service's control socket, connected to the controller."""
@@ -514,5 +685,6 @@ def open_dealer(
         linger_ms=linger_ms,
         max_frame_bytes=None,
         identity=identity,
+        curve=curve,
         name=name,
     )

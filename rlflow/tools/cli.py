@@ -1,4 +1,4 @@
-"""The `rlflow` command: up, status, down.
+"""The `rlflow` command: up, status, down, check, report, plan, model.
 
 Exit status: 0 done, 1 the run failed, 2 bad configuration or a cluster that
 cannot hold it (one line, no traceback), 130 interrupted.
@@ -51,10 +51,22 @@ def build_parser() -> argparse.ArgumentParser:
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     build = model_sub.add_parser("build", help="build and warm-start the default model (cached)")
     build.add_argument("--force", action="store_true", help="rebuild even if it is cached")
-    model_sub.add_parser("path", help="print where the default model is cached")
+    build.add_argument("--teacher", action="store_true",
+                       help="build the default teacher instead (the same model, warm-started far longer)")
+    path_cmd = model_sub.add_parser("path", help="print where the default model is cached")
+    path_cmd.add_argument("--teacher", action="store_true", help="the default teacher's folder")
+
+    chk = sub.add_parser("check", help="load a config's task and reward functions and show what the model will see")
+    chk.add_argument("--config", type=pathlib.Path, help="TOML config (default: the embedded default)")
+    chk.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                     help="override one config value (repeatable)")
+    chk.add_argument("--rows", type=int, default=0, help="score the reference answers of this many rows (0: all)")
 
     rep = sub.add_parser("report", help="where each role's time went, and the bottleneck")
     rep.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
+
+    aud = sub.add_parser("audit", help="replay a run's ledger: what became of every prompt group it issued")
+    aud.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
 
     planner = sub.add_parser("plan", help="predict the best split of N devices from a run's unit costs")
     planner.add_argument("run_dir", type=pathlib.Path, help="a finished run to take unit costs from")
@@ -75,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     commands = {
         "up": cmd_up, "status": cmd_status, "down": cmd_down, "model": cmd_model, "report": cmd_report, "plan": cmd_plan,
+        "check": cmd_check, "audit": cmd_audit,
     }
     return commands[args.command](args)
 
@@ -110,8 +123,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     try:
         config = _load_config(args)
-        if config.needs_model and config.roles.rollout.model == "default" and not config.run.resume:
-            _build_default_model(force=False)
+        _build_models(config)
         resolve(config)  # a model or path that is not there is a config error now, not in a service
     except ConfigError as exc:
         print(exc, file=sys.stderr)
@@ -128,6 +140,8 @@ PROGRESS_EVERY_S = 5.0
 
 def progress_line(status) -> str:
     """One line of a run's progress, for logs (where the live table cannot go)."""
+    from rlflow.tools.display import trend_text
+
     parts = [f"[rlflow] {status.state}: step {status.step}/{status.steps}"]
     last = status.last_step
     if last is not None:
@@ -137,6 +151,7 @@ def progress_line(status) -> str:
             parts.append(f"{status.samples / last.time_s:.1f} samples/s")
     if status.last_eval is not None and status.last_eval.accuracy is not None:
         parts.append(f"held-out {100 * status.last_eval.accuracy:.1f}% (step {status.last_eval.step})")
+    parts += [trend_text(key, trend) for key, trend in status.trends.items()]
     return ", ".join(parts)
 
 
@@ -229,16 +244,33 @@ def _detach(args: argparse.Namespace, run_dir: pathlib.Path) -> int:
     return 0
 
 
-def _build_default_model(force: bool) -> pathlib.Path:
-    """The default model's directory; built first (with a progress bar) if needed."""
+def _build_models(config) -> None:
+    """Build the models rlflow makes itself that `config` names and that are
+    not cached yet (the default policy, the default teacher)."""
+    from rlflow.config import ModelTeacher
+    from rlflow.tools.model import BUILT
+
+    if not config.needs_model:
+        return
+    if config.roles.rollout.model == "default" and not config.run.resume:
+        _build_default_model(force=False)
+    teacher = config.roles.teacher
+    if teacher is not None and isinstance(teacher.engine, ModelTeacher) and teacher.engine.model in BUILT:
+        _build_default_model(force=False, name=teacher.engine.model)
+
+
+def _build_default_model(force: bool, name: str = "default") -> pathlib.Path:
+    """A model rlflow builds itself ("default", "default-teacher"); built first
+    (with a progress bar) if needed."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rlflow.tools.model import build_default, default_model_dir
+    from rlflow.tools.model import BUILT, build_default, default_model_dir
 
-    path = default_model_dir()
+    path = default_model_dir(name)
     if (path / "config.json").exists() and not force:
         return path
-    print(f"[rlflow] building the default model into {path} (once; a few minutes)", file=sys.stderr)
+    recipe = BUILT[name][1]
+    print(f"[rlflow] building the {name} model into {path} (once; a few minutes)", file=sys.stderr)
     if not sys.stderr.isatty():  # a log, not a terminal: a line every 15 s
         last = [0.0]
 
@@ -247,7 +279,7 @@ def _build_default_model(force: bool) -> pathlib.Path:
                 last[0] = time.monotonic()
                 print(f"[rlflow] {100 * fraction:3.0f}% {text}", file=sys.stderr, flush=True)
 
-        build_default(path, progress=log_line)
+        build_default(path, recipe, progress=log_line)
         return path
     with Progress(
         TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), transient=False
@@ -257,8 +289,27 @@ def _build_default_model(force: bool) -> pathlib.Path:
         def report(text: str, fraction: float) -> None:
             progress.update(task, completed=fraction, description=text)
 
-        build_default(path, progress=report)
+        build_default(path, recipe, progress=report)
     return path
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """`rlflow check`: exit 0 when the task and reward functions load, 2 (one line) when not."""
+    from rlflow.config import ConfigError, load
+    from rlflow.tools.check import CheckError, check
+
+    try:
+        config = load(args.config or default_config_path(), args.overrides)
+        _build_models(config)
+        figures = check(config, rows=args.rows)
+    except (ConfigError, CheckError) as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(
+        f"RESULT check rows={figures['rows']} skipped={figures['skipped']} "
+        f"reference_reward_mean={figures['reference_reward_mean']:.4g} failures={figures['failures']}"
+    )
+    return 0
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -277,6 +328,23 @@ def cmd_report(args: argparse.Namespace) -> int:
     for path in files:
         print(f"  wrote {path}")
     return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Exit status 0 when nothing was lost or trained twice, 1 otherwise."""
+    from rlflow.tools.audit import audit, text
+
+    run_dir = _find_run(args.run_dir)
+    if run_dir is None:
+        print("no run directory given and none in runs/", file=sys.stderr)
+        return 2
+    try:
+        result = audit(run_dir.path)
+    except FileNotFoundError as exc:
+        print(f"audit: {exc}", file=sys.stderr)
+        return 2
+    print(text(result))
+    return 0 if result.lost == 0 and result.duplicated == 0 else 1
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -300,13 +368,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_model(args: argparse.Namespace) -> int:
     from rlflow.tools.model import default_model_dir
 
+    name = "default-teacher" if args.teacher else "default"
     if args.model_command == "path":
-        print(default_model_dir())
+        print(default_model_dir(name))
         return 0
-    path = _build_default_model(force=args.force)
+    path = _build_default_model(force=args.force, name=name)
     info = json.loads((path / "rlflow_build.json").read_text())
     print(
-        f"[rlflow] default model at {path}: {info['parameters']:,} parameters, "
+        f"[rlflow] {name} model at {path}: {info['parameters']:,} parameters, "
         f"development-set accuracy {info['dev_accuracy']:.1%} after {info['steps']} warm-start steps "
         f"({info['seconds']:.0f} s)",
         file=sys.stderr,
@@ -392,7 +461,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     pid = int(folder.run_pid.read_text()) if folder.run_pid.exists() else info.pid
 
     async def ask() -> None:
-        async with transport.open_dealer(connect=info.address, name="down") as dealer:
+        async with transport.open_dealer(connect=info.address, curve=info.curve, name="down") as dealer:
             await dealer.send(Shutdown(reason="rlflow down", secret=info.secret))
             await trio.sleep(0.2)
 

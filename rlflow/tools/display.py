@@ -8,11 +8,17 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from rlflow.rundir import Status
+from rlflow.rundir import Status, Trend
 
 
 def _pct(x: float) -> str:
     return f"{100 * x:4.0f}%"
+
+
+def trend_text(key: str, trend: Trend) -> str:
+    """``kl_teacher 0.412 (10-step mean 0.450, -0.081)``."""
+    change = "" if trend.change is None else f", {trend.change:+.3f}"
+    return f"{key} {trend.last:.3f} ({trend.steps}-step mean {trend.mean:.3f}{change})"
 
 
 def render(status: Status) -> Group:
@@ -28,6 +34,7 @@ def render(status: Status) -> Group:
         (f"  reward {last.reward_mean:.3f}" if last is not None and last.reward_mean is not None else ""),
         (f"  held-out {100 * status.last_eval.accuracy:.1f}%"
          if status.last_eval is not None and status.last_eval.accuracy is not None else ""),
+        *(f"  {trend_text(key, trend)}" for key, trend in status.trends.items()),
     )
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("role", "replicas", "busy", "starved", "blocked", "loading", "queues", "version", "behind"):
@@ -47,6 +54,8 @@ def render(status: Status) -> Group:
             "-" if info.behind is None else str(info.behind),
         )
     parts: list[Any] = [head, table]
+    for warning in status.warnings[-3:]:
+        parts.append(Text(f"warning: {warning}", style="yellow"))
     if status.error:
         parts.append(Text(f"error: {status.error}", style="red"))
     return Group(*parts)

@@ -55,21 +55,75 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("RLFLOW_CACHE", pathlib.Path.home() / ".cache" / "rlflow"))
 
 
-def default_model_dir() -> pathlib.Path:
-    return cache_dir() / "models" / f"{DEFAULT_NAME}-v{BUILD_VERSION}"
+#: The models rlflow builds itself, by name: (folder name, recipe). The
+#: teacher is the default model warm-started far longer (for distillation).
+BUILT = {
+    "default": (DEFAULT_NAME, Recipe()),
+    "default-teacher": (f"{DEFAULT_NAME}-teacher", Recipe(target_accuracy=0.8, max_steps=8000)),
+}
+
+
+def default_model_dir(name: str = "default") -> pathlib.Path:
+    return cache_dir() / "models" / f"{BUILT[name][0]}-v{BUILD_VERSION}"
+
+
+#: A tiny model of random weights over printable ASCII (built at once, on first use).
+TINY_TEXT = "tiny-text"
 
 
 def resolve_model(name: str) -> pathlib.Path:
-    """A model directory: "default" is the built default model."""
-    if name == "default":
-        path = default_model_dir()
+    """A model directory: "default" is the built default model, "tiny-text"
+    a tiny text model (`build_tiny_text`)."""
+    if name in BUILT:
+        path = default_model_dir(name)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"the default model is not built yet ({path}); run `rlflow model build`")
+            flag = "" if name == "default" else " --teacher"
+            raise FileNotFoundError(f"the {name} model is not built yet ({path}); run `rlflow model build{flag}`")
+        return path
+    if name == TINY_TEXT:
+        path = cache_dir() / "models" / f"{TINY_TEXT}-v{BUILD_VERSION}"
+        if not (path / "config.json").exists():
+            build_tiny_text(path)
         return path
     path = pathlib.Path(name).expanduser()
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path} is not a Hugging Face model directory (no config.json)")
     return path
+
+
+def build_tiny_text(out: pathlib.Path) -> pathlib.Path:
+    """A 2-layer Qwen2 (hidden 128) of random weights over a character-level
+    tokenizer of printable ASCII, with a chat template: it writes gibberish,
+    but any English prompt tokenizes, so it serves runs whose point is the
+    pipeline around the model (e.g. the code reward under load)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer("".join(chr(c) for c in range(32, 127)) + "\n")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, architectures=["Qwen2ForCausalLM"],
+    ))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def build_tokenizer(alphabet: str):
@@ -225,7 +279,7 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True
         ).save_pretrained(tmp)
         info = {
-            "name": DEFAULT_NAME,
+            "name": out.name,
             "build_version": BUILD_VERSION,
             "recipe": asdict(recipe),
             "steps": step,

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from rlflow.control.stats import TREND_STEPS
 from rlflow.rundir import EvalRow, RunDir, Status, StepRow, Summary
 
 ORDER = ("rollout", "reward", "teacher", "trainer")
@@ -207,7 +208,9 @@ def write_curves(run: Run, png: pathlib.Path | None = None) -> pathlib.Path | No
 
     png = png or run.folder.curves_png
     steps = [r.step for r in run.metrics]
-    panels = 3 if run.evals else 2
+    kl = [r.train.get("kl_teacher", math.nan) for r in run.metrics]
+    has_kl = any(math.isfinite(v) for v in kl)
+    panels = 2 + bool(run.evals) + has_kl
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.2))
     axes[0].plot(steps, [math.nan if r.reward_mean is None else r.reward_mean for r in run.metrics], lw=1)
     axes[0].set_title("reward (training samples)")
@@ -224,10 +227,26 @@ def write_curves(run: Run, png: pathlib.Path | None = None) -> pathlib.Path | No
         ax.plot([e.step for e in scored], [100 * e.accuracy for e in scored], marker="o")
         ax.set_title("held-out accuracy (%)")
         ax.set_xlabel("step")
+    if has_kl:
+        ax = axes[-1]
+        ax.plot(steps, kl, lw=0.8, alpha=0.5, label="per step")
+        ax.plot(steps, _rolling_mean(kl, TREND_STEPS), lw=1.5, label=f"{TREND_STEPS}-step mean")
+        ax.set_title("KL to the teacher (per token)")
+        ax.set_xlabel("step")
+        ax.legend(frameon=False)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return png
+
+
+def _rolling_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value's window (itself and up to `window - 1` before), over the finite ones."""
+    out = []
+    for i in range(len(values)):
+        finite = [v for v in values[max(0, i - window + 1): i + 1] if math.isfinite(v)]
+        out.append(sum(finite) / len(finite) if finite else math.nan)
+    return out
 
 
 def report(run_dir: str | pathlib.Path) -> tuple[str, list[pathlib.Path]]:

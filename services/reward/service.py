@@ -1,109 +1,111 @@
 """The reward service: scores every response of a batch and passes it on.
 
 Scoring is per sample and concurrent (up to the engine's `concurrency`
-samples per replica); a simulated score that takes no time is computed in
-place, without a task of its own. A sample whose scoring fails or times out keeps its
-row, gets NaN as its reward and an entry in the batch's `failures`: it is
-counted, never turned into a made-up value.
+samples per replica; a simulated score that takes no time is computed in
+place, without a task of its own). Three engines: the simulated one, the task's own
+verifier (`task`, e.g. the arithmetic default's answer check, in worker
+threads), and reward functions named by import path (`functions`, in
+worker processes that are killed when a call overruns; see
+`rlflow.rewards`).
+
+No silent zeros. A sample whose scoring fails keeps its row, gets NaN as
+its reward and an entry in the batch's `failures` naming the function and
+why (timeout, error, crashed). With reward functions the config says what
+then happens to its group (`on_failure`): by default the group is dropped
+for good, and the controller told so (`Dropped`); or the call is retried;
+or the function's value is an explicit fallback. Failures are counted per
+function and reason in the heartbeats.
 """
 
 from __future__ import annotations
 
-import time
+import json
+from typing import Any
 
 import numpy as np
-import trio
 
-from rlflow.config import SimReward, TaskReward
-from rlflow.protocol import SampleBatch, SampleFailure, Stage, Tensor, samples, stamp
-from rlflow.services.base import StageService
-from rlflow.distributions import draw
+from rlflow.config import FunctionsReward
+from rlflow.protocol import Dropped, SampleBatch, SampleFailure, take
+from rlflow.rewards import Sample
+from rlflow.services.base import Control, StageService
+from rlflow.services.reward.scorer import Scorer
 
 
 class RewardService(StageService):
-    """Fills in `rewards` and `reward_details`."""
+    """Fills in `rewards` and `reward_details` (or passes on batches the
+    rollout scored in line, `roles.reward.inline`)."""
 
     def __init__(self, spec):
         super().__init__(spec)
         self.engine = spec.config.roles.reward.engine
         self.task = self.load_task()
-        self.rng = np.random.default_rng((spec.config.run.seed, spec.rank, 11))
-        self.limiter = trio.CapacityLimiter(self.engine.concurrency)
-        # Enough whole batches in flight to keep `concurrency` samples busy.
-        self.max_batches = max(1, self.engine.concurrency // spec.config.run.samples_per_prompt) + 1
+        self.scorer = Scorer(self.engine, self.task, self.counters, (spec.config.run.seed, spec.rank, 11))
+        # Enough whole batches in flight to keep `concurrency` samples busy
+        # while a batch waits for its slowest sample (a long tail of latency).
+        self.max_batches = 2 * max(1, self.engine.concurrency // spec.config.run.samples_per_prompt) + 1
+        self.reference_problems: list[str] = []
 
-    async def process(self, batch: SampleBatch) -> SampleBatch:
-        rows = list(samples(batch))
-        rewards = np.full(len(rows), np.nan, dtype=np.float32)
-        details: dict[str, np.ndarray] = {}
-        failures: list[SampleFailure] = []
-        delays = self.delays(len(rows))
+    @property
+    def pool(self):
+        return self.scorer.pool
 
-        def scored(i: int, value: float, parts: dict[str, float]) -> None:
-            rewards[i] = value
-            for key, part in parts.items():
-                if key not in details:
-                    details[key] = np.full(len(rows), np.nan, dtype=np.float32)
-                details[key][i] = part
+    @pool.setter
+    def pool(self, pool) -> None:
+        self.scorer.pool = pool
 
-        def failed(i: int, exc: Exception) -> None:  # per-sample: recorded in-band, the service goes on
-            failures.append(SampleFailure(index=i, stage=Stage.REWARD_END, kind=type(exc).__name__, message=str(exc)[:200]))
-            self.counters["failed_samples"] += 1
+    async def main(self, control: Control) -> None:
+        if not isinstance(self.engine, FunctionsReward):
+            await super().main(control)
+            return
+        from rlflow.rewards import open_pool
 
-        async def one(i: int, delay: float | None) -> None:
-            async with self.limiter:
-                try:
-                    value, parts = await self.score(rows[i], delay)
-                except Exception as exc:
-                    failed(i, exc)
-                    return
-            scored(i, value, parts)
+        async with open_pool(self.engine.functions, start_timeout_s=self.engine.start_timeout_s) as pool:
+            self.pool = pool
+            self.reference_problems = await check_references(pool, self.task, self.engine.check_references)
+            for problem in self.reference_problems:
+                self.log.warning("[%s] %s", self.spec.name, problem)
+            await super().main(control)
 
-        failed_before = {f.index for f in batch.failures}  # e.g. a request the engine could not generate
-        async with trio.open_nursery() as nursery:
-            for i in range(len(rows)):
-                if i in failed_before:
-                    continue
-                delay = None if delays is None else float(delays[i])
-                if delay is not None and delay <= 0:
-                    # A simulated score that takes no time needs no task of
-                    # its own (at scale, thousands of samples a second).
-                    try:
-                        value, parts = self.task.score(rows[i].group, rows[i].index, rows[i].response_ids)
-                    except Exception as exc:
-                        failed(i, exc)
-                        continue
-                    scored(i, value, parts)
-                else:
-                    nursery.start_soon(one, i, delay)
-        failures.sort(key=lambda f: f.index)
-        return stamp(
-            batch,
-            Stage.REWARD_END,
-            time.time(),
-            rewards=Tensor.from_numpy(rewards),
-            reward_details={k: Tensor.from_numpy(v) for k, v in sorted(details.items())},
-            failures=[*batch.failures, *failures],
-        )
+    def hello_info(self) -> dict[str, str]:
+        if not self.reference_problems:
+            return {}
+        return {"reference_problems": json.dumps(self.reference_problems)}
 
-    def delays(self, n: int) -> np.ndarray | None:
-        """The simulated reward's latency for each of `n` samples (None: a real reward)."""
-        match self.engine:
-            case SimReward(latency_s=latency):
-                return draw(latency, self.rng, n)
-        return None
+    async def process(self, batch: SampleBatch) -> SampleBatch | None:
+        if self.config.roles.reward.inline:
+            return batch  # scored by the rollout already
+        scored, failures = await self.scorer.score(batch)
+        if failures and isinstance(self.engine, FunctionsReward):
+            return await self._drop_failed_groups(scored, failures)
+        return scored
 
-    async def score(self, row, delay: float | None) -> tuple[float, dict[str, float]]:
-        match self.engine:
-            case SimReward():
-                await trio.sleep(delay)
-                return self.task.score(row.group, row.index, row.response_ids)
-            case TaskReward(timeout_s=timeout):
-                with trio.move_on_after(timeout):
-                    # A verifier that hangs is abandoned (its thread finishes
-                    # on its own); the sample fails with a timeout.
-                    return await trio.to_thread.run_sync(
-                        self.task.score, row.group, row.index, row.response_ids, abandon_on_cancel=True
-                    )
-                raise TimeoutError(f"scoring took longer than roles.reward.engine.timeout_s = {timeout:g} s")
-        raise ValueError(f"unknown reward engine {self.engine!r}")
+    async def _drop_failed_groups(self, batch: SampleBatch, failures: list[SampleFailure]) -> SampleBatch | None:
+        """Drop, for good, each group with a sample its functions could not
+        score (its other samples would give a biased group baseline), and
+        tell the controller; the batch of the other groups, if any."""
+        group_of = np.repeat(np.arange(len(batch.groups)), [g.size for g in batch.groups])
+        failed = {int(group_of[f.index]) for f in failures}
+        by_reason: dict[str, list[int]] = {}
+        for f in failures:
+            gid = batch.groups[int(group_of[f.index])].group_id
+            if gid not in by_reason.setdefault(f"reward {f.kind}", []):
+                by_reason[f"reward {f.kind}"].append(gid)
+        for reason, ids in by_reason.items():
+            await self.control.send(Dropped(group_ids=ids, reason=reason))
+        self.counters["dropped_groups"] += len(failed)
+        keep = [row for row, g in enumerate(group_of) if int(g) not in failed]
+        return take(batch, keep) if keep else None
+
+
+async def check_references(pool: Any, task: Any, rows: int) -> list[str]:
+    """Score the reference answers of the task's first `rows` rows that have
+    one, as if they were responses; the problems found."""
+    from rlflow.rewards import check_references as check
+
+    found = []
+    for group_id in range(rows):  # the first rows of the run
+        reference = task.prompt(group_id, 1).reference
+        if reference:
+            found.append(Sample(prompt=task.prompt_text(group_id), response=reference, reference=reference,
+                                row=dict(task.row(group_id))))
+    return await check(pool, found) if found else []

@@ -15,13 +15,31 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import trio
 
+from rlflow.config import FunctionsReward
 from rlflow.data import transport
 from rlflow.data.tasks import Task
-from rlflow.protocol import Ack, Credits, EvalDone, Evaluate, Shutdown, Stage, UpdateWeights, WeightsLoaded, build_batch
-from rlflow.services.base import Control, Service
-from rlflow.services.rollout.engine import RolloutEngine, make_engine
+from rlflow.protocol import (
+    WEIGHT_GROUP_BROKEN,
+    Ack,
+    ErrorReport,
+    Credits,
+    EvalDone,
+    Evaluate,
+    Peers,
+    SampleBatch,
+    Shutdown,
+    Stage,
+    UpdateWeights,
+    WeightsLoaded,
+    build_batch,
+    concat,
+)
+from rlflow.services.base import Control, Service, follow
+from rlflow.services.rollout.engine import Finished, RolloutEngine, make_engine
+from rlflow.errors import WeightGroupBroken
 
 
 class RolloutService(Service):
@@ -30,10 +48,31 @@ class RolloutService(Service):
     def __init__(self, spec):
         super().__init__(spec)
         self.engine: RolloutEngine | None = None
+        self.eval_pool = None
+        #: Groups scored in line, waiting to be sent.
+        self._scored: dict[int, SampleBatch] = {}
         self._wanted: UpdateWeights | None = None
         self._update = trio.Event()
 
     async def main(self, control: Control) -> None:
+        task = self.load_task()
+        reward = self.config.roles.reward.engine
+        if task.scored_by_functions and isinstance(reward, FunctionsReward) and self._evaluates():
+            # Held-out answers are scored by the run's reward functions, here.
+            from rlflow.rewards import open_pool
+
+            async with open_pool(reward.functions, start_timeout_s=reward.start_timeout_s, workers=1) as pool:
+                self.eval_pool = pool
+                await self._main(control, task)
+        else:
+            await self._main(control, task)
+
+    def _evaluates(self) -> bool:
+        """Whether this replica evaluates the held-out set (rank 0, if the config asks)."""
+        ev = self.config.eval
+        return self.spec.rank == 0 and (ev.before or ev.after or ev.every_steps > 0)
+
+    async def _main(self, control: Control, task: Task) -> None:
         run = self.config.run
         engine = self.engine = make_engine(self.context())
         try:
@@ -41,14 +80,17 @@ class RolloutService(Service):
             started = time.monotonic()
             await engine.start()
             self.say("%s started in %.1f s", type(engine).__name__, time.monotonic() - started)
-            task = self.load_task()
             welcome = await control.hello(endpoints={}, info=engine.hello_info())
             await engine.set_version(welcome.version)  # above 0 when resuming
             self.version = welcome.version
             await engine.join_weights(welcome.weights, welcome.layout)
+            if self.config.roles.reward.inline:
+                self._score_inline(engine, task)
             self.say("up: %s, sending to %s", type(engine).__name__, ", ".join(welcome.peers["out"]))
             async with (
-                transport.open_push(connect=welcome.peers["out"], name=f"{self.spec.name}/out") as out,
+                transport.open_push(
+                    connect=welcome.peers["out"], curve=self.spec.curve, name=f"{self.spec.name}/out"
+                ) as out,
                 trio.open_nursery() as nursery,
             ):
                 await nursery.start(engine.run)
@@ -56,8 +98,11 @@ class RolloutService(Service):
                 nursery.start_soon(self.send_finished, out, control)
                 nursery.start_soon(self.apply_updates, control)
                 await control.ready(engine.version)
+                peers = welcome.peers["out"]
                 async for msg in control:
                     match msg:
+                        case Peers():
+                            peers = follow(out, peers, msg.peers.get("out", []))
                         case Credits(group_ids=ids, min_versions=mins):
                             now = time.time()
                             for group_id, min_version in zip(ids, mins, strict=True):
@@ -78,6 +123,18 @@ class RolloutService(Service):
     def queues(self) -> dict[str, int]:
         return self.engine.queues() if self.engine is not None else {}
 
+    def _score_inline(self, engine: RolloutEngine, task: Task) -> None:
+        """Score each finished group in this process, while the engine waits
+        (`roles.reward.inline`)."""
+        from rlflow.services.reward.scorer import Scorer
+
+        scorer = Scorer(self.config.roles.reward.engine, task, self.counters, (self.config.run.seed, self.spec.rank, 11))
+
+        async def inline(group, responses) -> None:
+            self._scored[group.group_id], _ = await scorer.score(build_batch([(group, responses)]))
+
+        engine.inline = inline
+
     async def send_finished(self, out: transport.Push, control: Control) -> None:
         """Send finished groups on, and tell the controller they left."""
         async for finished in self.engine.finished:
@@ -86,7 +143,7 @@ class RolloutService(Service):
                     finished += self.engine.finished.receive_nowait()
                 except trio.WouldBlock:
                     break
-            batch = build_batch(finished)
+            batch = self._batch(finished)
             await out.send(batch)
             self.counters["groups"] += len(finished)
             self.counters["samples"] += batch.n_samples
@@ -94,6 +151,13 @@ class RolloutService(Service):
             self.counters["failed_samples"] += len(batch.failures)
             self.counters["bytes_out"] = out.bytes_sent
             await control.send(Ack(stage=Stage.ROLLOUT_END, group_ids=batch.group_ids))
+
+    def _batch(self, finished: list[Finished]) -> SampleBatch:
+        """One batch of finished groups; those scored in line as scored."""
+        if not self._scored:
+            return build_batch(finished)
+        return concat([self._scored.pop(group.group_id, None) or build_batch([(group, responses)])
+                       for group, responses in finished])
 
     async def apply_updates(self, control: Control) -> None:
         """Load each version the controller asks for, in order (a newer order
@@ -105,11 +169,24 @@ class RolloutService(Service):
             msg, self._wanted = self._wanted, None
             if msg is None:
                 continue
-            if msg.version <= self.engine.version:
+            # A new weight group must be joined (and its broadcast taken) even
+            # for a version held already: every member takes part.
+            if msg.version <= self.engine.version and msg.transfer is None:
+                # Held already (a weight server gave a newer version than the
+                # one asked for): say so, or the controller's round waits.
                 await control.send(WeightsLoaded(version=self.engine.version, seconds=0.0))
                 continue
             started = time.monotonic()
-            self.version = await self.engine.update_weights(msg.version, msg.transfer)
+            try:
+                self.version = await self.engine.update_weights(msg.version, msg.transfer)
+            except WeightGroupBroken as exc:
+                # The trainer or another member died mid-broadcast: wait for
+                # the next generation of the group, which the controller makes.
+                self.counters["failed_updates"] += 1
+                self.log.warning("[%s] loading weights v%d failed: %s", self.spec.name, msg.version, exc)
+                await control.send(ErrorReport(fatal=False, kind=WEIGHT_GROUP_BROKEN,
+                                               message=f"loading v{msg.version}: {exc}"[:500]))
+                continue
             seconds = time.monotonic() - started
             self.counters["weight_updates"] += 1
             self.say("weights v%d loaded in %.0f ms", self.version, 1000 * seconds)
@@ -129,7 +206,31 @@ class RolloutService(Service):
         async with trio.open_nursery() as nursery:
             for i in range(len(prompts)):
                 nursery.start_soon(one, i)
-        metrics = task.heldout_metrics(responses)
+        if task.scored_by_functions:
+            metrics = await self._scored_metrics(task.heldout_samples(responses))
+        else:
+            metrics = task.heldout_metrics(responses)
         seconds = time.monotonic() - started
         self.say("eval v%d: accuracy %.3f over %d problems in %.1f s", version, metrics["accuracy"], len(prompts), seconds)
         await control.send(EvalDone(version=version, metrics=metrics, seconds=seconds, version_end=self.engine.version))
+
+    async def _scored_metrics(self, answers: list) -> dict[str, float]:
+        """Mean reward and pass rate of held-out answers under the run's reward
+        functions (``accuracy`` is the pass rate; failed ones count as not passed)."""
+        rewards: list[float | None] = [None] * len(answers)
+
+        async def one(i: int) -> None:
+            rewards[i] = self.eval_pool.combine(await self.eval_pool.score(answers[i])).reward
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(answers)):
+                nursery.start_soon(one, i)
+        scored = [r for r in rewards if r is not None]
+        passed = sum(r >= self.config.eval.pass_reward for r in scored)
+        return {
+            "accuracy": passed / len(answers) if answers else 0.0,
+            "pass_rate": passed / len(answers) if answers else 0.0,
+            "reward_mean": float(np.mean(scored)) if scored else 0.0,
+            "problems": float(len(answers)),
+            "failed": float(len(answers) - len(scored)),
+        }

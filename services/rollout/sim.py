@@ -18,6 +18,7 @@ import itertools
 import math
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -46,6 +47,10 @@ from rlflow.services.base import EngineContext
 from rlflow.services.rollout.engine import Finished
 
 T = TypeVar("T")
+
+#: Longest the engine sleeps while it decodes (seconds), however far off the
+#: next finish is, so that its `decode_steps` counter keeps moving.
+PROGRESS_WAKE_S = 0.5
 
 
 @dataclass(eq=False)
@@ -234,8 +239,13 @@ class SimBatcher:
             self._track(state)
 
     def pause(self) -> None:
-        """Stop the clock (weights going in); `apply` starts it again."""
+        """Stop the clock (weights going in, groups scored in line); `apply`
+        or `resume` starts it again."""
         self.paused, self.mark = True, None
+
+    def resume(self) -> None:
+        """Start the clock again, from the next `advance`, on the same weights."""
+        self.paused = False
 
     def apply(self, version: int, wall: float) -> None:
         """Generate with weights `version` from the current step on."""
@@ -314,6 +324,7 @@ class SimBatcher:
     def _run(self, steps: int, step_s: float) -> None:
         # Slot-seconds in use, for the occupancy the bench reports.
         self.counters["slot_s"] += steps * len(self.active) * step_s
+        self.counters["decode_steps"] += steps
         self.step += steps
         self.mark += steps * step_s
 
@@ -437,10 +448,10 @@ class SimEngine:
     """A simulated engine: `SimBatcher` run on trio's clock.
 
     It sleeps until a group can finish (`SimBatcher.wake_time`), or less when
-    new work or weights arrive, then plays every step that has passed and
-    sends the groups that finished. So it wakes about once per group rather
-    than once per decode step or per sequence, and a thousand slots cost
-    little more CPU than ten.
+    new work or weights arrive (and never more than `PROGRESS_WAKE_S`), then
+    plays every step that has passed and sends the groups that finished. So
+    it wakes about once per group rather than once per decode step or per
+    sequence, and a thousand slots cost little more CPU than ten.
     """
 
     def __init__(self, cfg: SimRollout, ctx: EngineContext):
@@ -462,6 +473,9 @@ class SimEngine:
         self._fetching = False
         self._applied = trio.Event()
         self._send, self.finished = trio.open_memory_channel(2)
+        #: Scores a finished group in this process before it is sent on
+        #: (`roles.reward.inline`); no decode step runs meanwhile.
+        self.inline: Callable[[PromptGroup, list[Response]], Awaitable[None]] | None = None
         self._server: str | None = None
         self._weights: transport.Dealer | None = None
         self._sockets: contextlib.AsyncExitStack | None = None
@@ -533,6 +547,8 @@ class SimEngine:
                 batcher.advance(trio.current_time())
                 if batcher.outbox:
                     finished, batcher.outbox = batcher.outbox, []
+                    if self.inline is not None:
+                        await self._score_inline(finished)
                     with self.clock.state("blocked"):
                         await self._send.send(finished)
                     continue  # the steps that ran meanwhile first
@@ -548,8 +564,21 @@ class SimEngine:
                     await self._wake.wait()
                     continue
                 self.clock.set("busy")
-                with trio.move_on_at(batcher.wake_time()):
+                # Woken when a group can finish, when work or weights arrive,
+                # and at least every PROGRESS_WAKE_S: the decode steps it counts
+                # are how the controller tells a long group from a hung replica.
+                with trio.move_on_at(min(batcher.wake_time(), trio.current_time() + PROGRESS_WAKE_S)):
                     await self._wake.wait()
+
+    async def _score_inline(self, finished: list[Finished]) -> None:
+        """Score finished groups in this process (`roles.reward.inline`); the
+        clock stands meanwhile: no decode step runs while it scores."""
+        self.batcher.pause()
+        try:
+            for group, responses in finished:
+                await self.inline(group, responses)
+        finally:
+            self.batcher.resume()
 
     async def _apply(self, version: int) -> None:
         self.batcher.pause()  # no decoding while the weights go in
@@ -564,7 +593,9 @@ class SimEngine:
             raise RuntimeError("no weight server to fetch from: join_weights was not called")
         if self._weights is None:
             self._weights = await self._sockets.enter_async_context(
-                transport.open_dealer(connect=self._server, codec=Codec(WeightsMessage), name="weights")
+                transport.open_dealer(
+                    connect=self._server, codec=Codec(WeightsMessage), curve=self.ctx.curve, name="weights"
+                )
             )
         return await self._weights.request(
             WeightsRequest(version=version), WeightsPayload, timeout=120, setting="the trainer's weight server"

@@ -41,6 +41,7 @@ from rlflow.config import VllmRollout
 from rlflow.protocol import FinishReason, ParamSpec, PromptGroup, Response, Stage, WeightsGloo, WeightTransfer
 from rlflow.protocol.batch import N_STAGES
 from rlflow.services.base import EngineContext, cpu_ranges
+from rlflow.errors import WeightGroupBroken
 from rlflow.services.rollout.vllm_worker import BACKEND
 
 
@@ -97,10 +98,11 @@ class VllmBackend:
     one backend across tests; a service owns one).
     """
 
-    def __init__(self, cfg: VllmRollout, model_path: str, seed: int = 0):
+    def __init__(self, cfg: VllmRollout, model_path: str, seed: int = 0, *, max_logprobs: int = 20):
         self.cfg = cfg
         self.model_path = model_path
         self.seed = seed
+        self.max_logprobs = max_logprobs
         self.bridge: AsyncioBridge | None = None
         self.llm = None
 
@@ -116,6 +118,7 @@ class VllmBackend:
             tensor_parallel_size=self.cfg.tensor_parallel_size,
             enforce_eager=self.cfg.enforce_eager,
             logprobs_mode="processed_logprobs",
+            max_logprobs=self.max_logprobs,
             weight_transfer_config={"backend": BACKEND},
             worker_extension_cls="rlflow.services.rollout.vllm_worker.WorkerExtension",
             seed=self.seed,
@@ -241,6 +244,27 @@ class VllmBackend:
 
         return await self.call(run)
 
+    async def prompt_logprobs(self, ids: list[int], k: int) -> list:
+        """vLLM's log-probabilities of each token of `ids` given the ones before
+        (temperature 1: prompt tokens skip the sampling processors), with the
+        `k` most likely tokens at each position: one dict {token id: Logprob}
+        per position, None at the first."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=k, output_kind=RequestOutputKind.FINAL_ONLY,
+                                detokenize=False)
+        request_id = uuid.uuid4().hex
+        llm = self.llm
+
+        async def run():
+            final = None
+            async for out in llm.generate({"prompt_token_ids": list(ids)}, params, request_id):
+                final = out
+            return final.prompt_logprobs
+
+        return await self.call(run)
+
 
 @dataclass
 class _Group:
@@ -309,10 +333,13 @@ class VllmEngine:
             await trio.to_thread.run_sync(self.backend.close)
 
     async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec]) -> None:
-        """Join the trainer's weight group (returns once the trainer has joined too)."""
+        """Join the trainer's weight group (returns once the trainer has joined
+        too); none: a replacement, which joins the next generation of the group."""
+        self._layout = layout or self._layout
+        if transfer is None:
+            return
         if not isinstance(transfer, WeightsGloo):
             raise ValueError(f"the vLLM rollout on CPU receives weights over gloo; the trainer offers {transfer!r}")
-        self._layout = layout or self._layout
         await self.backend.join_weights(transfer.host, transfer.port, transfer.rank, transfer.world_size)
         self._weights = transfer
         self._weights_ready.set()
@@ -331,6 +358,8 @@ class VllmEngine:
         self.clock.set("loading")
         try:
             await self.backend.update(version, self._layout, self._weights.nbytes, kv=self.cfg.kv_on_update)
+        except RuntimeError as exc:  # gloo: "Connection closed by peer", a timeout
+            raise WeightGroupBroken(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._updating = False
         self.version = version

@@ -1,36 +1,65 @@
 """The teacher service: adds a frozen model's log-probability of every
-response token (for distillation or a KL penalty) and passes the batch on."""
+response token (and, if asked, its top-k tokens) to each batch as it streams
+past, for on-policy distillation or a KL penalty, and passes it on.
+
+A sample the engine cannot score (an error, a sequence longer than the
+teacher's context) is marked failed in-band, as a failed reward is; no
+value is made up, and the service goes on. Each replica scores a fixed probe
+sequence at start and reports it in its hello, so that the controller can
+refuse replicas that disagree.
+"""
 
 from __future__ import annotations
 
+import json
 import time
 
 import msgspec
 import numpy as np
-import trio
 
-from rlflow.config import SimTeacher
-from rlflow.protocol import SampleBatch, Stage, Tensor, stamp
+from rlflow.protocol import SampleBatch, SampleFailure, Stage, Tensor, stamp
 from rlflow.services.base import StageService
+from rlflow.services.teacher.engine import TeacherEngine, make_engine
 
 
 class TeacherService(StageService):
-    """Fills in `teacher_logprobs`."""
+    """Fills in `teacher_logprobs` (and the top-k columns)."""
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.engine = spec.config.roles.teacher.engine
-        self.rng = np.random.default_rng((spec.config.run.seed, spec.rank, 13))
+        self.engine: TeacherEngine = make_engine(self.context())
+        self._probe: list[float] = []
+
+    async def prepare(self) -> None:
+        started = time.monotonic()
+        await self.engine.start()
+        self._probe = await self.engine.probe()
+        self.say("%s ready in %.1f s", type(self.engine).__name__, time.monotonic() - started)
+
+    def hello_info(self) -> dict[str, str]:
+        return {"probe": json.dumps(self._probe)}
 
     async def process(self, batch: SampleBatch) -> SampleBatch:
-        match self.engine:
-            case SimTeacher(s_per_token=s_per_token):
-                if s_per_token > 0:
-                    await trio.sleep(s_per_token * batch.n_tokens)
-                noise = self.rng.normal(0.0, 0.1, batch.n_tokens).astype(np.float32)
-                teacher = np.minimum(batch.logprobs.numpy() + noise, 0.0).astype(np.float32)
-            case _:
-                raise ValueError(f"unknown teacher engine {self.engine!r}")
+        failed_before = {f.index for f in batch.failures}
+        scores = await self.engine.score(batch)
+        failures = [
+            SampleFailure(index=row, stage=Stage.TEACHER_END, kind=kind, message=message)
+            for row, (kind, message) in sorted(scores.failed.items())
+            if row not in failed_before
+        ]
         self.counters["tokens"] += batch.n_tokens
-        out = msgspec.structs.replace(batch, teacher_logprobs=Tensor.from_numpy(teacher))
+        self.counters["failed_samples"] += len(failures)
+        out = msgspec.structs.replace(
+            batch,
+            teacher_logprobs=Tensor.from_numpy(np.asarray(scores.logprobs, np.float32)),
+            failures=[*batch.failures, *failures],
+            **(
+                {}
+                if scores.topk_ids is None
+                else {
+                    "teacher_topk_ids": Tensor.from_numpy(scores.topk_ids),
+                    "teacher_topk_logprobs": Tensor.from_numpy(scores.topk_logprobs),
+                }
+            ),
+        )
         return stamp(out, Stage.TEACHER_END, time.time())

@@ -40,6 +40,10 @@ class TrainerEngine(Protocol):
     async def publish(self, version: int) -> int:
         """Make the current weights `version`, ready to send; their size in bytes."""
 
+    def new_group(self, transfer: WeightTransfer) -> WeightTransfer:
+        """Where it will host a new generation of a collective group (its port
+        picked now; the group is made in `send`)."""
+
     async def send(self, version: int, transfer: WeightTransfer | None) -> None:
         """Send `version` to the replicas that load weights (hosting `transfer` first, if given)."""
 

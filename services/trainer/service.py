@@ -15,8 +15,10 @@ upstream (the credits bound how many can be outstanding).
 
 from __future__ import annotations
 
+import bisect
 import json
 import time
+from collections.abc import Iterable
 
 import numpy as np
 import trio
@@ -24,12 +26,16 @@ import trio
 from rlflow.algo.staleness import too_stale
 from rlflow.data import transport
 from rlflow.protocol import (
+    WEIGHT_GROUP_BROKEN,
+    Ack,
+    ErrorReport,
     Expired,
     SampleBatch,
     SendWeights,
     Shutdown,
     Stage,
     StepDone,
+    WeightsGroup,
     WeightsReady,
     WeightsZmq,
     concat,
@@ -47,7 +53,7 @@ class TrainerService(Service):
     def __init__(self, spec):
         super().__init__(spec)
         self.step = 0
-        self.acked: set[int] = set()
+        self.acked = GroupIds()
         self.buffer: list[SampleBatch] = []
         #: Ids of the groups in `buffer` or in the step being trained: one that arrives again meanwhile is a duplicate.
         self._held: set[int] = set()
@@ -62,7 +68,9 @@ class TrainerService(Service):
     async def main(self, control: Control) -> None:
         engine = self.engine = await make_engine(self.context())
         async with (
-            transport.open_pull(bind=transport.tcp_address(bind_host(self.config)), name=f"{self.spec.name}/in") as inbox,
+            transport.open_pull(
+                bind=transport.tcp_address(bind_host(self.config)), curve=self.spec.curve, name=f"{self.spec.name}/in"
+            ) as inbox,
             trio.open_nursery() as nursery,
         ):
             self.sockets.append(inbox)
@@ -73,6 +81,7 @@ class TrainerService(Service):
                 endpoints["weights"] = weights.address
             welcome = await control.hello(endpoints=endpoints, weights=weights, layout=layout)
             self.step = self.version = welcome.version  # above 0 when resuming
+            self._forget_lengths_from(self.step)
             await engine.connect(welcome.weights)
             self.say("up, engine %s", type(engine).__name__)
             nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
@@ -82,7 +91,10 @@ class TrainerService(Service):
             async for msg in control:
                 match msg:
                     case SendWeights(version=version, transfer=transfer):
-                        nursery.start_soon(engine.send, version, transfer)
+                        if transfer is not None:  # host a new generation of the group: say where first
+                            transfer = engine.new_group(transfer)
+                            await control.send(WeightsGroup(transfer=transfer))
+                        nursery.start_soon(self.send_weights, version, transfer, control)
                     case Shutdown(reason=reason):
                         self.say("shutting down (%s)", reason)
                         break
@@ -127,6 +139,26 @@ class TrainerService(Service):
             self.counters["tokens"] += batch.n_tokens
             await control.send(StepDone(step=self.step - 1, version=self.version, acked=ids, metrics=metrics))
         self.clock.set("idle")
+
+    async def send_weights(self, version: int, transfer, control: Control) -> None:
+        """Send `version`; a send that fails (a receiver died mid-way) is
+        reported: the controller makes a new generation of the group."""
+        try:
+            await self.engine.send(version, transfer)
+        except Exception as exc:
+            self.counters["failed_sends"] += 1
+            self.log.warning("[%s] sending weights v%d failed: %s: %s", self.spec.name, version, type(exc).__name__, exc)
+            await control.send(ErrorReport(fatal=False, kind=WEIGHT_GROUP_BROKEN,
+                                           message=f"sending v{version}: {type(exc).__name__}: {exc}"[:500]))
+
+    def _forget_lengths_from(self, step: int) -> None:
+        """On resume: the records of steps from the checkpoint on went with the
+        weights that took them."""
+        if self.run_dir is None or not self.run_dir.lengths(self.spec.rank).exists():
+            return
+        path = self.run_dir.lengths(self.spec.rank)
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
+        path.write_text("".join(line + "\n" for line in kept))
 
     def _record_lengths(self, batch: SampleBatch, oldest: list[int]) -> None:
         """Per step: the response lengths (for `rlflow plan` to replay) and,
@@ -202,6 +234,7 @@ class TrainerService(Service):
         if msg is None:
             return
         failed_groups: list[int] = []
+        received: list[int] = []
         for group in split(stamp(msg, Stage.TRAINER_RECEIVED, time.time())):
             group_id = group.groups[0].group_id
             if group_id in self.acked or group_id in self._held:
@@ -218,5 +251,56 @@ class TrainerService(Service):
             self._held.add(group_id)
             if group.n_tokens:
                 self._first[group_id] = int(group.versions.numpy().min())
+            received.append(group_id)
         if failed_groups:
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed"))
+        if received:
+            await control.send(Ack(stage=Stage.TRAINER_RECEIVED, group_ids=received))
+
+
+class GroupIds:
+    """A set of group ids held as sorted, disjoint ranges [start, end).
+
+    The trainer remembers every group it trained on, to drop a reissued
+    copy that arrives later. Groups are granted in id order and trained
+    within the staleness bound, so the ids it has seen are one range plus a
+    few holes (groups still on their way, and each group dropped for good):
+    memory that does not grow with the length of the run, as a set of every
+    id would.
+    """
+
+    def __init__(self) -> None:
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+
+    def __contains__(self, group_id: int) -> bool:
+        i = bisect.bisect_right(self._starts, group_id) - 1
+        return i >= 0 and group_id < self._ends[i]
+
+    def add(self, group_id: int) -> None:
+        i = bisect.bisect_right(self._starts, group_id) - 1  # the range that starts at or before it
+        if i >= 0 and group_id < self._ends[i]:
+            return
+        after_left = i >= 0 and self._ends[i] == group_id
+        before_right = i + 1 < len(self._starts) and self._starts[i + 1] == group_id + 1
+        if after_left and before_right:  # fills the hole between two ranges
+            self._ends[i] = self._ends.pop(i + 1)
+            del self._starts[i + 1]
+        elif after_left:
+            self._ends[i] = group_id + 1
+        elif before_right:
+            self._starts[i + 1] = group_id
+        else:
+            self._starts.insert(i + 1, group_id)
+            self._ends.insert(i + 1, group_id + 1)
+
+    def update(self, group_ids: Iterable[int]) -> None:
+        for group_id in group_ids:
+            self.add(group_id)
+
+    def __len__(self) -> int:
+        return sum(end - start for start, end in zip(self._starts, self._ends))
+
+    @property
+    def ranges(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._ends))

@@ -7,7 +7,10 @@ the rollout fetches them from this engine's weight server.
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
+import shutil
 
 import numpy as np
 import trio
@@ -25,6 +28,7 @@ from rlflow.protocol import (
     WeightsZmq,
     WeightTransfer,
 )
+from rlflow.rundir import RUN_STATE
 from rlflow.services.base import EngineContext
 
 #: Largest tensor of a simulated weight payload (a model's layer).
@@ -34,10 +38,9 @@ SIM_TENSOR_BYTES = 4 << 20
 class SimTrainerEngine:
     """See the module docstring."""
 
-    checkpoint_every = 0
-
     def __init__(self, cfg: SimTrainer, ctx: EngineContext):
         self.cfg = cfg
+        self.checkpoint_every = cfg.checkpoint_every
         self.ctx = ctx
         rng = np.random.default_rng((ctx.config.run.seed, 17))
         data = rng.integers(0, 256, cfg.weights_bytes, dtype=np.uint8)
@@ -57,7 +60,7 @@ class SimTrainerEngine:
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Answer each weight request with the newest version (once it is there)."""
         async with transport.open_router(
-            bind=transport.tcp_address(self.ctx.host), codec=Codec(WeightsMessage), name="weights"
+            bind=transport.tcp_address(self.ctx.host), codec=Codec(WeightsMessage), curve=self.ctx.curve, name="weights"
         ) as sock:
             self.address = transport.bound_address(sock)
             self.ctx.watch(sock)
@@ -69,7 +72,10 @@ class SimTrainerEngine:
                 while self.latest is None or self.latest.version < msg.version:
                     self._published = trio.Event()
                     await self._published.wait()
-                await sock.send(identity, self.latest)
+                try:
+                    await sock.send(identity, self.latest)
+                except transport.PeerUnreachable:  # it died while it waited: its replacement asks again
+                    self.ctx.counters["weights_unclaimed"] += 1
 
     async def train(self, batch: SampleBatch) -> dict[str, float]:
         seconds = self.cfg.step_overhead_s + self.cfg.s_per_token * batch.n_tokens
@@ -82,9 +88,22 @@ class SimTrainerEngine:
         self._published.set()
         return sum(t.nbytes for t in self.tensors)
 
+    def new_group(self, transfer: WeightTransfer) -> WeightTransfer:
+        """No group: the weights are served."""
+        return transfer
+
     async def send(self, version: int, transfer: WeightTransfer | None) -> None:
         """Pulled, not pushed: nothing to do."""
 
     async def save(self, folder: pathlib.Path, run_state: dict[str, int]) -> bool:
-        """Nothing to save."""
-        return False
+        """A checkpoint of no weights (every `checkpoint_every` steps): the run
+        state, written whole or not at all, so that a simulated run resumes."""
+        if not self.cfg.checkpoint_every:
+            return False
+        tmp = folder.with_name(folder.name + ".tmp")
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / RUN_STATE).write_text(json.dumps(run_state))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+        return True

@@ -21,11 +21,21 @@ import random
 import shutil
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 import trio
 
-from rlflow.algo.losses import LossConfig, group_advantages, policy_loss, token_logprobs, uniform_groups
+from rlflow.algo.losses import (
+    LossConfig,
+    group_advantages,
+    kl_to_reference,
+    logprobs_at,
+    policy_loss,
+    token_logprobs,
+    topk_reverse_kl,
+    uniform_groups,
+)
 from rlflow.config import TorchTrainer
 from rlflow.data.net import free_port
 from rlflow.protocol import ParamSpec, SampleBatch, WeightsGloo, WeightTransfer, samples
@@ -62,48 +72,78 @@ class TorchEngine:
     # -- one step ---------------------------------------------------------------
 
     def train(self, batch: SampleBatch) -> dict[str, float]:
+        """One optimizer step: the policy loss, and the teacher terms the config asks for."""
+        cfg = self.cfg
         rows = list(samples(batch))
+        w = cfg.distill_coef
+        teacher_terms = w > 0 or cfg.kl_coef > 0
+        if teacher_terms and any(r.teacher_logprobs is None for r in rows):
+            raise ValueError("a sample without the teacher's log-probabilities reached a trainer that needs them")
         rewards = torch.tensor([r.reward if r.reward is not None else math.nan for r in rows], dtype=torch.float32)
-        if torch.isnan(rewards).any():
+        if torch.isnan(rewards).any() and w < 1:
             raise ValueError("a sample without a reward reached the trainer")
+        stats: dict[str, float] = {}
+        if teacher_terms:
+            stats["kl_teacher"] = _token_mean(rows, lambda r: r.logprobs - r.teacher_logprobs)
+        if cfg.kl_coef > 0 and cfg.kl_in == "reward":
+            penalty = torch.tensor([
+                float(kl_to_reference(torch.from_numpy(r.logprobs), torch.from_numpy(r.teacher_logprobs),
+                                      cfg.kl_estimator).sum()) for r in rows
+            ])
+            rewards = rewards - cfg.kl_coef * penalty
+            stats["kl_penalty_mean"] = float(penalty.mean()) if len(rows) else 0.0
         group = torch.tensor([r.group.group_id for r in rows])
-        advantages = group_advantages(rewards, group, kind=self.cfg.advantage, normalize_std=self.cfg.normalize_std)
-        keep = ~uniform_groups(rewards, group) if self.cfg.skip_uniform_groups else torch.ones(len(rows), dtype=torch.bool)
+        advantages = group_advantages(rewards, group, kind=cfg.advantage, normalize_std=cfg.normalize_std)
+        # Distillation has a signal at every token: only pure RL leaves out groups without one.
+        uniform = uniform_groups(rewards, group) if cfg.skip_uniform_groups and w == 0 else torch.zeros(len(rows), dtype=torch.bool)
+        keep = ~uniform
         chosen = [i for i in range(len(rows)) if keep[i] and len(rows[i].response_ids) > 0]
         total_tokens = sum(len(rows[i].response_ids) for i in chosen)
-        stats = {
-            "mixed_sample_share": float(keep.float().mean()) if len(rows) else 0.0,
-            "trained_tokens": float(total_tokens),
-        }
+        stats["mixed_sample_share"] = float(keep.float().mean()) if len(rows) else 0.0
+        stats["trained_tokens"] = float(total_tokens)
         self._set_lr()
         if total_tokens == 0:
             # Nothing to learn from; the version still advances, so that the
             # pipeline's clock stays one step per batch.
             self.steps += 1
             return {**stats, "loss": 0.0, "grad_norm": 0.0, "lr": self._lr()}
-        sums = {"loss": 0.0, "clipped": 0.0, "truncated": 0.0, "kl": 0.0, "ratio": 0.0, "weight": 0.0}
+        sums = dict.fromkeys(("loss", "clipped", "truncated", "kl", "ratio", "weight", "kl_loss", "distill_loss"), 0.0)
         micro = self._micro_batches(chosen, rows)
         for part in micro:
             ids, mask, targets, where = self._pack([rows[i] for i in part])
-            logits = self.model(input_ids=ids, attention_mask=mask).logits
-            logprobs = token_logprobs(logits[where], targets, self.temperature)
-            behaviour = torch.cat([torch.from_numpy(np.asarray(rows[i].logprobs, dtype=np.float32)) for i in part])
+            logits = self.model(input_ids=ids, attention_mask=mask).logits[where]
+            logprobs = token_logprobs(logits, targets, self.temperature)
+            behaviour = _column(rows, part, "logprobs")
             adv = torch.cat([advantages[i].repeat(len(rows[i].response_ids)) for i in part])
+            if w > 0 and cfg.distill == "sampled":
+                # The sampled token's reverse KL to the teacher, as an advantage.
+                adv = (1 - w) * adv + w * (_column(rows, part, "teacher_logprobs") - behaviour)
             out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg)
+            loss = out.loss
+            if w > 0 and cfg.distill == "topk":
+                student = logprobs_at(logits, _column(rows, part, "teacher_topk_ids").long(), self.temperature)
+                per_token = topk_reverse_kl(student, _column(rows, part, "teacher_topk_logprobs"))
+                distill = (out.weight * per_token).sum()
+                loss = (1 - w) * loss + w * distill
+                sums["distill_loss"] += distill.item()
+            if cfg.kl_coef > 0 and cfg.kl_in == "loss":
+                kl = (out.weight * kl_to_reference(logprobs, _column(rows, part, "teacher_logprobs"), cfg.kl_estimator)).sum()
+                loss = loss + cfg.kl_coef * kl
+                sums["kl_loss"] += kl.item()
             # Scaled so that the gradients add up to the mean over every token.
-            (out.loss / total_tokens).backward()
-            sums["loss"] += out.loss.item()
+            (loss / total_tokens).backward()
+            sums["loss"] += loss.item()
             sums["clipped"] += out.clipped.item()
             sums["truncated"] += float(out.truncated)
             sums["kl"] += out.approx_kl.item()
             sums["ratio"] += out.ratio_mean.item() * len(adv)
             sums["weight"] += out.behaviour_weight_mean.item() * len(adv)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         tokens = max(total_tokens, 1)
-        return {
+        out_stats = {
             **stats,
             "loss": sums["loss"] / tokens,
             "clipped_share": sums["clipped"] / tokens,
@@ -114,6 +154,11 @@ class TorchEngine:
             "lr": self._lr(),
             "micro_batches": float(len(micro)),
         }
+        if cfg.kl_coef > 0 and cfg.kl_in == "loss":
+            out_stats["kl_loss"] = sums["kl_loss"] / tokens
+        if w > 0 and cfg.distill == "topk":
+            out_stats["distill_loss"] = sums["distill_loss"] / tokens
+        return out_stats
 
     def _micro_batches(self, chosen: list[int], rows: list) -> list[list[int]]:
         """Samples grouped by length, each group padded to at most the token budget."""
@@ -205,6 +250,17 @@ class TorchEngine:
         return json.loads((folder / RUN_STATE).read_text())
 
 
+def _column(rows: list, part: list[int], name: str) -> torch.Tensor:
+    """A per-token column of the samples `part`, concatenated (float32, or int32 ids)."""
+    return torch.cat([torch.from_numpy(np.ascontiguousarray(getattr(rows[i], name))) for i in part])
+
+
+def _token_mean(rows: list, per_sample) -> float:
+    """The mean over every token of the batch of a per-token quantity."""
+    values = [per_sample(r) for r in rows if len(r.response_ids)]
+    return float(np.concatenate(values).mean()) if values else 0.0
+
+
 class TorchTrainerEngine:
     """`TorchEngine` behind the trainer service's interface: steps run in a
     worker thread, weights go out over a gloo group that trainer rank 0
@@ -248,15 +304,30 @@ class TorchTrainerEngine:
         self.snapshots[version] = flat
         return nbytes
 
+    def new_group(self, transfer: WeightTransfer) -> WeightTransfer:
+        """The next generation of the group, on a port free now."""
+        return msgspec.structs.replace(transfer, host=self.host, port=free_port(self.host), nbytes=self.engine.nbytes)
+
     async def send(self, version: int, transfer: WeightTransfer | None) -> None:
-        """Broadcast the weights of `version` to the rollout replicas."""
+        """Broadcast the weights of `version` to the rollout replicas (joining
+        `transfer`, a new generation of the group, first)."""
         if transfer is not None:
+            self.group = None
             await self.connect(transfer)
         flat = self.snapshots[version]
         for old in [v for v in self.snapshots if v <= version]:
             del self.snapshots[old]
-        if self.group is not None:
-            await trio.to_thread.run_sync(self.group.broadcast, flat)
+        group = self.group
+        if group is not None:
+            try:
+                await trio.to_thread.run_sync(group.broadcast, flat)
+            except Exception:
+                # A receiver died mid-way. Let go of the group now: its
+                # connections close, and the receivers still waiting in this
+                # broadcast return (to join the next generation).
+                if self.group is group:
+                    self.group = None
+                raise
 
     async def save(self, folder: pathlib.Path, run_state: dict[str, int]) -> bool:
         await trio.to_thread.run_sync(self.engine.save, folder, run_state)

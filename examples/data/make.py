@@ -1,0 +1,60 @@
+"""Write the example data files of this folder (no downloads).
+
+    python examples/data/make.py
+
+* ``arith.jsonl``: the default task's training problems as a dataset, one
+  row per problem: ``prompt`` (``57+68=``), ``answer`` (``125``) and
+  ``digits``; ``arith-eval.jsonl``: its 1,000 held-out problems, the same the
+  built-in task evaluates on.
+* ``code.jsonl``: small programming problems, each with stdin/stdout tests.
+
+The files are committed; this script says how they were made.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+#: (problem, [(stdin, stdout), ...]) of the programming problems.
+PROBLEMS = [
+    ("Read two integers on one line and print their sum.", [("1 2", "3"), ("-5 5", "0"), ("100 23", "123")]),
+    ("Read an integer n and print n squared.", [("3", "9"), ("-4", "16"), ("0", "0")]),
+    ("Read a line and print it reversed.", [("abc", "cba"), ("racecar", "racecar"), ("ab cd", "dc ba")]),
+    ("Read an integer n and print the sum 1 + 2 + ... + n.", [("1", "1"), ("10", "55"), ("100", "5050")]),
+    ("Read a line of words and print how many words it has.", [("a b c", "3"), ("hello", "1"), ("x  y", "2")]),
+    ("Read an integer and print 'even' or 'odd'.", [("2", "even"), ("7", "odd"), ("0", "even")]),
+    ("Read integers on one line and print the largest.", [("1 5 3", "5"), ("-1 -7", "-1"), ("42", "42")]),
+    ("Read a line and print it in upper case.", [("abc", "ABC"), ("Hi There", "HI THERE"), ("1a", "1A")]),
+    ("Read an integer n and print n factorial.", [("0", "1"), ("5", "120"), ("10", "3628800")]),
+    ("Read a line and print 'yes' if it is a palindrome, else 'no'.", [("abba", "yes"), ("abc", "no"), ("a", "yes")]),
+    ("Read an integer n and print the n-th Fibonacci number (F(0) = 0, F(1) = 1).",
+     [("0", "0"), ("1", "1"), ("10", "55")]),
+    ("Read integers on one line and print them sorted, separated by spaces.",
+     [("3 1 2", "1 2 3"), ("5", "5"), ("2 2 1", "1 2 2")]),
+]
+
+
+def main() -> None:
+    from rlflow.config import ArithTask
+    from rlflow.data.tasks import Arith
+
+    cfg = ArithTask()
+    arith = Arith(cfg.digit_weights, seed=0, heldout_size=cfg.heldout_size, heldout_seed=cfg.heldout_seed)
+    with open(HERE / "arith.jsonl", "w") as f:
+        for group_id in range(8000):
+            a, b = arith.training_problem(group_id)
+            f.write(json.dumps({"prompt": Arith.prompt_text(a, b), "answer": str(a + b), "digits": len(str(a))}) + "\n")
+    with open(HERE / "arith-eval.jsonl", "w") as f:
+        for a, b in arith.heldout:
+            f.write(json.dumps({"prompt": Arith.prompt_text(a, b), "answer": str(a + b), "digits": len(str(a))}) + "\n")
+    with open(HERE / "code.jsonl", "w") as f:
+        for problem, tests in PROBLEMS:
+            row = {"prompt": problem, "tests": [{"input": i, "output": o} for i, o in tests]}
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""`rlflow check`: the task and reward functions loaded without a run; what
+the model will see; one line naming file, row and field when data is bad."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from models import tiny_model
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+#: Each check starts a process that imports torch, transformers and datasets.
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("check") / "model", tied=True)
+
+
+def check(model, *sets: str, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "rlflow", "check", "--config", str(ROOT / "examples" / "dataset.toml"),
+            "--set", f"roles.rollout.model={json.dumps(str(model))}", "--rows", "50"]
+    for item in sets:
+        args += ["--set", item]
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_a_good_dataset_and_reward_check_out(model):
+    done = check(model)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "task dataset: 8000 training rows loaded, 0 left out; 1000 evaluation rows"
+    assert sum(line.startswith("--- prompt of group") for line in lines) == 3
+    assert any(line.startswith("prompt tokens: min 4, median") for line in lines)
+    assert lines[-1] == "RESULT check rows=8000 skipped=0 reference_reward_mean=1 failures=0"
+
+
+def test_long_prompts_are_counted(model):
+    done = check(model, "task.max_prompt_tokens=10")
+    assert done.returncode == 0, done.stderr
+    assert "left out" in done.stdout and "longer than task.max_prompt_tokens = 10" in done.stdout
+    skipped = int(done.stdout.splitlines()[-1].split("skipped=")[1].split()[0])
+    assert skipped > 0
+
+
+@pytest.mark.parametrize(
+    ("rows", "sets", "error"),
+    [
+        ([{"prompt": "1+1=", "answer": "2"}, {"q": "x", "answer": "1"}], [], r": row 1: has no field 'prompt'"),
+        ([{"prompt": [{"role": "user", "text": "hi"}], "answer": "1"}], ["task.chat_template=false"],
+         r": row 0: field 'prompt'\[0\]: is not a \{role, content\} message"),
+        ([{"prompt": "1+1=", "answer": "2"}], ['roles.reward.engine.functions=[{path = "no_such_module:f"}]'],
+         r"reward function 'no_such_module:f': cannot import module"),
+        ([{"prompt": "1+1=", "answer": "2"}], ['roles.reward.engine.functions=[{path = "tomllib:loads", kwargs = {x = 1}}]'],
+         r"reward function 'tomllib:loads' cannot be called as loads\(sample, \*\*kwargs\) with x"),
+    ],
+)
+def test_bad_data_or_functions_are_one_line_and_exit_status_2(model, tmp_path, rows, sets, error):
+    import re
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    done = check(model, f"task.train={json.dumps(str(data))}", "task.eval=", *sets)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert re.search(error, done.stderr), done.stderr
+    if "row" in error:
+        assert str(data) in done.stderr
