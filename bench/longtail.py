@@ -24,6 +24,15 @@ and runs the real pipeline (vLLM on CPU, the default model) sync against
 async.
 
     RESULT longtail workload=reference async_vs_sync=S bound_efficiency=E async_vs_colocated_sync=C real_async_vs_sync=R
+
+`--scale` runs a bigger simulated cluster instead: 1,024 slots over 4
+rollout replicas and 4,096 over 16 (async, max_staleness 2, batch sizes
+scaled with the slots as in the sweep's `slots-1024`), reports each one's
+efficiency against the bound, and holds `rlflow plan`'s prediction (its
+`simulate`, with the unit costs learned from each run) against the
+steady-state throughput measured in that run:
+
+    RESULT longtail_scale slots_1024_efficiency=E1 slots_4096_efficiency=E2 plan_error_max=P
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from rlflow.tools.report import write_timeline
 from rlflow.control.launch import run
 from rlflow.rundir import RunDir
 from rlflow.distributions import draw_lengths
+from rlflow.tools.plan import simulate, workload_from_run
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -108,6 +118,11 @@ class Workload:
     n: int = 8
     balance: float = 1.0
     """Training time of a step / generation time of a step at full occupancy."""
+    spread: bool = False
+    """Lay the roles out over this machine's cores: the rollout replicas on one
+    (a generate pool of 1 CPU), reward and trainer on the next (0.5 each),
+    as `examples/sim.toml` does; else the reference layout, where the
+    generate and score pools (0.5 and 0.25 CPUs) share the first core."""
 
     def distribution(self) -> C.Distribution:
         return C.load(text=BASE.format(**self._fields("async", 2, 1, True))).roles.rollout.engine.response_len
@@ -152,10 +167,19 @@ class Workload:
         if colocated:  # one pool for both roles
             text = text.replace('pool = "train"', 'pool = "generate"').replace("[pools.train]\ncpus_per_bundle = 0.5\n", "")
             text = text.replace("[pools.generate]\ncpus_per_bundle = 0.5", "[pools.generate]\ncpus_per_bundle = 1.0")
-        return C.load(text=text)
+        spread = ["pools.generate.cpus_per_bundle=1.0", "pools.score.cpus_per_bundle=0.5"] if self.spread else []
+        return C.load(text=text, overrides=spread)
 
 
 REFERENCE = Workload("reference", '{ kind = "lognormal", median = 256, sigma = 1.0, min = 1, max = 4096 }')
+
+#: The bigger simulated clusters of `--scale`: 256 slots a replica, a step
+#: of half as many groups as slots (4 samples a slot), as the sweep's
+#: `slots-1024`, and the roles spread over the machine's cores.
+SCALE = [
+    Workload("scale-1024", REFERENCE.response_len, slots=256, replicas=4, batch_size=512, spread=True),
+    Workload("scale-4096", REFERENCE.response_len, slots=256, replicas=16, batch_size=2048, spread=True),
+]
 
 
 @dataclass
@@ -176,6 +200,8 @@ class Result:
     efficiency: float
     run_dir: str
     vs: dict = field(default_factory=dict)
+    predicted_samples_per_s: float = math.nan
+    """`rlflow plan`'s prediction for this run (`--scale` only)."""
 
 
 def measure(w: Workload, mode: str, staleness: int, steps: int, out: pathlib.Path, *, partial: bool = True,
@@ -269,9 +295,18 @@ def real_ratio(out: pathlib.Path, steps: int) -> tuple[float, dict]:
     return times["sync"] / times["async"], times
 
 
+def predict(r: Result, steps: int = 30) -> None:
+    """`rlflow plan`'s throughput for the run's own layout, from the unit costs
+    learned from the run, into `r.predicted_samples_per_s`."""
+    workload, rollout_devices, trainer_devices = workload_from_run(r.run_dir)
+    r.predicted_samples_per_s = simulate(workload, rollout_devices, trainer_devices, steps=steps).samples_per_s
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the reference workload only (under 3 minutes)")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--quick", action="store_true", help="the reference workload only (under 3 minutes)")
+    modes.add_argument("--scale", action="store_true", help="1,024 and 4,096 slots, and the planner against them")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -282,16 +317,21 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False, namespace="rlflow")
     started = time.monotonic()
     results: list[Result] = []
+    real = None
     try:
-        steps_async, steps_sync = (14, 6) if args.quick else (24, 10)
-        real = None
-        if not args.quick:
-            real, real_times = real_ratio(work, 10)
-        async_ref = measure(REFERENCE, "async", 2, steps_async, work)
-        sync_ref = measure(REFERENCE, "sync", 0, steps_sync, work)
-        colocated = measure(REFERENCE, "sync", 0, steps_sync, work, colocated=True)
-        results += [async_ref, sync_ref, colocated]
-        if not args.quick:
+        steps_async, steps_sync = (14, 6) if args.quick or args.scale else (24, 10)
+        if args.scale:
+            for w in SCALE:
+                results.append(measure(w, "async", 2, steps_async, work))
+                predict(results[-1])
+        else:
+            if not args.quick:
+                real, real_times = real_ratio(work, 10)
+            async_ref = measure(REFERENCE, "async", 2, steps_async, work)
+            sync_ref = measure(REFERENCE, "sync", 0, steps_sync, work)
+            colocated = measure(REFERENCE, "sync", 0, steps_sync, work, colocated=True)
+            results += [async_ref, sync_ref, colocated]
+        if not args.quick and not args.scale:
             for mode, k in (("one_step", 1), ("async", 1), ("async", 4)):
                 results.append(measure(REFERENCE, mode, k, steps_async, work))
             results.append(measure(REFERENCE, "async", 2, steps_async, work, partial=False))
@@ -323,38 +363,49 @@ def main() -> None:
             if coloc is not None:
                 r.vs["colocated_sync"] = r.samples_per_s / coloc.samples_per_s
 
+    planned = f"{'planned':>9}" if args.scale else ""
     print(f"{'workload':<15}{'mode':<22}{'samples/s':>10}{'tokens/s':>10}{'trainer idle':>13}{'occupancy':>10}"
-          f"{'stale mean/max':>15}{'vs sync':>8}{'vs coloc':>9}{'efficiency':>11}")
+          f"{'stale mean/max':>15}{'vs sync':>8}{'vs coloc':>9}{'efficiency':>11}{planned}")
     for r in results:
         mode = f"{r.mode} k={r.staleness}{_variant(r.partial, r.check).replace('-', ' ')}"
+        planned = f"{r.predicted_samples_per_s:>9.1f}" if args.scale else ""
         print(f"{r.workload:<15}{mode:<22}{r.samples_per_s:>10.1f}{r.tokens_per_s:>10.0f}{r.trainer_idle:>13.0%}"
               f"{r.occupancy:>10.0%}{r.staleness_mean:>9.2f}/{r.staleness_max:<5g}"
-              f"{r.vs.get('sync', math.nan):>8.2f}{r.vs.get('colocated_sync', math.nan):>9.2f}{r.efficiency:>11.2f}")
+              f"{r.vs.get('sync', math.nan):>8.2f}{r.vs.get('colocated_sync', math.nan):>9.2f}{r.efficiency:>11.2f}"
+              f"{planned}")
+    prefix = "longtail-scale-" if args.scale else "longtail-"
     for r in results:
         for suffix in (".png", ".trace.json"):
             src = work / f"{pathlib.Path(r.run_dir).name}{suffix}"
             if src.exists():
-                shutil.copy(src, args.out / f"longtail-{src.name}")
+                shutil.copy(src, args.out / f"{prefix}{src.name}")
     if real is not None:
         for mode in ("sync", "async"):
             for suffix in (".png", ".trace.json"):
                 src = work / f"real-{mode}{suffix}"
                 if src.exists():
                     shutil.copy(src, args.out / f"longtail-{src.name}")
-    (args.out / "longtail.json").write_text(json.dumps({
+    (args.out / ("longtail-scale.json" if args.scale else "longtail.json")).write_text(json.dumps({
         "quick": args.quick,
+        "scale": args.scale,
         "seconds": round(time.monotonic() - started, 1),
         "results": [r.__dict__ for r in results],
         "real": None if real is None else {"async_vs_sync": real, "step_s": real_times},
     }, indent=1) + "\n")
+    shutil.rmtree(work, ignore_errors=True)
+    if args.scale:
+        errors = [abs(r.predicted_samples_per_s - r.samples_per_s) / r.samples_per_s for r in results]
+        print(
+            f"RESULT longtail_scale slots_1024_efficiency={results[0].efficiency:.2f} "
+            f"slots_4096_efficiency={results[1].efficiency:.2f} plan_error_max={max(errors):.3f}"
+        )
+        return
     real_text = "skipped" if real is None else f"{real:.2f}"
     print(
         f"RESULT longtail workload=reference async_vs_sync={async_ref.samples_per_s / sync_ref.samples_per_s:.2f} "
         f"bound_efficiency={async_ref.efficiency:.2f} "
         f"async_vs_colocated_sync={async_ref.samples_per_s / colocated.samples_per_s:.2f} real_async_vs_sync={real_text}"
     )
-    shutil.rmtree(work, ignore_errors=True)
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -106,12 +106,13 @@ async def wrapped(
         for group in groups:
             engine.submit(group, now)
         version = engine.version
-        async for _, responses in engine.finished:
-            tokens += sum(len(r.token_ids) for r in responses)
-            done += 1
-            if update_every and done % update_every == 0 and done < len(groups):
-                version += 1
-                updates.append(await trainer.push(engine, version))
+        async for finished in engine.finished:
+            for _, responses in finished:
+                tokens += sum(len(r.token_ids) for r in responses)
+                done += 1
+                if update_every and done % update_every == 0 and done < len(groups):
+                    version += 1
+                    updates.append(await trainer.push(engine, version))
             if done == len(groups):
                 break
         seconds = time.perf_counter() - start

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -87,8 +88,9 @@ def build_batch(groups: Sequence[tuple[PromptGroup, Sequence[Response]]]) -> Sam
     )
 
 
-def stamp(batch: SampleBatch, stage: Stage, when: float, rows: np.ndarray | None = None) -> SampleBatch:
-    """A copy of `batch` with `stage` set to `when` (for every row, or `rows`)."""
+def stamp(batch: SampleBatch, stage: Stage, when: float, rows: np.ndarray | None = None, **fields: Any) -> SampleBatch:
+    """A copy of `batch` with `stage` set to `when` (for every row, or `rows`)
+    and with `fields` replaced (one copy, checked once)."""
     stamps = batch.stamps.numpy()
     if stamps.shape[1] <= stage:
         wide = np.full((stamps.shape[0], N_STAGES), np.nan)
@@ -100,7 +102,7 @@ def stamp(batch: SampleBatch, stage: Stage, when: float, rows: np.ndarray | None
         stamps[:, stage] = when
     else:
         stamps[rows, stage] = when
-    return msgspec.structs.replace(batch, stamps=Tensor.from_numpy(stamps))
+    return msgspec.structs.replace(batch, stamps=Tensor.from_numpy(stamps), **fields)
 
 
 def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
@@ -124,7 +126,8 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
     detail_keys = set.intersection(*(set(b.reward_details) for b in batches)) if batches else set()
     failures, row0 = [], 0
     for b in batches:
-        failures += [msgspec.structs.replace(f, index=f.index + row0) for f in b.failures]
+        if b.failures:
+            failures += [msgspec.structs.replace(f, index=f.index + row0) for f in b.failures]
         row0 += b.n_samples
     width = max((b.stamps.shape[1] for b in batches), default=N_STAGES)
     stamps = []
@@ -135,12 +138,10 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
     return SampleBatch(
         groups=[g for b in batches for g in b.groups],
         prompt_ids=Tensor.from_numpy(_cat(col("prompt_ids"), np.int32)),
-        prompt_offsets=Tensor.from_numpy(_offsets([b.prompt_ids.numel for b in batches], col("prompt_offsets"))),
+        prompt_offsets=Tensor.from_numpy(_join_offsets(col("prompt_offsets"))),
         sample_index=Tensor.from_numpy(_cat(col("sample_index"), np.int32)),
         response_ids=Tensor.from_numpy(_cat(col("response_ids"), np.int32)),
-        response_offsets=Tensor.from_numpy(
-            _offsets([b.response_ids.numel for b in batches], col("response_offsets"))
-        ),
+        response_offsets=Tensor.from_numpy(_join_offsets(col("response_offsets"))),
         logprobs=Tensor.from_numpy(_cat(col("logprobs"), np.float32)),
         versions=Tensor.from_numpy(_cat(col("versions"), np.int32)),
         finish_reason=Tensor.from_numpy(_cat(col("finish_reason"), np.uint8)),
@@ -172,9 +173,9 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
     r_off = batch.response_offsets.numpy()
     p_off = batch.prompt_offsets.numpy()
     group_of = np.repeat(np.arange(len(batch.groups)), [g.size for g in batch.groups])
-    token_idx = (
-        np.concatenate([np.arange(r_off[r], r_off[r + 1]) for r in rows]) if len(rows) else np.zeros(0, np.int64)
-    )
+    # Every token of every row, in row order: each row's first token, then on.
+    starts, lens = r_off[rows], r_off[rows + 1] - r_off[rows]
+    token_idx = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
     groups, prompts, prompt_lens = [], [], []
     for g, count in _runs(group_of[rows]):
         info = batch.groups[g]
@@ -214,12 +215,49 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
 
 
 def split(batch: SampleBatch) -> list[SampleBatch]:
-    """One batch per group."""
-    out, row = [], 0
-    for info in batch.groups:
-        out.append(take(batch, np.arange(row, row + info.size)))
-        row += info.size
+    """One batch per group. Their columns are views of `batch`'s (no copies):
+    a group's rows and tokens are contiguous."""
+    if len(batch.groups) == 1:
+        return [batch]
+    p_off, r_off = batch.prompt_offsets.numpy(), batch.response_offsets.numpy()
+    prompt_ids = batch.prompt_ids.numpy()
+    token_cols = {name: _array(getattr(batch, name)) for name in _TOKEN_COLUMNS}
+    row_cols = {name: _array(getattr(batch, name)) for name in _ROW_COLUMNS}
+    details = {k: v.numpy() for k, v in batch.reward_details.items()}
+    out, a = [], 0
+    for g, info in enumerate(batch.groups):
+        b = a + info.size
+        ta, tb = int(r_off[a]), int(r_off[b])
+        prompt = prompt_ids[p_off[g] : p_off[g + 1]]
+        out.append(SampleBatch(
+            groups=[info],
+            prompt_ids=Tensor.from_numpy(prompt),
+            prompt_offsets=Tensor.from_numpy(np.array([0, len(prompt)], dtype=np.int64)),
+            response_offsets=Tensor.from_numpy(r_off[a : b + 1] - ta),
+            reward_details={k: Tensor.from_numpy(v[a:b]) for k, v in details.items()},
+            failures=[msgspec.structs.replace(f, index=f.index - a) for f in batch.failures if a <= f.index < b],
+            **{name: None if col is None else Tensor.from_numpy(col[ta:tb]) for name, col in token_cols.items()},
+            **{name: None if col is None else Tensor.from_numpy(col[a:b]) for name, col in row_cols.items()},
+        ))
+        a = b
     return out
+
+
+#: Columns with one entry (or row) per response token, and with one per sample (row).
+_TOKEN_COLUMNS = (
+    "response_ids",
+    "logprobs",
+    "versions",
+    "teacher_logprobs",
+    "ref_logprobs",
+    "teacher_topk_ids",
+    "teacher_topk_logprobs",
+)
+_ROW_COLUMNS = ("sample_index", "finish_reason", "stamps", "rewards")
+
+
+def _array(t: Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.numpy()
 
 
 def _runs(values: np.ndarray) -> list[tuple[int, int]]:
@@ -254,12 +292,13 @@ class SampleView:
 
 def samples(batch: SampleBatch) -> Iterator[SampleView]:
     """Every row of `batch`, with its group."""
-    p_off = batch.prompt_offsets.numpy()
-    r_off = batch.response_offsets.numpy()
+    # Per-row numbers as Python ints and floats once, not a numpy scalar per row.
+    p_off = batch.prompt_offsets.numpy().tolist()
+    r_off = batch.response_offsets.numpy().tolist()
     prompt_ids = batch.prompt_ids.numpy()
     resp, lp, ver = batch.response_ids.numpy(), batch.logprobs.numpy(), batch.versions.numpy()
-    idx, fin = batch.sample_index.numpy(), batch.finish_reason.numpy()
-    rewards = batch.rewards.numpy() if batch.rewards is not None else None
+    idx, fin = batch.sample_index.numpy().tolist(), batch.finish_reason.numpy().tolist()
+    rewards = batch.rewards.numpy().tolist() if batch.rewards is not None else None
     teacher = batch.teacher_logprobs.numpy() if batch.teacher_logprobs is not None else None
     ref = batch.ref_logprobs.numpy() if batch.ref_logprobs is not None else None
     topk_ids = batch.teacher_topk_ids.numpy() if batch.teacher_topk_ids is not None else None
@@ -272,13 +311,13 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
             yield SampleView(
                 row=row,
                 group=info,
-                index=int(idx[row]),
+                index=idx[row],
                 prompt_ids=prompt,
                 response_ids=resp[a:b],
                 logprobs=lp[a:b],
                 versions=ver[a:b],
-                finish_reason=int(fin[row]),
-                reward=None if rewards is None else float(rewards[row]),
+                finish_reason=fin[row],
+                reward=None if rewards is None else rewards[row],
                 teacher_logprobs=None if teacher is None else teacher[a:b],
                 ref_logprobs=None if ref is None else ref[a:b],
                 teacher_topk_ids=None if topk_ids is None else topk_ids[a:b],
@@ -290,17 +329,27 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
 def _cat(arrays: Sequence[np.ndarray], dtype: type) -> np.ndarray:
     if not arrays:
         return np.zeros(0, dtype=dtype)
-    return np.concatenate([np.asarray(a, dtype=dtype) for a in arrays])
+    return np.concatenate(arrays, dtype=dtype, casting="unsafe")
 
 
-def _offsets(lengths: Sequence[int], parts: Sequence[np.ndarray] | None = None) -> np.ndarray:
-    """Offsets from lengths, or (with `parts`) the join of several offset arrays."""
-    if parts is None:
-        out = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=out[1:])
-        return out
-    pieces, base = [np.zeros(1, dtype=np.int64)], 0
-    for total, off in zip(lengths, parts):
-        pieces.append(np.asarray(off[1:], dtype=np.int64) + base)
-        base += total
-    return np.concatenate(pieces)
+def _offsets(lengths: Sequence[int]) -> np.ndarray:
+    """Offsets from lengths."""
+    out = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=out[1:])
+    return out
+
+
+def _join_offsets(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """The offsets of the concatenation of the columns that `parts` split
+    (each runs from 0 to its column's length), in one pass over all of them
+    rather than one per part: a trainer joins thousands of groups a step."""
+    sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+    joined = np.concatenate(parts, dtype=np.int64)
+    ends = np.cumsum(sizes)
+    # Each part starts where the ones before it end, and its leading 0 goes.
+    bases = np.zeros(len(parts), dtype=np.int64)
+    np.cumsum(joined[ends[:-1] - 1], out=bases[1:])
+    joined += np.repeat(bases, sizes)
+    keep = np.ones(len(joined), dtype=bool)
+    keep[(ends - sizes)[1:]] = False
+    return joined[keep]

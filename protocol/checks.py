@@ -8,7 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
+
+#: Columns every batch has: name -> (dtype, dimensions).
+_COLUMNS = {
+    "prompt_ids": ("int32", 1),
+    "prompt_offsets": ("int64", 1),
+    "sample_index": ("int32", 1),
+    "response_ids": ("int32", 1),
+    "response_offsets": ("int64", 1),
+    "logprobs": ("float32", 1),
+    "versions": ("int32", 1),
+    "finish_reason": ("uint8", 1),
+    "stamps": ("float64", 2),
+}
 
 
 def validate(batch: Any) -> None:
@@ -17,54 +29,60 @@ def validate(batch: Any) -> None:
     The codec checks each tensor against its frame; this checks the batch's
     own invariants (offsets monotone and in range, lengths consistent), so
     that a consumer can index it without further checks. Raises ValueError.
+
+    It runs on every batch made or received, so its messages are only
+    formatted when a check fails.
     """
-    n = batch.n_samples
-    g = len(batch.groups)
-    t = batch.response_ids.numel
-
-    def need(cond: bool, what: str) -> None:
-        if not cond:
-            raise ValueError(f"columns disagree: {what}")
-
-    for name, dtype in (
-        ("prompt_ids", "int32"),
-        ("prompt_offsets", "int64"),
-        ("sample_index", "int32"),
-        ("response_ids", "int32"),
-        ("response_offsets", "int64"),
-        ("logprobs", "float32"),
-        ("versions", "int32"),
-        ("finish_reason", "uint8"),
-        ("stamps", "float64"),
-    ):
+    for name, (dtype, ndim) in _COLUMNS.items():
         tensor = getattr(batch, name)
-        need(tensor.dtype == dtype, f"{name} is {tensor.dtype}, expected {dtype}")
-        need(len(tensor.shape) == (2 if name == "stamps" else 1), f"{name} has shape {list(tensor.shape)}")
-    need(sum(info.size for info in batch.groups) == n, "group sizes do not add up to the sample count")
-    need(batch.prompt_offsets.numel == g + 1, f"prompt_offsets has {batch.prompt_offsets.numel} entries for {g} groups")
-    need(batch.response_offsets.numel == n + 1, f"response_offsets has {batch.response_offsets.numel} entries for {n} samples")
-    for name, off, total in (
-        ("prompt_offsets", batch.prompt_offsets.numpy(), batch.prompt_ids.numel),
-        ("response_offsets", batch.response_offsets.numpy(), t),
-    ):
-        need(off[0] == 0 and off[-1] == total, f"{name} must run from 0 to {total}")
-        need(bool(np.all(np.diff(off) >= 0)), f"{name} must not decrease")
+        if tensor.dtype != dtype:
+            raise _disagree(f"{name} is {tensor.dtype}, expected {dtype}")
+        if len(tensor.shape) != ndim:
+            raise _disagree(f"{name} has shape {list(tensor.shape)}")
+    n = batch.finish_reason.shape[0]
+    g = len(batch.groups)
+    t = batch.response_ids.shape[0]
+    if sum(info.size for info in batch.groups) != n:
+        raise _disagree("group sizes do not add up to the sample count")
+    if batch.prompt_offsets.shape[0] != g + 1:
+        raise _disagree(f"prompt_offsets has {batch.prompt_offsets.numel} entries for {g} groups")
+    if batch.response_offsets.shape[0] != n + 1:
+        raise _disagree(f"response_offsets has {batch.response_offsets.numel} entries for {n} samples")
+    for name, total in (("prompt_offsets", batch.prompt_ids.shape[0]), ("response_offsets", t)):
+        off = getattr(batch, name).numpy()
+        if off[0] != 0 or off[-1] != total:
+            raise _disagree(f"{name} must run from 0 to {total}")
+        if len(off) > 1 and (off[1:] < off[:-1]).any():
+            raise _disagree(f"{name} must not decrease")
     for name in ("logprobs", "versions"):
-        need(getattr(batch, name).numel == t, f"{name} has {getattr(batch, name).numel} entries for {t} tokens")
+        if getattr(batch, name).shape[0] != t:
+            raise _disagree(f"{name} has {getattr(batch, name).numel} entries for {t} tokens")
     for name in ("teacher_logprobs", "ref_logprobs"):
         tensor = getattr(batch, name)
-        need(tensor is None or (tensor.numel == t and tensor.dtype == "float32"), f"{name} must be float32 [{t}]")
+        if tensor is not None and (tensor.numel != t or tensor.dtype != "float32"):
+            raise _disagree(f"{name} must be float32 [{t}]")
     ids, lps = batch.teacher_topk_ids, batch.teacher_topk_logprobs
-    need((ids is None) == (lps is None), "teacher_topk_ids and teacher_topk_logprobs come together")
+    if (ids is None) != (lps is None):
+        raise _disagree("teacher_topk_ids and teacher_topk_logprobs come together")
     if ids is not None:
-        need(ids.dtype == "int32" and len(ids.shape) == 2 and ids.shape[0] == t, f"teacher_topk_ids must be int32 [{t}, k]")
-        need(lps.dtype == "float32" and lps.shape == ids.shape, f"teacher_topk_logprobs must be float32 {list(ids.shape)}")
-    need(batch.finish_reason.numel == n and batch.sample_index.numel == n, "per-sample columns must have n entries")
-    need(batch.stamps.shape[0] == n, "stamps must have one row per sample")
-    if batch.rewards is not None:
-        need(batch.rewards.numel == n and batch.rewards.dtype == "float32", f"rewards must be float32 [{n}]")
-    if batch.advantages is not None:
-        need(batch.advantages.numel == n and batch.advantages.dtype == "float32", f"advantages must be float32 [{n}]")
+        if ids.dtype != "int32" or len(ids.shape) != 2 or ids.shape[0] != t:
+            raise _disagree(f"teacher_topk_ids must be int32 [{t}, k]")
+        if lps.dtype != "float32" or lps.shape != ids.shape:
+            raise _disagree(f"teacher_topk_logprobs must be float32 {list(ids.shape)}")
+    if batch.sample_index.shape[0] != n:
+        raise _disagree("per-sample columns must have n entries")
+    if batch.stamps.shape[0] != n:
+        raise _disagree("stamps must have one row per sample")
+    if batch.rewards is not None and (batch.rewards.numel != n or batch.rewards.dtype != "float32"):
+        raise _disagree(f"rewards must be float32 [{n}]")
+    if batch.advantages is not None and (batch.advantages.numel != n or batch.advantages.dtype != "float32"):
+        raise _disagree(f"advantages must be float32 [{n}]")
     for key, tensor in batch.reward_details.items():
-        need(tensor.numel == n, f"reward_details[{key!r}] must have {n} entries")
-    need(all(f.index < n for f in batch.failures), "a failure names a row past the end")
+        if tensor.numel != n:
+            raise _disagree(f"reward_details[{key!r}] must have {n} entries")
+    if any(f.index >= n for f in batch.failures):
+        raise _disagree("a failure names a row past the end")
+
+
+def _disagree(what: str) -> ValueError:
+    return ValueError(f"columns disagree: {what}")

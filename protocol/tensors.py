@@ -62,6 +62,9 @@ _NUMPY_DTYPES: dict[str, np.dtype] = {
     if name not in ("bfloat16", "float8_e4m3fn", "float8_e5m2")
 }
 
+#: Native-order numpy dtype -> wire dtype name.
+_WIRE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in _NUMPY_DTYPES.items()}
+
 #: Largest number of dimensions accepted from the wire.
 MAX_NDIM = 32
 
@@ -127,12 +130,15 @@ class Tensor:
         """Wrap a numpy array without copying (a copy is made only if it is
         not C-contiguous)."""
         array = np.ascontiguousarray(array)
-        name = array.dtype.name
-        if name not in _NUMPY_DTYPES:
-            raise UnsupportedDType(f"numpy dtype {name!r} has no wire name; supported: {', '.join(_NUMPY_DTYPES)}")
-        if array.dtype.byteorder == ">":
-            raise UnsupportedDType("big-endian arrays are not supported on the wire")
-        return cls(name, array.shape, array.reshape(-1).view(np.uint8) if array.size else b"")
+        name = _WIRE_NAMES.get(array.dtype)  # not `dtype.name`: it costs more than the rest together
+        if name is None:
+            if array.dtype.byteorder == ">":
+                raise UnsupportedDType("big-endian arrays are not supported on the wire")
+            raise UnsupportedDType(
+                f"numpy dtype {array.dtype.name!r} has no wire name; supported: {', '.join(_NUMPY_DTYPES)}"
+            )
+        # The bytes are the array's own, so they match dtype and shape.
+        return cls._trusted(name, array.shape, array.reshape(-1).view(np.uint8) if array.size else b"")
 
     @classmethod
     def from_torch(cls, tensor: Any) -> Tensor:

@@ -5,6 +5,7 @@ sockets started in this process."""
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import re
 import subprocess
@@ -180,6 +181,14 @@ def test_a_receiver_that_got_a_newer_version_than_the_one_moving_completes_the_r
     # The weight server had 2 by the time replica 0 fetched: it holds 2.
     assert rounds.loaded(0, 2, {0}) == 2
     assert rounds.loaded(0, 2, {0}) is None and not rounds.busy  # it says it holds 2 (see the rollout service)
+
+
+def test_a_round_counts_receivers_that_got_the_version_moving_or_a_newer_one():
+    rounds = WeightRounds()
+    assert rounds.publish(1) == 1
+    assert rounds.publish(2) is None
+    assert rounds.loaded(0, 2, {0, 1}) is None  # it pulled the newest there was
+    assert rounds.loaded(1, 1, {0, 1}) == 2
 
 
 def test_a_round_completes_without_a_receiver_that_left():
@@ -588,11 +597,10 @@ async def test_a_replica_that_hangs_while_holding_work_is_killed_and_restarted(t
     async def hang(controller: Controller, launcher: InProcessLauncher) -> None:
         while controller.ledger.steps_done < 2:
             await trio.sleep(0.02)
-
-        async def stuck() -> None:
-            await trio.sleep_forever()
-
-        launcher.services[("rollout", 0)].engine._advance = stuck
+        # Its batcher's clock stands: no decode step, no group finishes.
+        batcher = launcher.services[("rollout", 0)].engine.batcher
+        batcher.advance = lambda now: None
+        batcher.wake_time = lambda: math.inf
 
     with trio.fail_after(120):
         _, summary = await run_in_process(sim("run.steps=8", "cluster.progress_timeout_s=1"), tmp_path, during=hang)

@@ -1,10 +1,12 @@
 """The services and engines one by one, in this process, on real sockets:
 the simulated rollout engine, the stage service's loop and clock, the
-reward and teacher services' work on a batch."""
+reward and teacher services' work on a batch, the trainer service's intake."""
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import pathlib
 import time
 from typing import Any
@@ -30,19 +32,22 @@ from rlflow.protocol import (
     SampleFailure,
     Shutdown,
     Stage,
+    StepDone,
     UpdateWeights,
     Welcome,
     WeightsLoaded,
     WeightsZmq,
     build_batch,
     samples,
+    split,
 )
 from rlflow.rundir import RunDir
 from rlflow.services.base import Service, StageService, standalone_context
 from rlflow.services.reward.service import RewardService
 from rlflow.services.rollout.service import RolloutService
-from rlflow.services.rollout.sim import SimEngine
+from rlflow.services.rollout.sim import RequestQueue, SimBatcher, SimEngine
 from rlflow.services.teacher.service import TeacherService
+from rlflow.services.trainer import service as trainer_service
 from rlflow.services.trainer.service import GroupIds
 from rlflow.services.trainer.sim import SimTrainerEngine
 
@@ -63,9 +68,10 @@ def spec(config: C.Config, role: str, controller: str = "") -> ServiceSpec:
 
 async def collect(engine: SimEngine, count: int) -> dict[int, list]:
     out = {}
-    async for group, responses in engine.finished:
-        out[group.group_id] = responses
-        if len(out) == count:
+    async for finished in engine.finished:
+        for group, responses in finished:
+            out[group.group_id] = responses
+        if len(out) >= count:
             return out
     raise AssertionError("the engine stopped")
 
@@ -154,6 +160,138 @@ async def test_strict_staleness_restarts_a_group_that_fell_behind():
             nursery.cancel_scope.cancel()
     assert ctx.counters["restarted_groups"] == 1 and ctx.counters["restarted_tokens"] > 0
     assert (finished[0][0].versions == 1).all()  # generated again, wholly on the new weights
+
+
+def test_the_request_queue_keeps_the_line_and_holds_back_requests_for_newer_weights():
+    queue = RequestQueue()
+    for name, min_version in (("a", 0), ("later", 2), ("b", 0), ("c", 0)):
+        queue.push(name, min_version)
+    queue.push("again", 0, first=True)
+    assert [queue.pop(0) for _ in range(4)] == ["again", "a", "b", "c"]
+    assert queue.pop(1) is None and queue.waits_for_weights(1) and len(queue) == 1
+    # Once its weights are held it takes its place in line again: ahead of those behind it.
+    queue.push("d", 0)
+    assert [queue.pop(2), queue.pop(2), queue.pop(2)] == ["later", "d", None]
+    assert not queue.waits_for_weights(2) and len(queue) == 0
+
+
+def batcher(*overrides: str, partial: bool = True) -> SimBatcher:
+    config = sim_config("roles.rollout.engine.response_len={kind='lognormal', median=40, sigma=1.0, min=1, max=300}",
+                        "roles.rollout.engine.slots=8", *overrides)
+    return SimBatcher(config.roles.rollout.engine, rng=np.random.default_rng(3), vocab=100, partial=partial,
+                      strict=False, staleness=2, counters=collections.Counter())
+
+
+def run_batcher(b: SimBatcher, times: list[float]) -> list[tuple[int, list[tuple[int, float, float]]]]:
+    """Submit 12 groups (6 at first, 6 at 0.05 s), advance at each of `times`;
+    each finished group's id, and (length, start, end) of each sample."""
+    for g in range(6):
+        b.submit(PromptGroup(group_id=g, prompt_ids=[1], n=3), 0.0, 0.0)
+    b.admit(0.0)
+    later = True
+    for t in times:
+        if later and t >= 0.05:
+            b.advance(0.05)
+            for g in range(6, 12):
+                b.submit(PromptGroup(group_id=g, prompt_ids=[1], n=3), 0.05, 0.05)
+            b.admit(0.05)
+            later = False
+        b.advance(t)
+    return [(group.group_id, [(len(r.token_ids), r.stamps[Stage.ROLLOUT_START], r.stamps[Stage.ROLLOUT_END])
+                              for r in responses]) for group, responses in b.outbox]
+
+
+@pytest.mark.parametrize("per_seq", [0.0, 0.0002])
+def test_the_batcher_plays_the_same_steps_however_often_it_is_advanced(per_seq):
+    """Advanced once at the end, or at a thousand times on the way, it starts
+    and ends every sequence at the same step: a late engine is not a slow one."""
+    at_once, often = batcher(f"roles.rollout.engine.step_s_per_seq={per_seq}"), batcher(f"roles.rollout.engine.step_s_per_seq={per_seq}")
+    coarse = run_batcher(at_once, [0.049, 0.05, 5.0])
+    fine = run_batcher(often, [i * 0.0005 for i in range(1, 10_001)])
+    assert len(coarse) == 12 and [g for g, _ in coarse] == [g for g, _ in fine]
+    for (_, a), (_, b) in zip(coarse, fine):
+        assert [n for n, _, _ in a] == [n for n, _, _ in b]
+        assert np.allclose([x[1:] for x in a], [x[1:] for x in b])
+    assert at_once.counters["slot_s"] == pytest.approx(often.counters["slot_s"])
+    if not per_seq:  # every sequence ran one token a step from its start, and a slot counts its tokens
+        for _, spans in coarse:
+            for n, start, end in spans:
+                assert end - start == pytest.approx(n * 0.001)
+        tokens = sum(n for _, spans in coarse for n, _, _ in spans)
+        assert at_once.counters["slot_s"] == pytest.approx(tokens * 0.001)
+
+
+@pytest.mark.parametrize("partial", [True, False])
+def test_no_group_finishes_before_the_batcher_says_it_may(partial):
+    """`wake_time` is never later than the next group's finish: woken then,
+    the engine sends every group on time (with or without requests draining
+    for weights)."""
+    b = batcher("roles.rollout.engine.step_s_per_seq=0.0001", partial=partial)
+    for g in range(12):
+        b.submit(PromptGroup(group_id=g, prompt_ids=[1], n=3), 0.0, 0.0)
+    b.admit(0.0)
+    finished, wakes = 0, 0
+    while b.active:
+        if wakes == 2:
+            b.incoming = 1  # weights arrive: without partial rollout, nothing new starts
+        t = b.wake_time()
+        assert t < math.inf
+        b.advance(t - 1e-7)
+        assert len(b.outbox) == finished
+        b.advance(t)
+        b.admit(t)
+        finished, wakes = len(b.outbox), wakes + 1
+    assert wakes < 12 * 3  # about one per group, not one per sequence
+    if partial:
+        assert finished == 12
+    else:
+        assert finished < 12 and len(b.pending) > 0 and b.draining
+
+
+async def test_the_simulated_engine_counts_every_token_of_every_slot_whatever_the_lengths():
+    config = sim_config("roles.rollout.engine.response_len={kind='lognormal', median=60, sigma=1.0, min=1, max=400}",
+                        "roles.rollout.engine.slots=8", "roles.rollout.engine.step_s=0.0005")
+    ctx = standalone_context(config, "rollout")
+    engine = SimEngine(config.roles.rollout.engine, ctx)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            for g in range(6):
+                engine.submit(PromptGroup(group_id=g, prompt_ids=[1, 2], n=4), time.time())
+            finished = await collect(engine, 6)
+            nursery.cancel_scope.cancel()
+    responses = [r for rs in finished.values() for r in rs]
+    lengths = [len(r.token_ids) for r in responses]
+    assert len(set(lengths)) > 5  # long-tailed, not fixed
+    for r in responses:
+        assert len(r.logprobs) == len(r.versions) == len(r.token_ids)
+        assert ((r.token_ids >= 0) & (r.token_ids < config.task.vocab_size)).all() and (r.logprobs <= 0).all()
+    # A slot is counted for each step its sequence was generating, however
+    # late the engine woke: the slot-seconds are the tokens' steps.
+    assert ctx.counters["slot_s"] == pytest.approx(sum(lengths) * 0.0005)
+    assert engine.queues() == {"pending": 0, "active": 0}
+
+
+async def test_a_group_that_waits_for_newer_weights_starts_when_they_arrive_and_others_go_first():
+    config = sim_config("roles.rollout.engine.response_len={kind='fixed', value=50}", "roles.rollout.engine.slots=4",
+                        "roles.trainer.engine.weights_bytes=4096")
+    trainer = SimTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
+    engine = SimEngine(config.roles.rollout.engine, standalone_context(config, "rollout"))
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trainer.serve)
+            await nursery.start(engine.run)
+            await engine.join_weights(WeightsZmq(address=trainer.address), [])
+            engine.submit(PromptGroup(group_id=0, prompt_ids=[1], n=2, min_version=1), time.time())
+            engine.submit(PromptGroup(group_id=1, prompt_ids=[1], n=2), time.time())
+            first = await collect(engine, 1)
+            assert list(first) == [1] and engine.queues() == {"pending": 2, "active": 0}
+            await trainer.publish(1)
+            assert await engine.update_weights(1, None) == 1
+            second = await collect(engine, 1)
+            nursery.cancel_scope.cancel()
+    assert all((r.versions == 0).all() for r in first[1])
+    assert all((r.versions == 1).all() for r in second[0])
 
 
 # -- the stage service ------------------------------------------------------------------------
@@ -294,8 +432,9 @@ def batch_of(groups: int, n: int, length: int = 5) -> SampleBatch:
     return build_batch(items)
 
 
-async def test_the_reward_service_scores_every_sample_and_keeps_failed_ones_unscored():
-    service = RewardService(spec(sim_config("roles.reward.engine.latency_s={kind='fixed', value=0.001}"), "reward"))
+@pytest.mark.parametrize("latency", [0.0, 0.001])
+async def test_the_reward_service_scores_every_sample_and_keeps_failed_ones_unscored(latency):
+    service = RewardService(spec(sim_config(f"roles.reward.engine.latency_s={{kind='fixed', value={latency}}}"), "reward"))
     batch = batch_of(3, 4)
     failed = SampleFailure(index=5, stage=Stage.ROLLOUT_END, kind="engine_error", message="refused")
     batch = msgspec.structs.replace(batch, failures=[failed])
@@ -334,6 +473,66 @@ async def test_the_teacher_service_adds_a_log_probability_per_token():
     assert out.teacher_logprobs.dtype == "float32" and teacher.shape == (batch.n_tokens,)
     assert (teacher <= 0).all()
     assert [len(s.teacher_logprobs) for s in samples(out)] == [5] * 4
+
+
+# -- the trainer ---------------------------------------------------------------------------
+
+
+class HeldTrainer(SimTrainerEngine):
+    """The simulated trainer, but its first step ends when the test says so."""
+
+    def __init__(self, cfg, ctx):
+        super().__init__(cfg, ctx)
+        self.training, self.go = trio.Event(), trio.Event()
+
+    async def train(self, batch: SampleBatch) -> dict[str, float]:
+        self.training.set()
+        await self.go.wait()
+        return {"loss": 0.0}
+
+
+async def test_the_trainer_takes_groups_off_the_stream_while_a_step_trains(monkeypatch):
+    """Groups that arrive during a step wait in the trainer, not upstream; one
+    that is in the step being trained is a duplicate."""
+    config = sim_config("run.batch_size=2", "run.steps=2", "roles.trainer.engine.weights_bytes=4096")
+    engine: list[HeldTrainer] = []
+
+    async def make_engine(ctx):
+        engine.append(HeldTrainer(ctx.config.roles.trainer.engine, ctx))
+        return engine[0]
+
+    monkeypatch.setattr(trainer_service, "make_engine", make_engine)
+    groups = split(batch_of(4, 2))
+    async with transport.open_router(bind="tcp://127.0.0.1:0") as router:
+        service = trainer_service.TrainerService(spec(config, "trainer", transport.bound_address(router)))
+
+        async def next_of(kind):
+            while not isinstance(msg := (await router.recv())[1], kind):
+                pass
+            return msg
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.run)
+                identity, hello = await router.recv()
+                await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
+                                                    weights=hello.weights))
+                await next_of(Ready)
+                async with transport.open_push(connect=hello.endpoints["in"]) as upstream:
+                    for g in groups[:2]:
+                        await upstream.send(g)
+                    await engine[0].training.wait()
+                    for g in (groups[0], *groups[2:]):  # the first is in the step being trained
+                        await upstream.send(g)
+                    while len(service.buffer) < 2 or service.counters["duplicates"] < 1:
+                        await trio.sleep(0.01)
+                    assert not engine[0].go.is_set()  # all taken while the first step trains
+                    engine[0].go.set()
+                    assert (await next_of(StepDone)).acked == [0, 1]
+                    assert (await next_of(StepDone)).acked == [2, 3]
+                await router.send(identity, Shutdown(reason="done"))
+                await next_of(Bye)
+    assert service.counters["duplicates"] == 1 and service.counters["samples"] == 8
 
 
 # -- reward functions in the reward service ---------------------------------------------------

@@ -224,8 +224,8 @@ pool = "p"
             await nursery.start(vllm.run)
             vllm.submit(too_long, 0.0)
             vllm.submit(fine, 0.0)
-            async for group, responses in vllm.finished:
-                finished[group.group_id] = (group, responses)
+            async for done in vllm.finished:
+                finished.update((group.group_id, (group, responses)) for group, responses in done)
                 if len(finished) == 2:
                     break
             nursery.cancel_scope.cancel()

@@ -159,6 +159,8 @@ class GroupLedger:
         while self.next_group < self.limit:
             self._add(self.next_group)
             self.next_group += 1
+        if not self._queue:  # the common case (every rollout ack asks): nothing to count
+            return {}
         held = collections.Counter(
             g.owner for g in self.groups.values() if g.owner is not None and g.state is GroupState.GENERATING
         )

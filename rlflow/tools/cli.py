@@ -134,7 +134,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     return _foreground(config, run_dir, display=not args.no_display)
 
 
-#: Seconds between progress lines when the output is not a terminal.
+#: Seconds between progress lines when the output is not a terminal (and a line at each change of state).
 PROGRESS_EVERY_S = 5.0
 
 
@@ -166,13 +166,14 @@ def _foreground(config, run_dir: pathlib.Path, *, display: bool) -> int:
 
     console = Console(stderr=True)
     live = Live(console=console, refresh_per_second=4, transient=False) if display and console.is_terminal else None
-    last_line = [0.0]
+    last_line = [0.0, ""]  # when, and in which state, the last progress line was printed
 
     def on_status(status) -> None:
         if live is not None:
             live.update(render(status))
-        elif time.monotonic() - last_line[0] >= PROGRESS_EVERY_S:
-            last_line[0] = time.monotonic()
+        elif time.monotonic() - last_line[0] >= PROGRESS_EVERY_S or status.state != last_line[1]:
+            # Also at each change of state: a short run still says it ran.
+            last_line[:] = [time.monotonic(), status.state]
             print(progress_line(status), file=sys.stderr, flush=True)
 
     print(f"[rlflow] run dir {run_dir}", file=sys.stderr)

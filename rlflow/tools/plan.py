@@ -12,16 +12,18 @@ between rollout and trainer, and of the colocated layout (all devices
 generate, then all train, synchronously), ranks them, and prints the pools
 section of the best one.
 
-`simulate` is also what `bench/longtail.py` uses for its overlap bound's
-sanity check, and what a test holds against real runs.
+`simulate` is also what `bench/plan.py` and `bench/longtail.py --scale`
+hold against measured runs.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import json
 import math
 import pathlib
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,13 +72,16 @@ class Prediction:
     reissued: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     group: int
     length: int
     min_version: int
-    remaining: int = 0
+    end: int = 0
+    """The decode step after which it is done."""
     first_version: int = 0
+    admitted: int = 0
+    """When it first took a slot (its place among the active ones)."""
 
 
 def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int = 20, *,
@@ -85,6 +90,9 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
 
     Colocated: every device generates, then every device trains, with a
     barrier between steps (synchronous).
+
+    Sequences are kept in a heap by the decode step at which they end, so an
+    event costs O(log slots): thousands of slots model in seconds.
     """
     rng = np.random.default_rng(seed)
     lengths = np.asarray(w.lengths)
@@ -97,9 +105,12 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
         return w.step_s + w.step_s_per_seq * active
 
     now = 0.0
+    decoded = 0  # decode steps so far
     rollout_version = trainer_version = steps_done = next_group = reissued = 0
-    pending: list[_Seq] = []  # submitted requests waiting for a slot, in order
-    active: list[_Seq] = []
+    pending: deque[_Seq] = deque()  # submitted requests waiting for a slot, in order
+    active: set[_Seq] = set()
+    ends: list[tuple[int, int, _Seq]] = []  # (end step, tie-break, sequence), stale entries included
+    ties = itertools.count()
     left: dict[int, int] = {}
     tokens_of: dict[int, int] = {}
     first_of: dict[int, int] = {}
@@ -109,6 +120,18 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
     trainer_busy = slot_time = 0.0
     training, train_end = False, math.inf
     step_ends: list[float] = []
+
+    def start(seq: _Seq, length: int) -> None:
+        seq.end = decoded + length
+        active.add(seq)
+        heapq.heappush(ends, (seq.end, next(ties), seq))
+
+    def next_end() -> int:
+        while True:
+            end, _, seq = ends[0]
+            if seq in active and seq.end == end:
+                return end
+            heapq.heappop(ends)
 
     def submit(group: int, min_version: int) -> None:
         left[group], tokens_of[group], first_of[group] = n, 0, 1 << 30
@@ -124,23 +147,21 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
 
     def admit() -> None:
         while pending and len(active) < slots and pending[0].min_version <= rollout_version:
-            seq = pending.pop(0)
-            seq.remaining, seq.first_version = seq.length, rollout_version
-            active.append(seq)
+            seq = pending.popleft()
+            seq.first_version, seq.admitted = rollout_version, next(ties)
+            start(seq, seq.length)
 
     grant()
     admit()
     while steps_done < steps:
-        t_seq = now + min(q.remaining for q in active) * step_time(len(active)) if active else math.inf
+        t_seq = now + (next_end() - decoded) * step_time(len(active)) if active else math.inf
         t_next = min(t_seq, ready[0][0] if ready else math.inf, train_end if training else math.inf,
                      updates[0][0] if updates else math.inf)
         if t_next == math.inf:
             raise RuntimeError("the modelled pipeline stalled")
         if active:
-            advanced = int((t_next - now) / step_time(len(active)) + 1e-9)
+            decoded += int((t_next - now) / step_time(len(active)) + 1e-9)
             slot_time += len(active) * (t_next - now)
-            for q in active:
-                q.remaining -= advanced
         now = t_next
         while updates and updates[0][0] <= now:
             _, version = heapq.heappop(updates)
@@ -150,26 +171,30 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
             if w.strict:
                 doomed = {q.group for q in active if rollout_version - q.first_version > k}
                 doomed |= {g for g, first in first_of.items() if left.get(g, 0) > 0 and rollout_version - first > k}
-            for q in active:
+            for q in sorted(active, key=lambda q: q.admitted) if doomed else ():
                 if q.group in doomed:
-                    q.length = q.remaining = int(rng.choice(lengths))
+                    q.length = int(rng.choice(lengths))
                     q.first_version = rollout_version
+                    start(q, q.length)
             for group in doomed:
                 done = n - left[group] - sum(1 for q in pending if q.group == group) - sum(1 for q in active if q.group == group)
                 for _ in range(max(done, 0)):
-                    pending.insert(0, _Seq(group, int(rng.choice(lengths)), 0))
+                    pending.appendleft(_Seq(group, int(rng.choice(lengths)), 0))
                 left[group] = n
                 tokens_of[group] = 0
                 first_of[group] = 1 << 30
-        finished = [q for q in active if q.remaining <= 0]
-        if finished:
-            active = [q for q in active if q.remaining > 0]
-            for q in finished:
-                left[q.group] -= 1
-                tokens_of[q.group] += q.length
-                first_of[q.group] = min(first_of[q.group], q.first_version)
-                if left[q.group] == 0:
-                    heapq.heappush(ready, (now + w.reward_s, q.group))
+        finished = []
+        while ends and ends[0][0] <= decoded:
+            end, _, q = heapq.heappop(ends)
+            if q in active and q.end == end:
+                active.remove(q)
+                finished.append(q)
+        for q in finished:
+            left[q.group] -= 1
+            tokens_of[q.group] += q.length
+            first_of[q.group] = min(first_of[q.group], q.first_version)
+            if left[q.group] == 0:
+                heapq.heappush(ready, (now + w.reward_s, q.group))
         while ready and ready[0][0] <= now:
             buffer.append(heapq.heappop(ready)[1])
         if training and now >= train_end:
@@ -180,18 +205,18 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
             heapq.heappush(updates, (now + w.update_s, trainer_version))
             grant()
         if not training:
-            # Strict: the trainer drops what has passed the bound (reissued).
-            # It takes the oldest first.
-            for group in [g for g in buffer if w.strict and trainer_version - first_of[g] > k]:
-                buffer.remove(group)
-                reissued += 1
-                submit(group, max(0, trainer_version - k))
-            buffer.sort(key=lambda g: first_of[g])
-        if not training and len(buffer) >= B:
-            taken, buffer = buffer[:B], buffer[B:]
-            duration = w.step_overhead_s + s_per_token * sum(tokens_of[g] for g in taken)
-            training, train_end = True, now + duration
-            trainer_busy += duration
+            if w.strict:
+                # The trainer drops what has passed the bound (reissued).
+                for group in [g for g in buffer if trainer_version - first_of[g] > k]:
+                    buffer.remove(group)
+                    reissued += 1
+                    submit(group, max(0, trainer_version - k))
+            if len(buffer) >= B:
+                buffer.sort(key=lambda g: first_of[g])  # the oldest first
+                taken, buffer = buffer[:B], buffer[B:]
+                duration = w.step_overhead_s + s_per_token * sum(tokens_of[g] for g in taken)
+                training, train_end = True, now + duration
+                trainer_busy += duration
         admit()
     warm = min(3, max(len(step_ends) - 2, 0))
     measured = len(step_ends) - 1 - warm
@@ -245,20 +270,17 @@ def workload_from_run(run_dir: str | pathlib.Path) -> tuple[Workload, int, int]:
     if not lengths:  # no per-sample record: every response of the mean length
         lengths = [max(1, round(tokens / max(sum(r.samples for r in rows), 1)))]
     counters: dict[str, float] = {}
-    busy_s = 0.0
     for file in sorted(folder.traces.glob("rollout-*.json")):
-        trace = json.loads(file.read_text())
-        for key, value in trace.get("counters", {}).items():
+        for key, value in json.loads(file.read_text()).get("counters", {}).items():
             counters[key] = counters.get(key, 0.0) + value
-        events = trace.get("events", [])
-        busy_s += sum(b[0] - a[0] for a, b in zip(events, events[1:]) if a[1] == "busy")
     if isinstance(rollout.engine, SimRollout):
         slots = rollout.engine.slots * rollout.replicas
         step_s, per_seq = rollout.engine.step_s, rollout.engine.step_s_per_seq
-        if busy_s and counters.get("tokens"):
-            # What the engine really did while busy, its own overheads
-            # included: the decode step that gives its measured tokens/s.
-            step_s, per_seq = slots * busy_s / (rollout.replicas * counters["tokens"]), 0.0
+        if counters.get("slot_s") and counters.get("tokens"):
+            # What the engine really did: seconds a slot spent per token it
+            # generated (its busy time would also count slots left empty
+            # while the last sequences of the run drain).
+            step_s, per_seq = counters["slot_s"] / counters["tokens"], 0.0
     else:
         # A real engine: its measured tokens per busy second at its batch size.
         slots = getattr(rollout.engine, "max_num_seqs", 64) * rollout.replicas

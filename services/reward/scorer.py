@@ -1,7 +1,9 @@
 """Scoring a batch: the reward engines' work, for the reward service (and
 for a rollout that scores in line, `roles.reward.inline`).
 
-Per sample and concurrent (up to the engine's `concurrency` samples). A
+Per sample and concurrent (up to the engine's `concurrency` samples); a
+simulated score that takes no time is computed in place, without a task of
+its own, and the simulated latencies are drawn once per batch. A
 sample whose scoring fails keeps its row, gets NaN as its reward and an
 entry in the batch's `failures` naming the function and why.
 """
@@ -12,7 +14,6 @@ import time
 from collections import Counter
 from typing import Any
 
-import msgspec
 import numpy as np
 import trio
 
@@ -40,42 +41,75 @@ class Scorer:
         rewards = np.full(len(rows), np.nan, dtype=np.float32)
         details: dict[str, np.ndarray] = {}
         failures: list[SampleFailure] = []
+        delays = self.delays(len(rows))
 
-        async def one(i: int) -> None:
-            async with self.limiter:
-                try:
-                    value, parts = await self.score_one(rows[i])
-                except ScoringFailed as exc:  # per-sample: recorded in-band, the service goes on
-                    failures.append(SampleFailure(index=i, stage=Stage.REWARD_END, kind=exc.kind, message=exc.message))
-                    return
-                except Exception as exc:  # the task's own verifier, which raises
-                    failures.append(SampleFailure(index=i, stage=Stage.REWARD_END, kind=type(exc).__name__,
-                                                  message=str(exc)[:200]))
-                    return
+        def scored(i: int, value: float, parts: dict[str, float]) -> None:
             rewards[i] = value
             for key, part in parts.items():
-                details.setdefault(key, np.full(len(rows), np.nan, dtype=np.float32))[i] = part
+                if key not in details:
+                    details[key] = np.full(len(rows), np.nan, dtype=np.float32)
+                details[key][i] = part
+
+        def failed(i: int, exc: Exception) -> None:  # per-sample: recorded in-band, the service goes on
+            if isinstance(exc, ScoringFailed):
+                failures.append(SampleFailure(index=i, stage=Stage.REWARD_END, kind=exc.kind, message=exc.message))
+            else:  # the task's own verifier, which raises
+                failures.append(SampleFailure(index=i, stage=Stage.REWARD_END, kind=type(exc).__name__,
+                                              message=str(exc)[:200]))
+
+        async def one(i: int, delay: float | None) -> None:
+            async with self.limiter:
+                try:
+                    value, parts = await self.score_one(rows[i], delay)
+                except Exception as exc:
+                    failed(i, exc)
+                    return
+            scored(i, value, parts)
 
         failed_before = {f.index for f in batch.failures}  # e.g. a request the engine could not generate
         async with trio.open_nursery() as nursery:
             for i in range(len(rows)):
-                if i not in failed_before:
-                    nursery.start_soon(one, i)
+                if i in failed_before:
+                    continue
+                delay = None if delays is None else float(delays[i])
+                if delay is not None and delay <= 0:
+                    # A simulated score that takes no time needs no task of
+                    # its own (at scale, thousands of samples a second).
+                    try:
+                        value, parts = self.task.score(rows[i].group, rows[i].index, rows[i].response_ids)
+                    except Exception as exc:
+                        failed(i, exc)
+                        continue
+                    scored(i, value, parts)
+                else:
+                    nursery.start_soon(one, i, delay)
         failures.sort(key=lambda f: f.index)
         self.counters["scored_samples"] += len(rows) - len(failed_before)
         self.counters["failed_samples"] += len(failures)
-        scored = msgspec.structs.replace(
+        out = stamp(
             batch,
+            Stage.REWARD_END,
+            time.time(),
             rewards=Tensor.from_numpy(rewards),
             reward_details={k: Tensor.from_numpy(v) for k, v in sorted(details.items())},
             failures=[*batch.failures, *failures],
         )
-        return stamp(scored, Stage.REWARD_END, time.time()), failures
+        return out, failures
 
-    async def score_one(self, row: SampleView) -> tuple[float, dict[str, float]]:
+    def delays(self, n: int) -> np.ndarray | None:
+        """The simulated reward's latency for each of `n` samples, drawn at
+        once (None: not the simulated reward)."""
         match self.engine:
             case SimReward(latency_s=latency):
-                delay = draw(latency, self.rng)
+                return draw(latency, self.rng, n)
+        return None
+
+    async def score_one(self, row: SampleView, delay: float | None = None) -> tuple[float, dict[str, float]]:
+        """One row's reward and its parts (`delay`: the simulated reward's latency)."""
+        match self.engine:
+            case SimReward(latency_s=latency):
+                if delay is None:
+                    delay = draw(latency, self.rng)
                 if delay > 0:
                     await trio.sleep(delay)
                 return self.task.score(row.group, row.index, row.response_ids)

@@ -1,7 +1,8 @@
 """The reward service: scores every response of a batch and passes it on.
 
 Scoring is per sample and concurrent (up to the engine's `concurrency`
-samples per replica). Three engines: the simulated one, the task's own
+samples per replica; a simulated score that takes no time is computed in
+place, without a task of its own). Three engines: the simulated one, the task's own
 verifier (`task`, e.g. the arithmetic default's answer check, in worker
 threads), and reward functions named by import path (`functions`, in
 worker processes that are killed when a call overruns; see

@@ -4,7 +4,8 @@ engine is chosen from the config.
 An engine gets an `EngineContext` (config, rank, clock, counters), never the
 service. It generates the groups it is given with continuous batching and
 hands each finished group, with one `Response` per sample, to the service
-through its `finished` channel. Weights reach it between two of its steps.
+through its `finished` channel, together with any others that finished at
+the same time. Weights reach it between two of its steps.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ class RolloutEngine(Protocol):
 
     version: int
     """The policy version of the weights it generates with."""
-    finished: trio.MemoryReceiveChannel[Finished]
-    """Each group, the moment its last sample is done."""
+    finished: trio.MemoryReceiveChannel[list[Finished]]
+    """Each group, the moment its last sample is done (with the others done by then)."""
     eval_concurrency: int
     """Held-out prompts to have in flight at once."""
 

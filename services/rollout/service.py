@@ -4,7 +4,9 @@ finished groups to the next role.
 Its loop: credits arrive on the control channel -> the task makes each
 group's prompt -> the engine generates `n` responses per prompt with
 continuous batching -> each group is sent on the moment its last response
-finishes, as one columnar `SampleBatch`. Weight updates arrive while
+finishes, as one columnar `SampleBatch` with every other group finished by
+then (one message and one acknowledgement however many: when this process
+is behind, it catches up in fewer, larger messages). Weight updates arrive while
 requests are in flight; the engine applies them between two decode steps and
 tags later tokens with the new version.
 """
@@ -33,9 +35,10 @@ from rlflow.protocol import (
     UpdateWeights,
     WeightsLoaded,
     build_batch,
+    concat,
 )
 from rlflow.services.base import Control, Service, follow
-from rlflow.services.rollout.engine import RolloutEngine, make_engine
+from rlflow.services.rollout.engine import Finished, RolloutEngine, make_engine
 from rlflow.errors import WeightGroupBroken
 
 
@@ -133,20 +136,33 @@ class RolloutService(Service):
         engine.inline = inline
 
     async def send_finished(self, out: transport.Push, control: Control) -> None:
-        """Send each finished group on, and tell the controller it left."""
-        async for group, responses in self.engine.finished:
-            batch = self._scored.pop(group.group_id, None) or build_batch([(group, responses)])
+        """Send finished groups on, and tell the controller they left."""
+        async for finished in self.engine.finished:
+            while True:  # and whatever else has finished by now
+                try:
+                    finished += self.engine.finished.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            batch = self._batch(finished)
             await out.send(batch)
-            self.counters["groups"] += 1
-            self.counters["samples"] += len(responses)
+            self.counters["groups"] += len(finished)
+            self.counters["samples"] += batch.n_samples
             self.counters["tokens"] += batch.n_tokens
             self.counters["failed_samples"] += len(batch.failures)
             self.counters["bytes_out"] = out.bytes_sent
-            await control.send(Ack(stage=Stage.ROLLOUT_END, group_ids=[group.group_id]))
+            await control.send(Ack(stage=Stage.ROLLOUT_END, group_ids=batch.group_ids))
+
+    def _batch(self, finished: list[Finished]) -> SampleBatch:
+        """One batch of finished groups; those scored in line as scored."""
+        if not self._scored:
+            return build_batch(finished)
+        return concat([self._scored.pop(group.group_id, None) or build_batch([(group, responses)])
+                       for group, responses in finished])
 
     async def apply_updates(self, control: Control) -> None:
         """Load each version the controller asks for, in order (a newer order
-        replaces one not yet started)."""
+        replaces one not yet started); say at once if it is held already (an
+        earlier fetch may have brought a newer version than it asked for)."""
         while True:
             await self._update.wait()
             self._update = trio.Event()

@@ -425,7 +425,7 @@ class VllmEngine:
                 del self.running[group_id]
                 item.scope = None
             self._wake.set()
-        await self._send.send((item.group, responses))
+        await self._send.send([(item.group, responses)])
 
     async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
         """One answer to `prompt_ids` (for evaluation: not a training sample)."""

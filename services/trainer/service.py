@@ -9,6 +9,9 @@ share; train on its own (in lock step with the others); publish policy
 version v+1 and tell the controller (`WeightsReady`), then acknowledge the
 step's groups (`StepDone`). It never waits for the rollout to load the new
 weights: every rank sends them when the controller says so (`SendWeights`).
+Groups are taken off the stream the moment they arrive, also while a step
+trains, so that a training step never holds up the roles upstream (the
+credits bound how many can be outstanding).
 
 The other ranks (a trainer of several replicas) have no stream of their
 own: their loop takes each step's share from rank 0, trains, publishes and
@@ -24,7 +27,6 @@ import json
 import time
 from collections.abc import Iterable
 
-import msgspec
 import numpy as np
 import trio
 from rlflow.protocol import (
@@ -37,12 +39,12 @@ from rlflow.protocol import (
     Shutdown,
     Stage,
     StepDone,
-    Tensor,
     WeightsGroup,
     WeightsReady,
     WeightsZmq,
     concat,
     split,
+    stamp,
     take,
 )
 from rlflow.services.base import Control, Service, bind_host
@@ -60,6 +62,11 @@ class TrainerService(Service):
         self.step = 0
         self.acked = GroupIds()
         self.buffer: list[SampleBatch] = []
+        #: Ids of the groups in `buffer` or in the step being trained: one that arrives again meanwhile is a duplicate.
+        self._held: set[int] = set()
+        #: Group id -> the policy version of its oldest token, for the groups held that have tokens.
+        self._first: dict[int, int] = {}
+        self._arrived = trio.Event()
         self.engine: TrainerEngine | None = None
         self._nbytes = 0
 
@@ -100,6 +107,7 @@ class TrainerService(Service):
                 nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
                 nursery.start_soon(self.send_weights, to_send, control)
                 if self.lead:
+                    nursery.start_soon(self.receive, inbox, control)
                     nursery.start_soon(self.train, inbox, welcome.peers.get("shares", []), control)
                 else:
                     nursery.start_soon(self.follow, inbox)
@@ -139,8 +147,10 @@ class TrainerService(Service):
             while self.step < run.steps:
                 groups = await self.collect(inbox, control, run.batch_size)
                 batch = concat(groups)
-                staleness = self.version - batch.versions.numpy()
-                self._record_lengths(groups)
+                versions = batch.versions.numpy()
+                # Versions behind the trainer's, per token (from the extremes: no array as long as the batch).
+                staleness = (self.version - versions.mean(), self.version - versions.min()) if versions.size else (0.0, 0.0)
+                self._record_lengths(batch, [self._oldest(g) for g in groups])
                 with self.clock.state("busy"):
                     started = time.monotonic()
                     stats, parts = await self.engine.deal(batch)
@@ -155,12 +165,13 @@ class TrainerService(Service):
                 rewards = batch.rewards.numpy() if batch.rewards is not None else np.zeros(0)
                 ids = batch.group_ids
                 self.acked.update(ids)
+                self._release(ids)
                 metrics.update(
                     samples=float(batch.n_samples),
                     tokens=float(batch.n_tokens),
                     reward_mean=float(np.nanmean(rewards)) if rewards.size else float("nan"),
-                    staleness_mean=float(staleness.mean()) if staleness.size else 0.0,
-                    staleness_max=float(staleness.max()) if staleness.size else 0.0,
+                    staleness_mean=float(staleness[0]),
+                    staleness_max=float(staleness[1]),
                 )
                 self.counters["samples"] += batch.n_samples
                 self.counters["tokens"] += batch.n_tokens
@@ -221,7 +232,7 @@ class TrainerService(Service):
         kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
         path.write_text("".join(line + "\n" for line in kept))
 
-    def _record_lengths(self, groups: list[SampleBatch]) -> None:
+    def _record_lengths(self, batch: SampleBatch, oldest: list[int]) -> None:
         """Per step: the response lengths (for `rlflow plan` to replay) and,
         per group, its id and the oldest policy version of its tokens."""
         if self.run_dir is None:
@@ -230,39 +241,50 @@ class TrainerService(Service):
         path.parent.mkdir(parents=True, exist_ok=True)
         record = {
             "step": self.step,
-            "lengths": [int(n) for g in groups for n in np.diff(g.response_offsets.numpy())],
-            "groups": [g.groups[0].group_id for g in groups],
-            "oldest": [self._oldest(g) for g in groups],
+            "lengths": np.diff(batch.response_offsets.numpy()).tolist(),
+            "groups": batch.group_ids,
+            "oldest": oldest,
         }
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    async def receive(self, inbox: transport.Pull, control: Control) -> None:
+        """Add every group to the buffer as it arrives."""
+        async for msg in inbox:
+            await self._accept(msg, control)
+            self._arrived.set()
+
     async def collect(self, inbox: transport.Pull, control: Control, want: int) -> list[SampleBatch]:
         """The next `want` groups fit to train on, oldest policy first.
 
-        Everything already delivered is taken off the stream, so that the
-        groups closest to the staleness bound are trained on before they
-        pass it. With `staleness_check = "strict"`, groups that have passed
-        it are dropped and reported for reissue (also those that waited here
+        Everything already delivered is in the buffer, so that the groups
+        closest to the staleness bound are trained on before they pass it.
+        With `staleness_check = "strict"`, groups that have passed it are
+        dropped and reported for reissue (also those that waited here
         across a step).
         """
         while True:
+            while (msg := inbox.recv_nowait()) is not None:  # what `receive` has not got to yet
+                await self._accept(msg, control)
             await self._drop_stale(control)
             if len(self.buffer) >= want:
-                msg = inbox.recv_nowait()
-                if msg is None:
-                    break
-            else:
-                with self.clock.state("starved"):
-                    msg = await inbox.recv()
-            await self._accept(msg, control)
+                break
+            self._arrived = trio.Event()
+            with self.clock.state("starved"):
+                await self._arrived.wait()
         self.buffer.sort(key=self._oldest)
         taken, self.buffer = self.buffer[:want], self.buffer[want:]
         return taken
 
     def _oldest(self, group: SampleBatch) -> int:
         """The policy version of a group's oldest token."""
-        return int(group.versions.numpy().min()) if group.n_tokens else self.version
+        return self._first.get(group.groups[0].group_id, self.version)
+
+    def _release(self, group_ids: list[int]) -> None:
+        """These groups are no longer held (trained on, or dropped)."""
+        self._held.difference_update(group_ids)
+        for group_id in group_ids:
+            self._first.pop(group_id, None)
 
     async def _drop_stale(self, control: Control) -> None:
         """Strict check: drop buffered groups past the bound, for reissue."""
@@ -273,6 +295,7 @@ class TrainerService(Service):
         for group in self.buffer:
             (expired if too_stale(self._oldest(group), self.version, k) else keep).append(group)
         self.buffer = keep
+        self._release([g.groups[0].group_id for g in expired])
         if expired:
             self.counters["stale_groups"] += len(expired)
             await control.send(Expired(group_ids=[g.groups[0].group_id for g in expired], reason="stale"))
@@ -282,12 +305,11 @@ class TrainerService(Service):
         msg = self.checked_batch(msg)
         if msg is None:
             return
-        now = time.time()
         failed_groups: list[int] = []
         received: list[int] = []
-        for group in split(msg):
+        for group in split(stamp(msg, Stage.TRAINER_RECEIVED, time.time())):
             group_id = group.groups[0].group_id
-            if group_id in self.acked or any(b.groups[0].group_id == group_id for b in self.buffer):
+            if group_id in self.acked or group_id in self._held:
                 self.counters["duplicates"] += 1
                 continue
             failed = {f.index for f in group.failures}
@@ -297,9 +319,10 @@ class TrainerService(Service):
             if group.n_samples == 0:
                 failed_groups.append(group_id)
                 continue
-            stamps = group.stamps.numpy().copy()
-            stamps[:, Stage.TRAINER_RECEIVED] = now
-            self.buffer.append(msgspec.structs.replace(group, stamps=Tensor.from_numpy(stamps)))
+            self.buffer.append(group)
+            self._held.add(group_id)
+            if group.n_tokens:
+                self._first[group_id] = int(group.versions.numpy().min())
             received.append(group_id)
         if failed_groups:
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed"))
