@@ -168,10 +168,15 @@ class NcclGroup:
     hosts the rendezvous and sends. Creating it blocks until every receiver's
     workers have joined."""
 
-    def __init__(self, transfer: WeightsNccl):
+    def __init__(self, transfer: WeightsNccl, device: torch.device | None = None):
+        """`device`: the trainer's GPU (None: the current one). CUDA's current
+        device is a per-thread setting, and both this and `send` run on
+        worker threads, so it is named here and made current for each call."""
         self.chunk_bytes = nccl_chunk_bytes(transfer)
-        self._communicator: Any = compat.nccl_trainer_endpoint(transfer.host, transfer.port,
-                                                               nccl_ranks(transfer).world)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+        with torch.cuda.device(self.device):
+            self._communicator: Any = compat.nccl_trainer_endpoint(transfer.host, transfer.port,
+                                                                   nccl_ranks(transfer).world)
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Broadcast every (name, CUDA tensor) in order, in vLLM's packed
@@ -179,7 +184,8 @@ class NcclGroup:
         communicator = self._communicator
         if communicator is None:
             raise RuntimeError("the weight group was let go of")
-        compat.nccl_send_packed(communicator, named, self.chunk_bytes, NCCL_BUFFERS)
+        with torch.cuda.device(self.device):
+            compat.nccl_send_packed(communicator, named, self.chunk_bytes, NCCL_BUFFERS)
 
     def close(self) -> None:
         """Let go of the communicator."""

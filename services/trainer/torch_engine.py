@@ -450,7 +450,7 @@ class TorchTrainerEngine:
             raise ValueError(f"the torch trainer on {self.ranks.device.type} sends weights as {offered.__name__}; "
                              f"the controller asks for {transfer!r}")
         if isinstance(transfer, WeightsNccl):
-            self.group = await trio.to_thread.run_sync(NcclGroup, transfer)
+            self.group = await trio.to_thread.run_sync(NcclGroup, transfer, self.ranks.device)
         else:
             self.group = await trio.to_thread.run_sync(GlooGroup, transfer.host, transfer.port, 0, transfer.world_size)
 
