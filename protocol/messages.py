@@ -242,7 +242,7 @@ class _Collective(Record):
     port: NonNegInt
     """TCP port of the rendezvous store."""
     world_size: NonNegInt = 0
-    """Processes in the group: the trainer and every receiver (0 in the trainer's offer: not known yet)."""
+    """Members of the group: the trainer and every receiver (0 in the trainer's offer: not known yet)."""
     rank: NonNegInt = 0
     """The addressee's rank in the group (0: the trainer)."""
     nbytes: NonNegInt = 0
@@ -263,7 +263,13 @@ class WeightsGloo(_Collective, tag=2):
 
 
 class WeightsNccl(_Collective, tag=3):
-    """As `WeightsGloo`, over NCCL between GPUs (vLLM's weight-transfer engine on the receivers)."""
+    """Weights are broadcast over NCCL between GPUs, as vLLM's "nccl" weight-transfer
+    backend receives them (see SPEC.md, *Weights*): trainer rank 0 is NCCL rank 0 and
+    hosts the rendezvous at `host`:`port`; `rank` and `world_size` count members (the
+    trainer and each receiver), and each receiver takes `ranks_per_receiver` NCCL ranks."""
+
+    ranks_per_receiver: Annotated[int, Meta(ge=1)] = 1
+    """NCCL ranks of each receiver: its tensor-parallel workers (the same for every receiver)."""
 
 
 #: How weights move from the trainer to the replicas that load them.

@@ -98,6 +98,27 @@ def register_weight_transfer(name: str, engine_cls: type) -> None:
         WeightTransferEngineFactory.register_engine(name, engine_cls)
 
 
+def nccl_trainer_endpoint(host: str, port: int, world_size: int) -> Any:
+    """NCCL rank 0 of a weight group that vLLM's `nccl` weight-transfer backend
+    joins (vLLM's trainer-side helper: a `StatelessProcessGroup` rendezvous at
+    host:port, hosted here, and a `PyNcclCommunicator` on the current CUDA
+    device); blocks until every rank has joined."""
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+
+    return trainer_init({"master_address": host, "master_port": port, "world_size": world_size}, rank=0)
+
+
+def nccl_send_packed(communicator: Any, named: Any, chunk_bytes: int, num_buffers: int) -> None:
+    """Broadcast (name, CUDA tensor) pairs from NCCL rank 0 as vLLM's packed
+    chunks (what its `nccl` backend's receivers unpack), packing the next chunk
+    while the last is sent."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer
+
+    packed_nccl_broadcast_producer(iterator=iter(named), group=communicator, src=0,
+                                   post_iter_func=lambda item: item[1], buffer_size_bytes=chunk_bytes,
+                                   num_buffers=num_buffers)
+
+
 def begin_reload(model: Any) -> None:
     """Get `model` ready to load new weights layer by layer (plain
     `load_weights` fails on CPU, whose linear layers repack their weights)."""
@@ -142,6 +163,10 @@ _VLLM_INTERNALS = (
     ("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding"),
     ("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod"),
     ("vllm.platforms", "current_platform"),
+    ("vllm.distributed.weight_transfer.nccl_common", "trainer_init"),
+    ("vllm.distributed.weight_transfer.nccl_common", "NCCLWeightTransferInitInfo"),
+    ("vllm.distributed.weight_transfer.nccl_engine", "NCCLWeightTransferUpdateInfo"),
+    ("vllm.distributed.weight_transfer.packed_tensor", "packed_nccl_broadcast_producer"),
 )
 _TORCH_INTERNALS = (
     ("torch.distributed", "ProcessGroupGloo._Options"),

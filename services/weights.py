@@ -7,8 +7,13 @@ layout: name, dtype, shape, byte offset of each, fixed for a model and sent
 once, as `ParamSpec`s); the buffer is broadcast in pieces of at most
 `bucket_bytes` cut at parameter boundaries (`pieces`, as SPEC.md says), so
 that neither side ever holds more than a piece or two of it. Each rollout
-replica receives piece after piece and loads the views. On GPU, vLLM's NCCL
-engine does the same over NCCL (see `rlflow.services.rollout.vllm_engine`).
+replica receives piece after piece and loads the views.
+
+On GPU the weights travel over NCCL as vLLM's own `nccl` weight-transfer
+backend receives them (`NcclGroup` here, rank 0; vLLM's engine on every
+rollout worker): each receiver is as many NCCL ranks as it has
+tensor-parallel workers (`nccl_ranks`), and the parameters go in vLLM's
+packed chunks rather than rlflow's pieces (SPEC.md, *Weights*).
 """
 
 from __future__ import annotations
@@ -16,11 +21,11 @@ from __future__ import annotations
 import datetime
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from rlflow.protocol import ParamSpec
+from rlflow.protocol import ParamSpec, WeightsNccl
 from rlflow.services import compat
 
 from rlflow.data.net import local_address
@@ -128,3 +133,62 @@ class GlooGroup:
         broadcast with this rank return with an error."""
         self._group = None
         self._store = None
+
+
+#: Chunks vLLM's packed NCCL transfer keeps in flight (both ends must agree).
+NCCL_BUFFERS = 2
+
+
+class NcclRanks(NamedTuple):
+    """Where a member of a `WeightsNccl` group sits among the NCCL ranks."""
+
+    world: int
+    """NCCL ranks in the group: the trainer's one and every receiver's workers."""
+    offset: int
+    """The member's first NCCL rank (0: the trainer); its tensor-parallel worker r is offset + r."""
+
+
+def nccl_ranks(transfer: WeightsNccl) -> NcclRanks:
+    """The NCCL ranks of `transfer`'s addressee (its `rank` and `world_size`
+    count members; each receiver has `ranks_per_receiver` workers)."""
+    per = transfer.ranks_per_receiver
+    world = 1 + max(transfer.world_size - 1, 0) * per
+    offset = 0 if transfer.rank == 0 else 1 + (transfer.rank - 1) * per
+    return NcclRanks(world, offset)
+
+
+def nccl_chunk_bytes(transfer: WeightsNccl) -> int:
+    """The size of vLLM's packed chunks for `transfer`: its `bucket_bytes`, or
+    (0) the whole update in one."""
+    return transfer.bucket_bytes or max(transfer.nbytes, 1)
+
+
+class NcclGroup:
+    """NCCL rank 0 of a `WeightsNccl` group, on this process's CUDA device:
+    hosts the rendezvous and sends. Creating it blocks until every receiver's
+    workers have joined."""
+
+    def __init__(self, transfer: WeightsNccl, device: torch.device | None = None):
+        """`device`: the trainer's GPU (None: the current one). CUDA's current
+        device is a per-thread setting, and both this and `send` run on
+        worker threads, so it is named here and made current for each call."""
+        self.chunk_bytes = nccl_chunk_bytes(transfer)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+        with torch.cuda.device(self.device):
+            self._communicator: Any = compat.nccl_trainer_endpoint(transfer.host, transfer.port,
+                                                                   nccl_ranks(transfer).world)
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Broadcast every (name, CUDA tensor) in order, in vLLM's packed
+        chunks; returns once the last chunk has left (blocking)."""
+        communicator = self._communicator
+        if communicator is None:
+            raise RuntimeError("the weight group was let go of")
+        with torch.cuda.device(self.device):
+            compat.nccl_send_packed(communicator, named, self.chunk_bytes, NCCL_BUFFERS)
+
+    def close(self) -> None:
+        """Let go of the communicator."""
+        communicator, self._communicator = self._communicator, None
+        if communicator is not None:
+            communicator.destroy()

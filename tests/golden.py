@@ -49,6 +49,7 @@ from rlflow.protocol import (
     UpdateWeights,
     WeightsLoaded,
     WeightsGloo,
+    WeightsNccl,
     WeightsGroup,
     WeightsPayload,
     WeightsReady,
@@ -156,6 +157,11 @@ def examples() -> dict[str, object]:
         "SendWeights.buckets": SendWeights(
             version=7,
             transfer=WeightsGloo(host="10.0.0.2", port=29501, world_size=3, nbytes=4096, generation=2, bucket_bytes=1024),
+        ),
+        "SendWeights.nccl": SendWeights(
+            version=8,
+            transfer=WeightsNccl(host="10.0.0.2", port=29502, world_size=3, nbytes=4096, generation=3,
+                                 bucket_bytes=1024, ranks_per_receiver=2),
         ),
         "WeightsRequest": WeightsRequest(version=5),
         "WeightsPayload": WeightsPayload(

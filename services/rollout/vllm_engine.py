@@ -13,8 +13,12 @@ failed samples in the batch (`FinishReason.ERROR`), and the engine goes on.
 
 Weights, on CPU: a gloo process group with the trainer, received by
 rlflow's own weight-transfer backend inside vLLM's engine-core process
-(`vllm_worker`). An update pauses the engine with its requests kept,
-receives the flat buffer piece by piece and loads it, and resumes: requests in flight go on
+(`vllm_worker`). On CUDA: vLLM's own `nccl` backend, every worker of every
+replica in one NCCL group with the trainer's rank 0 (`WeightsNccl`; each
+tensor-parallel worker its own rank). Which one is chosen when the engine
+starts, by its platform; the trainer's offer must match. An update pauses
+the engine with its requests kept, receives the weights piece by piece (or
+vLLM's packed chunks) and loads them, and resumes: requests in flight go on
 over their KV cache (or recompute it under the new weights,
 ``kv_on_update = "recompute"``) and their later tokens carry the new version.
 
@@ -38,11 +42,17 @@ import trio
 
 from rlflow.algo.staleness import too_stale
 from rlflow.config import VllmRollout
-from rlflow.protocol import FinishReason, ParamSpec, PromptGroup, Response, Stage, WeightsGloo, WeightTransfer
+from rlflow.protocol import (
+    FinishReason, ParamSpec, PromptGroup, Response, Stage, WeightsGloo, WeightsNccl, WeightTransfer
+)
 from rlflow.protocol.batch import N_STAGES
 from rlflow.services.base import EngineContext, cpu_ranges
 from rlflow.errors import WeightGroupBroken
 from rlflow.services.rollout.vllm_worker import BACKEND
+from rlflow.services.weights import NCCL_BUFFERS, nccl_chunk_bytes, nccl_ranks
+
+#: vLLM's own weight-transfer backend over NCCL (CUDA).
+NCCL = "nccl"
 
 
 class AsyncioBridge:
@@ -98,8 +108,12 @@ class VllmBackend:
     one backend across tests; a service owns one).
     """
 
-    def __init__(self, cfg: VllmRollout, model_path: str, seed: int = 0, *, max_logprobs: int = 20):
+    def __init__(self, cfg: VllmRollout, model_path: str, seed: int = 0, *, max_logprobs: int = 20,
+                 weights: str | None = None):
+        """`weights`: the weight-transfer backend, vLLM's "nccl" or rlflow's
+        gloo one (`vllm_worker.BACKEND`); None: "nccl" on CUDA, else gloo."""
         self.cfg = cfg
+        self.weights = weights
         self.model_path = model_path
         self.seed = seed
         self.max_logprobs = max_logprobs
@@ -119,12 +133,20 @@ class VllmBackend:
             enforce_eager=self.cfg.enforce_eager,
             logprobs_mode="processed_logprobs",
             max_logprobs=self.max_logprobs,
-            weight_transfer_config={"backend": BACKEND},
+            weight_transfer_config={"backend": self.weight_backend()},
             worker_extension_cls="rlflow.services.rollout.vllm_worker.WorkerExtension",
             seed=self.seed,
             disable_log_stats=True,
             enable_prefix_caching=False,
         )
+
+    def weight_backend(self) -> str:
+        """The weight-transfer backend this engine starts with (see `__init__`)."""
+        if self.weights is None:
+            from vllm.platforms import current_platform
+
+            self.weights = NCCL if current_platform.is_cuda() else BACKEND
+        return self.weights
 
     def start_blocking(self) -> None:
         """Start vLLM (its engine core is a process of its own); blocks."""
@@ -178,6 +200,14 @@ class VllmBackend:
         )
         await self.call(lambda: llm.init_weight_transfer_engine(request))
 
+    async def join_nccl(self, transfer: WeightsNccl) -> None:
+        """Join the trainer's NCCL weight group with every worker (returns once all have joined)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        llm = self.llm
+        request = WeightTransferInitRequest(init_info=nccl_init_info(transfer))
+        await self.call(lambda: llm.init_weight_transfer_engine(request))
+
     async def update(self, version: int, layout: list[ParamSpec], nbytes: int, *, kv: str | None = None,
                      bucket_bytes: int = 0) -> None:
         """Pause with requests kept, receive and load `version` (in pieces of at
@@ -187,14 +217,10 @@ class VllmBackend:
         requests in flight or "recompute" it under the new weights."""
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
-        update = {
-            "names": [p.name for p in layout],
-            "dtypes": [p.dtype for p in layout],
-            "shapes": [list(p.shape) for p in layout],
-            "offsets": [p.offset for p in layout],
-            "nbytes": nbytes,
-            "bucket_bytes": bucket_bytes,
-        }
+        if self.weight_backend() == NCCL:
+            update = nccl_update_info(layout)
+        else:
+            update = gloo_update_info(layout, nbytes, bucket_bytes)
         llm = self.llm
         clear = (kv or self.cfg.kv_on_update) == "recompute"
         await self.call(lambda: llm.pause_generation(mode="keep", clear_cache=clear))
@@ -269,6 +295,44 @@ class VllmBackend:
         return await self.call(run)
 
 
+def gloo_update_info(layout: list[ParamSpec], nbytes: int, bucket_bytes: int) -> dict[str, Any]:
+    """`update_info` of one update for rlflow's gloo backend (`vllm_worker.GlooUpdateInfo`)."""
+    return {
+        "names": [p.name for p in layout],
+        "dtypes": [p.dtype for p in layout],
+        "shapes": [list(p.shape) for p in layout],
+        "offsets": [p.offset for p in layout],
+        "nbytes": nbytes,
+        "bucket_bytes": bucket_bytes,
+    }
+
+
+def nccl_init_info(transfer: WeightsNccl) -> dict[str, Any]:
+    """`init_info` for vLLM's `nccl` backend (its `NCCLWeightTransferInitInfo`):
+    the rendezvous, this replica's first NCCL rank (vLLM adds each worker's
+    tensor-parallel rank), and the packed transfer the trainer sends."""
+    ranks = nccl_ranks(transfer)
+    return {
+        "master_address": transfer.host,
+        "master_port": transfer.port,
+        "rank_offset": ranks.offset,
+        "world_size": ranks.world,
+        "packed": True,
+        "packed_buffer_size_bytes": nccl_chunk_bytes(transfer),
+        "packed_num_buffers": NCCL_BUFFERS,
+    }
+
+
+def nccl_update_info(layout: list[ParamSpec]) -> dict[str, Any]:
+    """`update_info` of one update for vLLM's `nccl` backend (its
+    `NCCLWeightTransferUpdateInfo`): the parameters in the order they are sent."""
+    return {
+        "names": [p.name for p in layout],
+        "dtype_names": [p.dtype for p in layout],
+        "shapes": [list(p.shape) for p in layout],
+    }
+
+
 @dataclass
 class _Group:
     group: PromptGroup
@@ -285,7 +349,7 @@ class VllmEngine:
         cfg: VllmRollout,
         ctx: EngineContext,
         backend: VllmBackend | None = None,
-        joined: tuple[WeightsGloo, list[ParamSpec]] | None = None,
+        joined: tuple[WeightsGloo | WeightsNccl, list[ParamSpec]] | None = None,
     ) -> None:
         """`backend`: a started engine to share (tests, benches), `joined`: the
         weight group it has already joined."""
@@ -302,7 +366,7 @@ class VllmEngine:
         self.running: dict[int, _Group] = {}
         self._send, self.finished = trio.open_memory_channel(2)
         self._wake = trio.Event()
-        self._weights: WeightsGloo | None = None
+        self._weights: WeightsGloo | WeightsNccl | None = None
         self._layout: list[ParamSpec] = []
         self._weights_ready = trio.Event()
         if joined is not None:
@@ -341,9 +405,11 @@ class VllmEngine:
         self._layout = layout or self._layout
         if transfer is None:
             return
-        if not isinstance(transfer, WeightsGloo):
-            raise ValueError(f"the vLLM rollout on CPU receives weights over gloo; the trainer offers {transfer!r}")
-        await self.backend.join_weights(transfer.host, transfer.port, transfer.rank, transfer.world_size)
+        check_offer(self.backend.weight_backend(), transfer)
+        if isinstance(transfer, WeightsNccl):
+            await self.backend.join_nccl(transfer)
+        else:
+            await self.backend.join_weights(transfer.host, transfer.port, transfer.rank, transfer.world_size)
         self._weights = transfer
         self._weights_ready.set()
 
@@ -362,7 +428,7 @@ class VllmEngine:
         try:
             await self.backend.update(version, self._layout, self._weights.nbytes, kv=self.cfg.kv_on_update,
                                       bucket_bytes=self._weights.bucket_bytes)
-        except RuntimeError as exc:  # gloo: "Connection closed by peer", a timeout
+        except RuntimeError as exc:  # gloo: "Connection closed by peer", a timeout; an NCCL error
             raise WeightGroupBroken(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._updating = False
@@ -454,6 +520,16 @@ class VllmEngine:
                 )
             )
         return out
+
+
+def check_offer(backend: str, transfer: WeightTransfer) -> None:
+    """Refuse a transfer the engine's weight backend cannot receive: NCCL
+    (`WeightsNccl`) on CUDA, gloo (`WeightsGloo`) otherwise."""
+    wanted = WeightsNccl if backend == NCCL else WeightsGloo
+    if not isinstance(transfer, wanted):
+        where = "CUDA (vLLM's nccl backend)" if backend == NCCL else "CPU (gloo)"
+        raise ValueError(f"the vLLM rollout on {where} receives weights as {wanted.__name__}; the trainer offers "
+                         f"{transfer!r} (trainer and rollout must both be on GPUs, or both on CPUs)")
 
 
 _FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}

@@ -19,7 +19,11 @@ the step is the token mean over the batch whatever the number of ranks.
 Weights leave in pieces (`rlflow.services.weights.pieces`): after a step each
 rank copies its shards (`snapshot`, so that training goes on); to send a
 version, every rank gathers piece after piece and rank 0 broadcasts each to
-the rollout while the next is gathered. Checkpoints are Hugging Face
+the rollout while the next is gathered. That is over gloo on the CPU
+(`WeightsGloo`); on CUDA the trainer offers `WeightsNccl` and rank 0 hands
+the gathered parameters to vLLM's packed NCCL broadcast instead, which
+packs the next chunk while the last is sent (the same gather, another
+backend). Checkpoints are Hugging Face
 directories (the full weights, written by rank 0) plus the optimizer's state
 as a torch distributed checkpoint (every rank writes its shards; any number
 of ranks reads it), RNG and run state.
@@ -42,10 +46,10 @@ import msgspec
 import numpy as np
 import torch
 import trio
-from rlflow.protocol import ParamSpec, SampleBatch, Tensor, WeightsGloo, WeightTransfer, samples, take
+from rlflow.protocol import ParamSpec, SampleBatch, Tensor, WeightsGloo, WeightsNccl, WeightTransfer, samples, take
 from rlflow.services.base import EngineContext
 from rlflow.services.trainer.fsdp import Sharded, Solo
-from rlflow.services.weights import GlooGroup, layout, pieces
+from rlflow.services.weights import GlooGroup, NcclGroup, layout, pieces
 
 from rlflow.algo.balance import deal, micro_batches
 from rlflow.algo.losses import (
@@ -282,6 +286,27 @@ class TorchEngine:
                 del full
             yield buffer
 
+    def named_full(self, snapshot: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, whole parameter on this rank's device) of `snapshot`, in the
+        layout's order, each gathered when it is asked for (every rank
+        iterates, in step)."""
+        for j, spec in enumerate(self.specs):
+            yield spec.name, self.ranks.full(snapshot[j], j)
+
+    def send_named(self, snapshot: list[torch.Tensor], send: Callable[[Iterator[tuple[str, torch.Tensor]]], None] | None) -> None:
+        """Gather `snapshot` parameter by parameter (every rank) and hand them
+        to `send` (rank 0, e.g. `NcclGroup.send`; None: gather only)."""
+        named = self.named_full(snapshot)
+        if send is None:
+            for _ in named:
+                pass
+            return
+        try:
+            send(named)
+        finally:
+            for _ in named:  # a failed send: the other ranks are gathering still
+                pass
+
     def send(self, snapshot: list[torch.Tensor], broadcast: Callable[[torch.Tensor], None] | None) -> None:
         """Gather `snapshot` piece by piece (every rank) and hand each piece to
         `broadcast` (rank 0; None: gather only), gathering the next piece while
@@ -399,7 +424,8 @@ class TorchTrainerEngine:
         self.checkpoint_every = cfg.checkpoint_every
         self.host = ctx.host
         self.port = free_port(self.host)
-        self.group: GlooGroup | None = None
+        self.ranks_per_receiver = getattr(rollout, "tensor_parallel_size", 1)
+        self.group: GlooGroup | NcclGroup | None = None
         self.snapshots: dict[int, list[torch.Tensor]] = {}
         self._published: dict[int, trio.Event] = {}
         if config.run.resume:
@@ -407,8 +433,8 @@ class TorchTrainerEngine:
 
     def offer(self) -> tuple[WeightTransfer, list[ParamSpec]]:
         engine = self.engine
-        return WeightsGloo(host=self.host, port=self.port, nbytes=engine.nbytes,
-                           bucket_bytes=engine.cfg.bucket_bytes), engine.specs
+        return weight_offer(self.ranks.device.type, self.host, self.port, engine.nbytes, engine.cfg.bucket_bytes,
+                            self.ranks_per_receiver), engine.specs
 
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Weights are pushed when the controller says so: nothing to serve."""
@@ -419,9 +445,14 @@ class TorchTrainerEngine:
         0; the other ranks only help gather)."""
         if transfer is None and not self.ranks.lead:
             return
-        if not isinstance(transfer, WeightsGloo):
-            raise ValueError(f"the torch trainer sends weights over gloo; the controller asks for {transfer!r}")
-        self.group = await trio.to_thread.run_sync(GlooGroup, transfer.host, transfer.port, 0, transfer.world_size)
+        offered = type(self.offer()[0])
+        if not isinstance(transfer, offered):
+            raise ValueError(f"the torch trainer on {self.ranks.device.type} sends weights as {offered.__name__}; "
+                             f"the controller asks for {transfer!r}")
+        if isinstance(transfer, WeightsNccl):
+            self.group = await trio.to_thread.run_sync(NcclGroup, transfer, self.ranks.device)
+        else:
+            self.group = await trio.to_thread.run_sync(GlooGroup, transfer.host, transfer.port, 0, transfer.world_size)
 
     async def deal(self, batch: SampleBatch) -> tuple[dict[str, float], list[SampleBatch]]:
         return await trio.to_thread.run_sync(self.engine.prepare, batch, self.replicas)
@@ -455,9 +486,14 @@ class TorchTrainerEngine:
             del self.snapshots[old]
             self._published.pop(old, None)
         group = self.group if self.ranks.lead else None
-        broadcast = None if group is None else functools.partial(_broadcast, group)
         try:
-            await trio.to_thread.run_sync(self.engine.send, snapshot, broadcast)
+            if isinstance(group, NcclGroup):
+                await trio.to_thread.run_sync(self.engine.send_named, snapshot, functools.partial(_send_nccl, group))
+            elif self.ranks.device.type == "cuda":  # a rank that only gathers
+                await trio.to_thread.run_sync(self.engine.send_named, snapshot, None)
+            else:
+                broadcast = None if group is None else functools.partial(_broadcast, group)
+                await trio.to_thread.run_sync(self.engine.send, snapshot, broadcast)
         except Exception:
             if self.group is group:
                 self.group = None
@@ -487,6 +523,26 @@ def _broadcast(group: GlooGroup, piece: torch.Tensor) -> None:
     except Exception:
         group.close()
         raise
+
+
+def _send_nccl(group: NcclGroup, named: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Every parameter to every receiver; a failure lets go of the group."""
+    try:
+        group.send(named)
+    except Exception:
+        group.close()
+        raise
+
+
+def weight_offer(device: str, host: str, port: int, nbytes: int, bucket_bytes: int,
+                 ranks_per_receiver: int = 1) -> WeightTransfer:
+    """How a trainer on `device` ("cpu" or "cuda") sends weights: over gloo
+    from the CPU, over NCCL (vLLM's `nccl` backend on the receivers, each
+    `ranks_per_receiver` tensor-parallel workers) from a GPU."""
+    if device == "cuda":
+        return WeightsNccl(host=host, port=port, nbytes=nbytes, bucket_bytes=bucket_bytes,
+                           ranks_per_receiver=ranks_per_receiver)
+    return WeightsGloo(host=host, port=port, nbytes=nbytes, bucket_bytes=bucket_bytes)
 
 
 def _rendezvous(world: int) -> tuple[str, int]:
