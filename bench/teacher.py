@@ -140,7 +140,8 @@ def vllm_cost(teacher: str, prompts, responses, top_k: int) -> float:
     from rlflow.services.teacher.vllm_engine import VllmTeacherEngine
 
     config = C.load(DISTILL, [f'roles.teacher.engine.model="{teacher}"', 'roles.teacher.engine.backend="vllm"',
-                              f"roles.teacher.engine.top_k={top_k}", 'roles.rollout.model="/unused"'])
+                              f"roles.teacher.engine.top_k={top_k}", 'roles.rollout.model="/unused"',
+                              'roles.trainer.engine.distill="topk"' if top_k else 'roles.trainer.engine.distill="sampled"'])
     groups = [(PromptGroup(group_id=i, prompt_ids=p.tolist(), n=1),
                [Response(r, np.zeros(len(r), np.float32), np.zeros(len(r), np.int32), FinishReason.STOP)])
               for i, (p, r) in enumerate(zip(prompts, responses))]
