@@ -112,7 +112,7 @@ async def wrapped(
                 done += 1
                 if update_every and done % update_every == 0 and done < len(groups):
                     version += 1
-                    updates.append(await trainer.push(engine, version))
+                    updates.append(await trainer.push([engine], version))
             if done == len(groups):
                 break
         seconds = time.perf_counter() - start
