@@ -379,6 +379,44 @@ async def test_a_call_past_its_timeout_or_whose_worker_dies_is_marked_and_the_wo
             assert pool.restarts == {"pid": 4}
 
 
+HOLD_A_POOL = """
+import psutil, trio
+from rlflow.rewards import FunctionSpec, open_pool
+
+async def main():
+    async with open_pool([FunctionSpec(path="rlflow.rewards:exact", workers=2)]):
+        print(" ".join(str(p.pid) for p in psutil.Process().children()), flush=True)
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+def test_workers_outlive_the_thread_that_started_them_and_die_with_their_parent(tmp_path):
+    """trio starts processes from threads that end after 10 s idle: the
+    workers live on past that, and are gone soon after the process that
+    holds the pool is SIGKILLed."""
+    script = tmp_path / "hold.py"
+    script.write_text(HOLD_A_POOL)
+    holder = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in holder.stdout.readline().split()]
+        assert len(pids) == 2, pids
+        time.sleep(12)
+        assert all(alive(p) for p in pids), "a worker died with the thread that started it"
+        holder.kill()
+        holder.wait()
+        assert gone(pids), "a worker outlived its parent"
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, 9)
+
+
 async def test_exceptions_and_bad_returns_are_errors_and_the_worker_stays():
     with trio.fail_after(60):
         async with open_pool([spec("user_rewards:pid")]) as pool:

@@ -259,13 +259,19 @@ def _write(fd: int, data: bytes) -> None:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this worker when its parent dies, even mid-call (Linux)."""
-    if sys.platform != "linux":
-        return
-    import ctypes
-    import signal
+    """SIGKILL this worker's process group when its parent dies, even mid-call.
 
-    pr_set_pdeathsig = 1
-    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # it died before the line above
-        os._exit(1)
+    A thread watches the parent: PR_SET_PDEATHSIG would fire when the
+    *thread* that started the worker ends, and trio starts processes from
+    its worker threads, which end after a while idle (a worker that took
+    longer to start than that was killed)."""
+    import signal
+    import threading
+    import time
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.2)
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
