@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import pathlib
 import subprocess
@@ -211,8 +212,9 @@ def test_own_data_reward_functions_and_a_teacher_end_to_end(ray_cluster, tmp_pat
 
 @pytest.fixture(scope="module")
 def two_ranks(ray_cluster, tmp_path_factory):
-    """2 steps of real vLLM's samples trained by the torch trainer on 2 ranks
-    (FSDP2 over gloo), its weights sent in 64 KiB pieces."""
+    """2 steps of two real vLLM replicas' samples trained by the torch trainer
+    on 2 ranks (FSDP2 over gloo), its weights broadcast to both replicas in
+    one group, in 64 KiB pieces."""
     root = tmp_path_factory.mktemp("ranks")
     model = tiny_model(root / "model", tied=False, seed=11)
     # A format reward that some samples of most groups meet (the tiny model's
@@ -221,7 +223,7 @@ def two_ranks(ray_cluster, tmp_path_factory):
             .replace("checkpoint_every = 2", "checkpoint_every = 0\nbucket_bytes = 65536")
             .replace('kind = "task"\n', 'kind = "functions"\ncheck_references = 0\n[[roles.reward.engine.functions]]\n'
                      'path = "rlflow.rewards:regex"\nkwargs = { pattern = "^[0-4]" }\nworkers = 1\n'))
-    config = C.load(text=text, overrides=["roles.trainer.replicas=2", "run.steps=2", "eval.every_steps=0",
+    config = C.load(text=text, overrides=["roles.trainer.replicas=2", "roles.rollout.replicas=2", "run.steps=2", "eval.every_steps=0",
                                           "eval.before=false", "eval.after=false"])
     summary = run(config, root / "run")
     return model, root / "run", summary
@@ -244,6 +246,12 @@ def test_a_trainer_of_two_ranks_end_to_end(two_ranks):
     start = AutoModelForCausalLM.from_pretrained(model)
     assert max((a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())) > 0
     assert (run_dir / "logs" / "trainer-1.log").exists()
+    generated = collections.Counter()
+    for line in RunDir(run_dir).ledger.read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "generated":
+            generated[event["replica"]] += len(event["groups"])
+    assert set(generated) == {"rollout-0", "rollout-1"}, generated  # both replicas generated, on new weights too
 
 
 def test_a_run_of_two_trainer_ranks_resumes_on_one(two_ranks):
