@@ -1,5 +1,5 @@
-"""What the rollout service needs of an engine (`RolloutEngine`), and how an
-engine is chosen from the config.
+"""What the rollout service needs of an engine (`RolloutEngine`); the service
+chooses one from the config (`service.make_engine`).
 
 An engine gets an `EngineContext` (config, rank, clock, counters), never the
 service. It generates the groups it is given with continuous batching and
@@ -14,9 +14,7 @@ from typing import Protocol
 
 import trio
 
-from rlflow.config import SimRollout, VllmRollout
 from rlflow.protocol import ParamSpec, PromptGroup, Response, WeightTransfer
-from rlflow.services.base import EngineContext
 
 #: What an engine hands the service: a group and one response per sample.
 Finished = tuple[PromptGroup, list[Response]]
@@ -62,16 +60,3 @@ class RolloutEngine(Protocol):
 
     async def close(self) -> None:
         """Release the engine."""
-
-
-def make_engine(ctx: EngineContext) -> RolloutEngine:
-    match ctx.config.roles.rollout.engine:
-        case SimRollout() as cfg:
-            from rlflow.services.rollout.sim import SimEngine
-
-            return SimEngine(cfg, ctx)
-        case VllmRollout() as cfg:
-            from rlflow.services.rollout.vllm_engine import VllmEngine
-
-            return VllmEngine(cfg, ctx)
-    raise ValueError(f"unknown rollout engine {ctx.config.roles.rollout.engine!r}")

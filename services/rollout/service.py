@@ -18,7 +18,7 @@ import time
 import numpy as np
 import trio
 
-from rlflow.config import FunctionsReward
+from rlflow.config import FunctionsReward, SimRollout, VllmRollout
 from rlflow.data import transport
 from rlflow.data.tasks import Task
 from rlflow.protocol import (
@@ -37,8 +37,8 @@ from rlflow.protocol import (
     build_batch,
     concat,
 )
-from rlflow.services.base import Control, Service, follow
-from rlflow.services.rollout.engine import Finished, RolloutEngine, make_engine
+from rlflow.services.base import Control, EngineContext, Service, follow
+from rlflow.services.rollout.engine import Finished, RolloutEngine
 from rlflow.errors import WeightGroupBroken
 
 
@@ -234,3 +234,16 @@ class RolloutService(Service):
             "problems": float(len(answers)),
             "failed": float(len(answers) - len(scored)),
         }
+
+
+def make_engine(ctx: EngineContext) -> RolloutEngine:
+    match ctx.config.roles.rollout.engine:
+        case SimRollout() as cfg:
+            from rlflow.services.rollout.sim import SimEngine
+
+            return SimEngine(cfg, ctx)
+        case VllmRollout() as cfg:
+            from rlflow.services.rollout.vllm_engine import VllmEngine
+
+            return VllmEngine(cfg, ctx)
+    raise ValueError(f"unknown rollout engine {ctx.config.roles.rollout.engine!r}")
