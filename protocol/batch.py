@@ -15,7 +15,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .checks import validate
 from .messages import GroupInfo, PromptGroup, SampleBatch, SampleFailure, Stage
 from .tensors import Tensor
 
