@@ -42,6 +42,10 @@ from .tensors import DTYPE_SIZES, MAX_NDIM, Tensor, expected_nbytes
 MAX_HEADER_BYTES = 16 << 20
 #: Nesting every receiver accepts; deeper headers may be rejected (see SPEC.md).
 MIN_DEPTH_ACCEPTED = 64
+#: Most frames a message may have (the header and its tensors' frames).
+MAX_FRAMES = 1 << 16
+#: msgpack markers that start an array (fixarray, array 16, array 32).
+_ARRAY_MARKERS = frozenset(range(0x90, 0xA0)) | {0xDC, 0xDD}
 
 
 class Codec:
@@ -91,12 +95,14 @@ class Codec:
         """
         if not frames:
             raise FrameCountMismatch("empty message: no header frame")
+        if len(frames) > MAX_FRAMES:
+            raise FrameCountMismatch(f"message of {len(frames)} frames; at most {MAX_FRAMES} are accepted")
         head = _bytes_view(frames[0])
         size = head.nbytes
         if size > self._max_header:
             raise MalformedMessage(f"header of {size} bytes; at most {self._max_header} are accepted")
-        if size > 2 and head[0] == 0x92 and head[1] == self._version_byte:
-            body = head[2:]  # [this version, ...]: the common case, in two byte compares
+        if size > 2 and head[0] == 0x92 and head[1] == self._version_byte and head[2] in _ARRAY_MARKERS:
+            body = head[2:]  # [this version, [...]]: the common case, in three byte compares
         else:
             version, start = _envelope(head)
             if version != self._schema_version:
@@ -215,6 +221,8 @@ def _envelope(head: memoryview) -> tuple[int, int]:
         raise MalformedMessage("header is not [schema_version, message]: schema_version is not an integer")
     if version[1] >= head.nbytes:
         raise TruncatedMessage("header is truncated: it ends before the message")
+    if head[version[1]] not in _ARRAY_MARKERS:
+        raise MalformedMessage("header is not [schema_version, message]: the message is not an array")
     return version
 
 

@@ -31,8 +31,9 @@ from .checks import validate
 from .tensors import Tensor
 
 #: Incompatible changes bump this; compatible ones (appended fields with
-#: defaults, new tags) do not.
-SCHEMA_VERSION = 1
+#: defaults, new tags) do not. 2: `Hello` and `Heartbeat` typed (no string
+#: maps of details and counters), unused fields and `Pause` / `Resume` gone.
+SCHEMA_VERSION = 2
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
@@ -281,6 +282,80 @@ WeightTransfer = Union[WeightsZmq, WeightsGloo, WeightsNccl]
 # ---------------------------------------------------------------------------
 
 
+class Counters(Record):
+    """What a replica has done since it started, each count monotonic. A role
+    keeps the counts that apply to it and leaves the others at 0."""
+
+    samples: NonNegInt = 0
+    """Samples sent on (the trainer: trained on)."""
+    groups: NonNegInt = 0
+    """Prompt groups sent on."""
+    tokens: NonNegInt = 0
+    """Response tokens sent on, scored or trained on."""
+    failed_samples: NonNegInt = 0
+    """Samples that failed here (or, at the trainer, arrived failed)."""
+    decode_steps: NonNegInt = 0
+    """A rollout replica: engine steps taken."""
+    slot_s: NonNegFloat = 0.0
+    """A rollout replica: sequence-seconds its engine spent decoding (its slot time in use)."""
+    failed_requests: NonNegInt = 0
+    """A rollout replica: requests its engine could not serve (their samples failed)."""
+    restarted_groups: NonNegInt = 0
+    """A rollout replica: groups generated again because they fell behind the strict staleness bound."""
+    restarted_tokens: NonNegInt = 0
+    """A rollout replica: tokens thrown away with those groups."""
+    bytes_out: NonNegInt = 0
+    """Bytes sent on the data plane."""
+    weight_updates: NonNegInt = 0
+    """A replica that loads weights: updates loaded."""
+    failed_updates: NonNegInt = 0
+    """A replica that loads weights: updates that failed (the weight group broke)."""
+    weight_bytes: NonNegInt = 0
+    """The trainer: bytes of weights served."""
+    weights_unclaimed: NonNegInt = 0
+    """The trainer: versions published that no replica asked for before a newer one."""
+    failed_sends: NonNegInt = 0
+    """The trainer: weight sends that failed."""
+    duplicates: NonNegInt = 0
+    """The trainer: copies of groups it already held or trained on (dropped)."""
+    stale_groups: NonNegInt = 0
+    """The trainer: groups dropped for reissue by the strict staleness check."""
+    unexpected_messages: NonNegInt = 0
+    """Well-formed messages of a kind not expected on the socket they came in on."""
+    scored_samples: NonNegInt = 0
+    """A reward replica: samples scored."""
+    dropped_groups: NonNegInt = 0
+    """A reward replica: groups dropped for good (a sample its functions could not score)."""
+    reward_retries: NonNegInt = 0
+    """A reward replica: calls retried."""
+    rejected: dict[str, NonNegInt] = {}
+    """Messages its sockets rejected, by kind (`malformed`, `wrong_version`, ...; see *Validation*)."""
+    reward_calls: dict[str, NonNegInt] = {}
+    """A reward replica: calls of each reward function by outcome, as ``<function>.<status>`` (status: ok,
+    timeout, error, crashed)."""
+
+    @property
+    def progress(self) -> int:
+        """Work done, for telling a replica that works from one that hangs:
+        failed samples do not count."""
+        return self.decode_steps + self.groups + self.tokens + self.samples - self.failed_samples
+
+
+class EngineLoad(Record):
+    """A rollout replica's engine now (its scheduler's view)."""
+
+    slots: NonNegInt = 0
+    """Sequences it decodes at once."""
+    running: NonNegInt = 0
+    """Requests being decoded."""
+    waiting: NonNegInt = 0
+    """Requests waiting to start (for a slot or KV-cache room)."""
+    kv_cache_usage: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    """Share of the KV cache in use (0 where the engine has none)."""
+    preemptions: NonNegInt = 0
+    """Requests preempted so far for want of KV-cache room (each recomputes later)."""
+
+
 class Hello(Message, tag=10):
     """A service's first message to the controller, sent once its endpoints are bound."""
 
@@ -299,15 +374,26 @@ class Hello(Message, tag=10):
     host: str = ""
     """Host name or address, for diagnostics."""
     incarnation: NonNegInt = 0
-    """How many times this replica has been restarted."""
-    info: dict[str, str] = {}
-    """Role-specific details (e.g. the model it serves)."""
+    """How many times this replica has been restarted (its launcher's count; an external replica: 0, then
+    one more at each start)."""
     secret: str = ""
-    """The run's secret, which the launcher gives every service; the controller ignores a hello without it."""
+    """The run's secret, given to every replica at start; a hello without it is refused (`unauthenticated`)."""
     weights: WeightTransfer | None = None
     """The trainer (rank 0): how it sends weights."""
     layout: list[ParamSpec] = []
     """The trainer (rank 0): where each parameter lies in the flat buffer of a collective transfer."""
+    slots: NonNegInt = 0
+    """A rollout replica: sequences it decodes at once (0: the run's samples per prompt)."""
+    model: str = ""
+    """The model it serves or scores with, for diagnostics."""
+    probe: list[float] = []
+    """A teacher replica: its log-probabilities of the probe sequence (replicas that disagree do not run together)."""
+    problems: list[str] = []
+    """A reward replica: what its start-up check of the reference answers found wrong (warnings)."""
+    threads: NonNegInt = 0
+    """Threads it computes with (0: not said)."""
+    cpus: str = ""
+    """The CPUs it may run on, e.g. ``0-3,6`` (empty: not said)."""
 
 
 class Welcome(Message, tag=11):
@@ -323,8 +409,6 @@ class Welcome(Message, tag=11):
     """The current policy version."""
     heartbeat_s: float = 1.0
     """Seconds between heartbeats."""
-    info: dict[str, str] = {}
-    """Role-specific settings."""
     weights: WeightTransfer | None = None
     """To a replica that loads weights: how to receive them (its rank in a collective group); to the
     trainer: the group it hosts (its world size)."""
@@ -356,8 +440,10 @@ class Heartbeat(Message, tag=13):
     """Receiving or applying weights."""
     queues: dict[str, int] = {}
     """Name -> items waiting there now."""
-    counters: dict[str, float] = {}
-    """Monotonic counters (samples, tokens, rejected messages, ...)."""
+    counters: Counters = Counters()
+    """What it has done since it started (monotonic)."""
+    engine: EngineLoad | None = None
+    """A rollout replica: its engine's load now (nil: another role)."""
 
 
 class Credits(Message, tag=14):
@@ -393,6 +479,13 @@ class Expired(Message, tag=16):
     """Groups to issue again."""
     reason: str = ""
     """Why they were dropped."""
+    errors: list[str] = []
+    """Empty, or as many as `group_ids`: what went wrong with each (e.g. its prompt's row and the first
+    sample's failure), kept by the controller to name a group it gives up on."""
+
+    def __post_init__(self) -> None:
+        if self.errors:
+            _same_length(self, "group_ids", "errors")
 
 
 class WeightsReady(Message, tag=17):
@@ -402,10 +495,6 @@ class WeightsReady(Message, tag=17):
     """The new policy version."""
     nbytes: NonNegInt = 0
     """Size of the weights in bytes."""
-    info: dict[str, str] = {}
-    """Unused (senders leave it empty; the transfer is agreed at registration)."""
-    params: list[ParamSpec] = []
-    """Unused (senders leave it empty; the layout is sent once, in `Hello`)."""
 
 
 class UpdateWeights(Message, tag=18):
@@ -413,10 +502,6 @@ class UpdateWeights(Message, tag=18):
 
     version: NonNegInt
     """The policy version to load."""
-    info: dict[str, str] = {}
-    """Unused (senders leave it empty)."""
-    params: list[ParamSpec] = []
-    """Unused (senders leave it empty; the layout came in `Welcome`)."""
     transfer: WeightTransfer | None = None
     """A new collective group to join before receiving (nil: the one from `Welcome`, or the last one given)."""
 
@@ -430,17 +515,6 @@ class WeightsLoaded(Message, tag=19):
     """Time from the update command to generation resumed."""
 
 
-class Pause(Message, tag=20):
-    """Stop starting new work; keep what is in flight."""
-
-    reason: str = ""
-    """Why, for the log."""
-
-
-class Resume(Message, tag=21):
-    """Undo `Pause`."""
-
-
 class Shutdown(Message, tag=22):
     """Stop, release resources and exit."""
 
@@ -451,19 +525,40 @@ class Shutdown(Message, tag=22):
 
 
 class ErrorReport(Message, tag=23):
-    """Something went wrong in a service. `fatal` means the service is exiting."""
+    """Something went wrong. From a replica: `fatal` means it is exiting. From the
+    controller: `fatal` means the replica must exit (it was refused or replaced)."""
 
     fatal: bool
-    """The service is exiting because of it."""
+    """A replica: it is exiting because of it. The controller: the replica must exit."""
     kind: str
-    """Short class of error (e.g. the exception's type); `weight_group_broken` (not fatal): a weight broadcast failed, the group must be made anew."""
+    """Short class of error: one of the kinds of SPEC.md (*Error kinds*), or, in a replica's fatal report,
+    the type of the error that ended it."""
     message: str
     """What happened, for a person."""
 
 
-#: `ErrorReport.kind` of a trainer or rollout replica whose weight broadcast
-#: failed (a member of the collective group died mid-way).
+#: `ErrorReport.kind` (not fatal) of a trainer or rollout replica whose weight
+#: broadcast failed (a member of the collective group died mid-way).
 WEIGHT_GROUP_BROKEN = "weight_group_broken"
+#: `ErrorReport.kind` (fatal, from the controller) to a hello of another schema version.
+WRONG_VERSION = "wrong_version"
+#: `ErrorReport.kind` (fatal, from the controller) to a hello without the run's secret.
+UNAUTHENTICATED = "unauthenticated"
+#: `ErrorReport.kind` (fatal, from the controller) to a hello the run has no place for.
+UNEXPECTED_HELLO = "unexpected_hello"
+#: `ErrorReport.kind` (fatal, from the controller) to any message from an
+#: incarnation that was presumed lost and replaced: it must exit.
+REPLACED = "replaced"
+#: The kinds the controller sends, and their meaning (SPEC.md lists them).
+CONTROLLER_ERROR_KINDS = {
+    WRONG_VERSION: "a message of another schema version from a peer that is not registered (the report is in the "
+    "controller's version and names both)",
+    UNAUTHENTICATED: "a `Hello` whose `secret` is not the run's",
+    UNEXPECTED_HELLO: "a `Hello` for a role and rank the run has no place for, or from an incarnation other than "
+    "the one expected now",
+    REPLACED: "any message from an incarnation the controller presumed lost and replaced: its groups were "
+    "granted again; it must exit",
+}
 
 
 class Bye(Message, tag=24):
@@ -581,8 +676,6 @@ ControlMessage = Union[
     WeightsReady,
     UpdateWeights,
     WeightsLoaded,
-    Pause,
-    Resume,
     Shutdown,
     ErrorReport,
     Bye,
@@ -613,8 +706,6 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         WeightsReady,
         UpdateWeights,
         WeightsLoaded,
-        Pause,
-        Resume,
         Shutdown,
         ErrorReport,
         Bye,

@@ -16,7 +16,7 @@ import textwrap
 
 import msgspec
 
-from .messages import MESSAGE_TYPES, FinishReason, Record, Role, Stage
+from .messages import CONTROLLER_ERROR_KINDS, MESSAGE_TYPES, WEIGHT_GROUP_BROKEN, FinishReason, Record, Role, Stage
 from .tensors import DTYPE_SIZES, Tensor
 
 BEGIN = "<!-- BEGIN GENERATED: python -m rlflow.protocol.spec -->"
@@ -110,6 +110,12 @@ def generate() -> str:
             "is their first element and is unique within the union.", ""]
     for cls in sorted(_records(), key=lambda c: c.__name__):
         out += [f"#### {cls.__name__}", "", _doc(cls), "", *_table(cls), ""]
+    out += ["### Error kinds", "", "`ErrorReport.kind` values with a meaning of their own (a replica's fatal report "
+            "may also name the type of the error that ended it):", "", "| kind | fatal | from | when |",
+            "| --- | --- | --- | --- |"]
+    out += [f"| `{kind}` | true | controller | {meaning} |" for kind, meaning in CONTROLLER_ERROR_KINDS.items()]
+    out += [f"| `{WEIGHT_GROUP_BROKEN}` | false | trainer, rollout | a weight broadcast failed (a member of the "
+            "collective group died mid-way): the group must be made anew |", ""]
     out += ["### Enumerations", ""]
     for enum_cls in (Role, FinishReason, Stage):
         members = ", ".join(f"{m.name} = {m.value}" for m in enum_cls)

@@ -115,7 +115,8 @@ class ClusterConfig(Table):
     host: str = "127.0.0.1"
     """Address services bind their sockets on; empty: each node's own IP (a run that spans nodes needs that)."""
     handshake_timeout_s: PosFloat = 300.0
-    """How long the controller waits for every service to say hello and get ready."""
+    """How long the controller waits for every service to say hello and get ready, and for a restarted
+    replica to come back (a restart still starting after this counts as a death)."""
     heartbeat_s: PosFloat = 0.5
     """Seconds between service heartbeats."""
     heartbeat_timeout_s: PosFloat = 60.0
@@ -124,8 +125,19 @@ class ClusterConfig(Table):
     """A rollout, reward or teacher replica that holds work but makes no progress (no decode step, no
     finished group) for this long is presumed hung, and restarted."""
     max_restarts: NonNegInt = 3
-    """Times a rollout, reward or teacher replica that dies or hangs is restarted before it is given up
-    on (the run goes on with the role's other replicas, if it has any)."""
+    """Deaths of a rollout, reward or teacher replica (dying, hanging, going silent) within
+    `restart_window_s` after which it is not restarted again but given up on (the run goes on with the
+    role's other replicas, if it has any): a long run survives a death a day."""
+    restart_window_s: PosFloat = 3600.0
+    """The window over which a replica's deaths count against `max_restarts`."""
+    restart_backoff_s: NonNegFloat = 1.0
+    """Wait before restarting a replica that died; doubled for each further death in the window (with
+    up to 25% jitter either way), up to `restart_backoff_max_s`."""
+    restart_backoff_max_s: NonNegFloat = 60.0
+    """The longest wait before a restart."""
+    max_weight_rebuilds: NonNegInt = 5
+    """A collective weight group that breaks (a member died mid-broadcast) is made anew and the newest
+    version moved again; after this many breaks in a row with no round completed, the run fails."""
     placement_timeout_s: PosFloat = 60.0
     """How long to wait for the placement groups of all pools."""
     dashboard: bool = False
@@ -451,6 +463,10 @@ class RunConfig(Table):
     partial_rollout: bool = True
     """Keep generating across weight updates (tokens after an update carry the new version);
     false: finish in-flight requests on the old weights before applying an update."""
+    max_grants: PosInt = 3
+    """A prompt group granted this many times without reaching the trainer (every sample failed each
+    time, or its replica died with it) is dropped for good with reason `poison`, named in the log, the
+    ledger and the audit; the run goes on."""
     staleness_check: Literal["admission", "strict"] = "admission"
     """admission: every group starts on weights at most max_staleness versions behind the
     step it is granted for (the credits); a long response that keeps generating across

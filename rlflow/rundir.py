@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import os
 import pathlib
+import time
 from typing import Any, TypeVar
 
 import msgspec
 
 from rlflow.data.net import CurveKeys
+from rlflow.protocol import Counters, EngineLoad
 
 # ---------------------------------------------------------------------------
 # Records
@@ -94,14 +96,25 @@ class EvalRow(Record):
 
 
 class Placed(Record):
-    """Where one replica runs."""
+    """Where one replica runs, and how it fares."""
 
     rank: int
     host: str
     pid: int
     incarnation: int = 0
     endpoints: dict[str, str] = {}
-    info: dict[str, str] = {}
+    state: str = "ready"
+    """hello, ready, lost (waiting to be restarted), restarting, given_up, gone."""
+    restarts: int = 0
+    """Incarnations started after its first."""
+    restart_in_s: float | None = None
+    """Lost: seconds until its restart (its back-off; None: not waiting for one)."""
+    last_error: str = ""
+    external: bool = False
+    """Started by the user (`launch = "external"`), not by rlflow."""
+    threads: int = 0
+    cpus: str = ""
+    model: str = ""
 
 
 class RoleStatus(Record):
@@ -115,7 +128,10 @@ class RoleStatus(Record):
     states: Shares = Shares()
     """Over the last few heartbeats."""
     queues: dict[str, int] = {}
-    counters: dict[str, float] = {}
+    counters: Counters = Counters()
+    """Its replicas' counts, added up."""
+    engine: EngineLoad | None = None
+    """A rollout role: its replicas' engines now, added up (KV-cache use: the fullest replica's)."""
     version: int | None = None
     """Oldest policy version its replicas hold (None: the role holds no policy)."""
     behind: int | None = None
@@ -368,6 +384,13 @@ class RunDir:
 
     def read_evals(self) -> list[EvalRow]:
         return read_jsonl(self.evals, EvalRow)
+
+    def append_ledger(self, events: list[Any]) -> None:
+        """Append the ledger's changes (`rlflow.control.ledger.Event`s), each stamped with the time now."""
+        if events:
+            now = round(time.time(), 3)
+            with open(self.ledger, "ab") as f:
+                f.write(b"".join(_encoder.encode(msgspec.structs.replace(e, t=now)) + b"\n" for e in events))
 
 
 #: Beside a checkpoint's model: the controller's ledger and clock.

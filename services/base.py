@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import trio
 
 from rlflow.config import Config
@@ -33,6 +34,8 @@ from rlflow.errors import leaves
 from rlflow.protocol import (
     SCHEMA_VERSION,
     Bye,
+    Counters,
+    EngineLoad,
     ErrorReport,
     Heartbeat,
     Hello,
@@ -142,8 +145,10 @@ class Control:
     def socket(self) -> transport.Dealer:
         return self._dealer
 
-    async def hello(self, endpoints: dict[str, str], info: dict[str, str] | None = None, **fields: Any) -> Welcome:
-        """Register (with the run's secret); the controller's `Welcome`."""
+    async def hello(self, endpoints: dict[str, str], **fields: Any) -> Welcome:
+        """Register (with the run's secret); the controller's `Welcome`.
+        `fields`: what the controller should know of this replica (`Hello`'s
+        role-specific fields, e.g. a rollout's ``slots``)."""
         hello = Hello(
             role=Role[self.spec.role.upper()],
             rank=self.spec.rank,
@@ -153,8 +158,8 @@ class Control:
             pid=os.getpid(),
             host=socket.gethostname(),
             incarnation=self.spec.incarnation,
-            info={**_placement_info(), **(info or {})},
             secret=self.spec.secret,
+            **_placement(),
             **fields,
         )
         welcome = await self._dealer.request(
@@ -182,8 +187,13 @@ class Control:
 
     async def __anext__(self) -> Any:
         """The next message from the controller (an iterator, not a generator:
-        leaving an `async for` over it leaves nothing to clean up)."""
-        return await self._dealer.recv()
+        leaving an `async for` over it leaves nothing to clean up). A fatal
+        `ErrorReport` from the controller (this incarnation was replaced)
+        ends the service: it raises `Replaced`."""
+        msg = await self._dealer.recv()
+        if isinstance(msg, ErrorReport) and msg.fatal:
+            raise Replaced(f"the controller ended {self.spec.name}: {msg.kind}: {msg.message}")
+        return msg
 
     async def heartbeats(self, make: Callable[[int], Heartbeat], period_s: float) -> None:
         """Send `make(seq)` every `period_s` seconds, forever."""
@@ -194,12 +204,37 @@ class Control:
             await trio.sleep(period_s)
 
 
-def _placement_info() -> dict[str, str]:
+class Replaced(Exception):
+    """The controller presumed this incarnation lost and replaced it (or refused it)."""
+
+
+def _placement() -> dict[str, Any]:
     """The CPUs this process may run on and its thread budget, as placed."""
-    info = {"threads": os.environ.get("OMP_NUM_THREADS", "")}
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    out: dict[str, Any] = {"threads": int(threads) if threads.isdigit() else 0}
     if hasattr(os, "sched_getaffinity"):
-        info["cpus"] = cpu_ranges(sorted(os.sched_getaffinity(0)))
-    return info
+        out["cpus"] = cpu_ranges(sorted(os.sched_getaffinity(0)))
+    return out
+
+
+#: The plain counts of `Counters` and whether each is a whole number.
+_COUNTS = {f.name: isinstance(f.type, msgspec.inspect.IntType) for f in msgspec.inspect.type_info(Counters).fields
+           if isinstance(f.type, (msgspec.inspect.IntType, msgspec.inspect.FloatType))}
+
+
+def typed_counters(counts: Counter[str], rejected: Counter[str] | None = None) -> Counters:
+    """A service's counts by name as the wire's `Counters` (``reward.<function>.<status>``
+    counts go to `reward_calls`). A name `Counters` does not have is a bug: it raises."""
+    plain: dict[str, Any] = {}
+    calls: dict[str, int] = {}
+    for key, value in counts.items():
+        if key.startswith("reward."):
+            calls[key.removeprefix("reward.")] = int(value)
+        elif key in _COUNTS:
+            plain[key] = int(value) if _COUNTS[key] else float(value)
+        else:
+            raise KeyError(f"{key!r} is not a field of rlflow.protocol.Counters")
+    return Counters(**plain, rejected=dict(rejected or {}), reward_calls=calls)
 
 
 def cpu_ranges(cpus: list[int]) -> str:
@@ -294,14 +329,16 @@ class Service:
             return None
         return msg
 
+    def engine_load(self) -> EngineLoad | None:
+        """The engine's load now (a rollout replica's; None for other roles)."""
+        return None
+
     def heartbeat(self, seq: int) -> Heartbeat:
         self.save_timeline()
         totals = self.clock.totals()
-        counters = {k: float(v) for k, v in self.counters.items()}
+        rejected: Counter[str] = Counter()
         for sock in self.sockets:
-            for kind, count in sock.rejected.items():
-                key = f"rejected.{kind}"
-                counters[key] = counters.get(key, 0.0) + count
+            rejected.update(sock.rejected)
         return Heartbeat(
             seq=seq,
             version=self.version,
@@ -310,7 +347,8 @@ class Service:
             blocked_s=totals["blocked"],
             loading_s=totals["loading"],
             queues=self.queues(),
-            counters=counters,
+            counters=typed_counters(self.counters, rejected),
+            engine=self.engine_load(),
         )
 
     def save_timeline(self) -> None:
@@ -386,8 +424,8 @@ class StageService(Service):
     async def prepare(self) -> None:
         """Get ready to work (load a model), before saying hello."""
 
-    def hello_info(self) -> dict[str, str]:
-        """What the controller should know of this replica (in its hello)."""
+    def hello_fields(self) -> dict[str, Any]:
+        """What the controller should know of this replica (`Hello`'s role-specific fields)."""
         return {}
 
     async def process(self, batch: Any) -> Any:
@@ -411,7 +449,7 @@ class StageService(Service):
         await self.prepare()
         async with transport.open_pull(bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/in") as inbox:
             self.sockets.append(inbox)
-            welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)}, info=self.hello_info())
+            welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)}, **self.hello_fields())
             self.say("up, sending to %s", ", ".join(welcome.peers["out"]))
             async with (
                 transport.open_push(

@@ -151,8 +151,56 @@ def _refresh_cpu_embeddings(model: Any) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
+class SchedulerLoad:
+    """The latest of vLLM's scheduler statistics (running and waiting requests,
+    KV-cache use) and its preemptions so far, written by vLLM's output loop
+    through a stat logger (`load_logger`) and read by the rollout's heartbeats."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+        self.kv_cache_usage = 0.0
+        self.preemptions = 0
+
+
+def load_logger(load: SchedulerLoad) -> Any:
+    """A vLLM stat-logger factory that keeps `load` current (vLLM calls
+    `record` after each engine step; its stats classes are not a stable interface)."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class LoadLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0):
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is not None:
+                load.running = scheduler_stats.num_running_reqs
+                load.waiting = scheduler_stats.num_waiting_reqs + scheduler_stats.num_skipped_waiting_reqs
+                load.kv_cache_usage = min(1.0, max(0.0, float(scheduler_stats.kv_cache_usage)))
+            if iteration_stats is not None:
+                load.preemptions += iteration_stats.num_preempted_reqs
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return LoadLogger
+
+
+def engine_dead(exc: BaseException) -> bool:
+    """Whether `exc` (from a vLLM call) means the engine can serve nothing
+    more (its engine-core process died), as opposed to one request failing."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return isinstance(exc, EngineDeadError)
+
+
 #: (module, attribute) of every vLLM internal above.
 _VLLM_INTERNALS = (
+    ("vllm.v1.metrics.loggers", "StatLoggerBase.record"),
+    ("vllm.v1.metrics.stats", "SchedulerStats"),
+    ("vllm.v1.metrics.stats", "IterationStats"),
+    ("vllm.v1.engine.exceptions", "EngineDeadError"),
     ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory._registry"),
     ("vllm.distributed.weight_transfer.factory", "WeightTransferEngineFactory.register_engine"),
     ("vllm.distributed.weight_transfer.base", "WeightTransferEngine.update_weights"),

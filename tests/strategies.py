@@ -16,6 +16,7 @@ from rlflow.protocol import (
     DTYPE_SIZES,
     MESSAGE_TYPES,
     Credits,
+    Expired,
     PromptGroup,
     Response,
     SampleBatch,
@@ -54,8 +55,9 @@ def _strategy(t: msgspec.inspect.Type) -> st.SearchStrategy:
         return st.integers(lo, hi)
     if isinstance(t, insp.FloatType):
         lo = t.ge if t.ge is not None else None
+        hi = t.le if t.le is not None else None
         # NaN would make equal messages compare unequal; tensors carry NaNs instead.
-        return st.floats(min_value=lo, allow_nan=False, allow_infinity=lo is None)
+        return st.floats(min_value=lo, max_value=hi, allow_nan=False, allow_infinity=lo is None and hi is None)
     if isinstance(t, insp.StrType):
         return st.text(max_size=12)
     if isinstance(t, insp.BoolType):
@@ -143,6 +145,7 @@ def sample_batches(draw) -> SampleBatch:
 _CONSISTENT = {
     SampleBatch: sample_batches,
     Credits: lambda: _parallel(Credits, "group_ids", "min_versions"),
+    Expired: lambda: _parallel(Expired, "group_ids", "errors"),
     WeightsPayload: lambda: _parallel(WeightsPayload, "names", "tensors"),
 }
 

@@ -85,11 +85,18 @@ class World:
         self.trained: set[int] = set()
         self.version = 0
         self.events = []
+        self.made: dict[int, int] = {}  # group id -> steps done when the ledger made it
 
     def grant(self) -> None:
-        for rank, groups in self.ledger.grant({0: 2, 1: 3}, self.version).items():
+        first_new = self.ledger.next_group
+        granted = self.ledger.grant({0: 2, 1: 3}, self.version)
+        self.made.update(dict.fromkeys(range(first_new, self.ledger.next_group), self.ledger.steps_done))
+        for rank, groups in granted.items():
             for g in groups:  # the staleness bound, also for a group granted again
-                assert g.min_version >= max(self.version, g.group_id // BATCH) - self.ledger.max_staleness
+                # The step a group fills: its id's or, one made to take a dropped group's place, the
+                # newest step open when it was made.
+                step = min(g.group_id // BATCH, self.made[g.group_id] + self.ledger.max_staleness)
+                assert g.min_version >= max(self.version, step) - self.ledger.max_staleness
             self.generating[rank] += [g.group_id for g in groups]
 
     def finish(self, rank: int, pick: int) -> None:
@@ -167,4 +174,6 @@ def test_whatever_dies_when_no_group_is_lost_or_trained_twice(tmp_path_factory, 
     assert result.trained == BATCH * STEPS == len(world.trained)
     assert result.issued == result.trained + result.dropped
     ended = result.reasons.get("the run ended before they were trained", 0)
-    assert result.dropped - ended == world.ledger.dropped["reward failed"]
+    # Dropped by a role, or (granted `max_grants` times, lost every time) as poison.
+    assert result.dropped - ended == sum(world.ledger.dropped.values())
+    assert set(world.ledger.dropped) <= {"reward failed", "poison"}

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from rlflow import config as C
 from rlflow.control.controller import Controller
-from rlflow.control.ledger import GroupLedger, GroupState, min_version
+from rlflow.control.ledger import POISON, GroupLedger, GroupState, min_version
 from rlflow.control.rounds import WeightRounds
 from rlflow.control.spec import ServiceSpec
 from rlflow.control.stats import RunStats
@@ -139,7 +139,10 @@ def test_the_ledger_keeps_its_promises_whatever_happens(batch, k, ops):
             for owner, groups in ledger.grant({0: 3, 1: 3, 2: 3}, version).items():
                 for g in groups:
                     assert g.group_id not in trained
-                    assert g.min_version >= min_version(g.group_id, batch, k)
+                    # No older than the step it fills allows (a group that takes a dropped
+                    # one's place fills a step open now, not its id's).
+                    step = min(g.group_id // batch, ledger.steps_done + k)
+                    assert g.min_version >= min_version(step * batch, batch, k)
                     assert g.min_version >= version - k
                     assert g.owner == owner
         elif op == "generate":
@@ -157,7 +160,10 @@ def test_the_ledger_keeps_its_promises_whatever_happens(batch, k, ops):
         assert ledger.next_group <= ledger.limit
         assert not trained & set(ledger.groups)
         assert all(ledger.held_by(r) <= 3 for r in range(3))
-        assert len(trained) + len(ledger.groups) == ledger.next_group  # nothing lost
+        assert all(g.grants <= ledger.max_grants for g in ledger.groups.values())
+        assert set(ledger.dropped) <= {POISON}  # only a group granted max_grants times is given up on
+        # Nothing lost: every group made is trained, still in the ledger, or dropped with its reason.
+        assert len(trained) + len(ledger.groups) + sum(ledger.dropped.values()) == ledger.next_group
 
 
 # -- weight rounds ------------------------------------------------------------------------
@@ -330,10 +336,8 @@ class InProcessLauncher:
         self.ended.clear()
         return out
 
-    def restart(self, role: str, rank: int) -> int:
-        incarnation = self.incarnations[(role, rank)] + 1
+    def restart(self, role: str, rank: int, incarnation: int) -> None:
         trio.from_thread.run_sync(self._start, role, rank, incarnation, trio_token=self.token)
-        return incarnation
 
 
 async def run_in_process(config: C.Config, run_dir: pathlib.Path, during=None) -> tuple[Controller, object]:
@@ -364,7 +368,7 @@ async def _run_in_process(config: C.Config, run_dir: pathlib.Path, during) -> tu
 
 def sim(*overrides: str) -> C.Config:
     fast = ["cluster.heartbeat_s=0.1", "roles.trainer.engine.weights_bytes=65536", "run.batch_size=4",
-            "run.samples_per_prompt=4"]
+            "run.samples_per_prompt=4", "cluster.restart_backoff_s=0.05"]
     return C.load(SIM, [*fast, *overrides])
 
 
@@ -479,7 +483,7 @@ async def test_a_peer_that_may_not_join_is_told_why_on_the_wire(tmp_path):
             assert refused.kind == "wrong_version"
             assert f"schema version {SCHEMA_VERSION + 1}, this peer speaks {SCHEMA_VERSION}" in refused.message
             nursery.cancel_scope.cancel()
-    assert controller.ignored == {"unauthenticated": 1, "unexpected_hello": 1, "wrong_version": 1}
+    assert controller.door.ignored == {"unauthenticated": 1, "unexpected_hello": 1, "wrong_version": 1}
 
 
 def test_a_dropped_group_is_gone_for_good_and_makes_room_for_a_new_one():
@@ -503,11 +507,11 @@ async def test_a_replica_that_dies_is_restarted_its_groups_reissued_and_nothing_
 
     async def kill_some(controller: Controller, launcher: InProcessLauncher) -> None:
         for n, role in enumerate(("rollout", "reward", "teacher", "rollout")):
-            while controller.ledger.steps_done < 2 + 2 * n or not all(r.live for r in controller.replicas.values()):
+            while controller.ledger.steps_done < 2 + 2 * n or not all(r.live for r in controller.roster):
                 await trio.sleep(0.05)
-            before = controller.replicas[(role, 0)].incarnation
+            before = controller.roster.replicas[(role, 0)].incarnation
             await launcher.crash(role, 0)
-            while controller.replicas[(role, 0)].incarnation == before or not controller.replicas[(role, 0)].live:
+            while controller.roster.replicas[(role, 0)].incarnation == before or not controller.roster.replicas[(role, 0)].live:
                 await trio.sleep(0.05)
 
     config = sim("run.steps=14", "cluster.heartbeat_timeout_s=5", "roles.rollout.engine.step_s=0.002")
@@ -615,8 +619,8 @@ async def test_a_replica_that_hangs_while_holding_work_is_killed_and_restarted(t
 async def test_a_replica_that_keeps_dying_is_given_up_on_and_the_others_go_on(tmp_path):
     async def kill_twice(controller: Controller, launcher: InProcessLauncher) -> None:
         for n in range(2):
-            while controller.ledger.steps_done < 2 + 2 * n or not controller.replicas[("rollout", 1)].live \
-                    or controller.replicas[("rollout", 1)].incarnation != n:
+            while controller.ledger.steps_done < 2 + 2 * n or not controller.roster.replicas[("rollout", 1)].live \
+                    or controller.roster.replicas[("rollout", 1)].incarnation != n:
                 await trio.sleep(0.02)
             await launcher.crash("rollout", 1)
 
@@ -627,23 +631,25 @@ async def test_a_replica_that_keeps_dying_is_given_up_on_and_the_others_go_on(tm
     status = RunDir(tmp_path).read_status()
     assert status.roles["rollout"].restarts == 1
     # The controller learns of the death from the launcher, or first from a send that finds no one.
-    assert any(re.fullmatch(r"rollout-1 is given up on after 1 restarts; its last error: "
+    assert any(re.fullmatch(r"rollout-1 is given up on after 1 restarts: 2 deaths in 3600 s "
+                            r"\(cluster.restart_window_s\), over cluster.max_restarts = 1; its last error: "
                             r"(died: killed|closed its connection)", w) for w in status.warnings), status.warnings
 
 
 async def test_a_role_whose_last_replica_is_given_up_on_stops_the_run_naming_it(tmp_path):
-    """The reward replica dies; its replacement never comes up (within three
-    times the first start, and never less than the heartbeat timeout); with
-    no restarts left the run stops, saying which replica and why."""
+    """The reward replica dies; its replacement never comes up (within
+    `cluster.handshake_timeout_s` of its restart); with no restarts left the
+    run stops, saying which replica and why."""
     async def kill_reward(controller: Controller, launcher: InProcessLauncher) -> None:
         launcher.dud_from["reward"] = 1
         while controller.ledger.steps_done < 2:
             await trio.sleep(0.02)
         await launcher.crash("reward", 0)
 
-    config = sim("run.steps=100000", "cluster.max_restarts=1", "cluster.heartbeat_timeout_s=1")
+    config = sim("run.steps=100000", "cluster.max_restarts=1", "cluster.handshake_timeout_s=4")
     with trio.fail_after(120), pytest.raises(
-            RunFailed, match=r"every reward replica is given up on; the last, reward-0: was not back within 1 s"):
+            RunFailed, match=r"every reward replica is given up on; the last, reward-0: was not back within 4 s of "
+                             r"its restart \(cluster.handshake_timeout_s\)"):
         await run_in_process(config, tmp_path, during=kill_reward)
     status = RunDir(tmp_path).read_status()
     assert status.state == "failed" and status.roles["reward"].restarts == 1

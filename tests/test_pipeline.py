@@ -18,7 +18,7 @@ from conftest import late_starts, leftovers, trained_groups
 from rlflow import config as C
 from rlflow.errors import RunFailed
 from rlflow.control.placement import PlacementError
-from rlflow.protocol import MESSAGE_TYPES
+from rlflow.protocol import MESSAGE_TYPES, SCHEMA_VERSION
 from rlflow.control.launch import run
 from rlflow.rundir import RunDir, StepRow
 
@@ -256,7 +256,7 @@ def test_detach_status_and_down(curve, clean, tmp_path):
 
 
 #: The header of the report: about a kilobyte, nested a thousand levels deep.
-DEEP = b"\x92\x01" + b"\x91" * 1000 + b"\x00"
+DEEP = bytes([0x92, SCHEMA_VERSION]) + b"\x91" * 1000 + b"\x00"
 
 
 def hostile_stream() -> list[tuple[str, list[bytes]]]:

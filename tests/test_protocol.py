@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pathlib
 
 import msgspec
 import numpy as np
@@ -64,6 +65,20 @@ def test_every_message_kind_has_a_saved_example():
 def test_saved_bytes_still_decode(name):
     decoded = Codec().decode(load(name))
     assert decoded == examples()[name]
+
+
+def test_bytes_of_the_last_schema_are_refused_as_another_version():
+    """Schema 2 removed fields (`Hello.info`, `WeightsReady.info`, ...) and typed
+    `Heartbeat.counters`: a peer still sending schema 1 is refused, not misread."""
+    import msgspec
+
+    from rlflow.protocol import SchemaVersionMismatch
+
+    old = sorted((pathlib.Path(__file__).parent / "data" / "wire" / f"v{SCHEMA_VERSION - 1}").glob("*.bin"))
+    assert len(old) > 20
+    for path in old:
+        with pytest.raises(SchemaVersionMismatch, match=f"schema version {SCHEMA_VERSION - 1}"):
+            Codec().decode(msgspec.msgpack.decode(path.read_bytes(), type=list[bytes]))
 
 
 @settings(max_examples=200)
@@ -181,7 +196,27 @@ def test_garbage_is_malformed():
     with pytest.raises(MalformedMessage, match="header is not"):
         Codec().decode([b"\xc1\xc1\xc1"])
     with pytest.raises(MalformedMessage, match="not valid msgpack"):
-        Codec().decode([b"\x92\x01\xc1"])
+        Codec().decode([bytes([0x92, SCHEMA_VERSION, 0x92, 0x1B, 0xC1])])
+
+
+def test_the_envelope_is_checked_before_the_version():
+    """SPEC.md: the envelope `[schema_version, message]` first, then the
+    version: a message that is not an array is malformed whatever version it
+    claims; an empty header is truncated (it ends before its first value)."""
+    for version in (SCHEMA_VERSION, SCHEMA_VERSION + 1, 0):
+        with pytest.raises(MalformedMessage, match="the message is not an array") as caught:
+            Codec().decode([msgspec.msgpack.encode([version, "not a message"])])
+        assert caught.value.kind == "malformed"
+    with pytest.raises(TruncatedMessage, match="empty"):
+        Codec().decode([b""])
+
+
+def test_decode_itself_refuses_more_frames_than_the_limit():
+    from rlflow.protocol.codec import MAX_FRAMES
+
+    frames = [msgspec.msgpack.encode([SCHEMA_VERSION, [27, 0]])] + [b""] * MAX_FRAMES
+    with pytest.raises(FrameCountMismatch, match=f"{MAX_FRAMES + 1} frames; at most {MAX_FRAMES}"):
+        P.decode(frames)
 
 
 def test_truncated_header_is_rejected():
@@ -337,7 +372,7 @@ def test_deep_or_oversized_msgpack_anywhere_raises_only_protocol_errors(msg, dat
 @settings(max_examples=100, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(hostile())
 def test_a_hostile_header_is_a_protocol_error(value):
-    for head in (value, header(SCHEMA_VERSION, value), b"\x92\x01" + value):
+    for head in (value, header(SCHEMA_VERSION, value), bytes([0x92, SCHEMA_VERSION]) + value):
         with pytest.raises(ProtocolError):
             Codec().decode([head])
 
@@ -345,9 +380,11 @@ def test_a_hostile_header_is_a_protocol_error(value):
 def test_a_thousand_levels_of_nesting_is_malformed_on_every_channel():
     # The header of the report: [1, [[[...]]]], about a kilobyte; and a good
     # Hello with such an extra field appended.
-    deep = b"\x92\x01" + b"\x91" * 1000 + b"\x00"
+    deep = bytes([0x92, SCHEMA_VERSION]) + b"\x91" * 1000 + b"\x00"
     head = wire(Codec().encode(HELLO))[0]
-    trailing = head[:2] + bytes([head[2] + 1]) + head[3:] + b"\x91" * 1000 + b"\x00"
+    version, fields = msgspec.msgpack.decode(head)
+    # One more field, a placeholder 0 (its byte is the last) that becomes the deep nesting.
+    trailing = msgspec.msgpack.encode([version, [*fields, 0]])[:-1] + b"\x91" * 1000 + b"\x00"
     for channel in (P.AnyMessage, P.ControlMessage, P.DataMessage, P.WeightsMessage):
         with pytest.raises(MalformedMessage):
             Codec(channel).decode([deep])
@@ -359,10 +396,10 @@ def test_a_thousand_levels_of_nesting_is_malformed_on_every_channel():
 def test_nesting_within_the_guaranteed_depth_is_accepted_in_an_extra_field():
     from rlflow.protocol.codec import MIN_DEPTH_ACCEPTED
 
-    head = wire(Codec().encode(HELLO))[0]
-    assert 0x90 <= head[2] < 0x9F  # the message: a short array
+    version, fields = msgspec.msgpack.decode(wire(Codec().encode(HELLO))[0])
     value = b"\x91" * (MIN_DEPTH_ACCEPTED - 2) + b"\x00"  # the message itself is two levels
-    extended = head[:2] + bytes([head[2] + 1]) + head[3:] + value
+    # One more field, a placeholder 0 (its byte is the last) that becomes the nested value.
+    extended = msgspec.msgpack.encode([version, [*fields, 0]])[:-1] + value
     assert Codec().decode([extended]) == HELLO
 
 

@@ -448,12 +448,12 @@ async def test_the_reward_service_scores_every_sample_and_keeps_failed_ones_unsc
 
 
 async def test_a_reward_that_hangs_is_a_failed_sample_and_the_service_goes_on():
-    config = sim_config("roles.reward.engine={kind='task', timeout_s=0.2, concurrency=4}")
+    config = sim_config("roles.reward.engine={kind='task', timeout_s=1.0, concurrency=4}")
     service = RewardService(spec(config, "reward"))
 
     def score(group, index, response_ids):
         if index == 1:
-            time.sleep(2)  # a verifier that hangs
+            time.sleep(5)  # a verifier that hangs
         return 1.0, {"correct": 1.0}
 
     service.task.score = score

@@ -247,18 +247,16 @@ def test_a_top_k_beyond_the_teachers_vocabulary_is_refused(teacher_path):
     assert resolve(config_for(teacher_path, "roles.teacher.engine.top_k=17")).roles.teacher.engine.top_k == 17
 
 
-def test_teacher_replicas_that_disagree_on_the_probe_are_refused(teacher_path):
-    from rlflow.control.controller import Controller, Replica
-    from rlflow.errors import RunFailed
+def test_teacher_replicas_that_disagree_on_the_probe_are_refused():
+    from rlflow.control.replicas import Replica, probes_disagree
     from rlflow.protocol import SCHEMA_VERSION, Hello, Role
 
-    config = config_for(teacher_path, "roles.teacher.replicas=2")
-    controller = Controller(config, "/tmp", "r", launcher=None)
-    for rank, probe in ((0, [-1.0, -2.0]), (1, [-1.0, -2.001])):
-        hello = Hello(role=Role.TEACHER, rank=rank, replicas=2, schema_version=SCHEMA_VERSION,
-                      info={"probe": json.dumps(probe)})
-        controller.replicas[("teacher", rank)] = Replica("teacher", rank, b"x", hello)
-    with pytest.raises(RunFailed, match="teacher replicas disagree: teacher-1 scores the probe sequence 0.001 nats"):
-        controller._check_teachers()
-    controller.replicas[("teacher", 1)].hello.info["probe"] = json.dumps([-1.0, -2.00000001])
-    controller._check_teachers()
+    def teachers(*probes: list[float]) -> list[Replica]:
+        return [Replica("teacher", rank, b"x", Hello(role=Role.TEACHER, rank=rank, replicas=len(probes),
+                                                     schema_version=SCHEMA_VERSION, probe=probe), started=0.0)
+                for rank, probe in enumerate(probes)]
+
+    assert probes_disagree(teachers([-1.0, -2.0], [-1.0, -2.001])).startswith(
+        "teacher replicas disagree: teacher-1 scores the probe sequence 0.001 nats")
+    assert probes_disagree(teachers([-1.0, -2.0], [-1.0, -2.00000001])) is None
+    assert "nan nats" in probes_disagree(teachers([-1.0, -2.0], [-1.0, float("nan")]))

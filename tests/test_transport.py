@@ -180,7 +180,7 @@ async def test_bad_messages_are_counted_and_the_loop_goes_on(ipc_dir):
         [*good, b"spare"],  # one frame too many
         [envelope([41, 1, ["t"], [["int64", [2**40], 1]]]), b"12345678"],  # declared size != frame
         [envelope([41, 1, ["t"], [["complex128", [1], 1]]]), b"x" * 16],  # unknown dtype
-        [b"\x92\x01\x93\x28\x01" + b"\x91" * 1000 + b"\x00"],  # nested a thousand levels deep
+        [bytes([0x92, SCHEMA_VERSION]) + b"\x93\x28\x01" + b"\x91" * 1000 + b"\x00"],  # nested 1000 levels deep
         [good[0], *[b""] * 100],  # more frames than the socket takes
     ]
     ctx = zmq.Context.instance()

@@ -26,6 +26,10 @@ Every group the run will train on passes through it:
   it is counted with the reason and never granted again. If another copy of
   it (granted again after a loss) still reaches the trainer, it counts as
   received after all, and no longer as dropped.
+* Grants are bounded: a group that would be queued again after its
+  `max_grants`-th grant without reaching the trainer (a prompt that fails
+  every time it is generated, or takes its replica down) is dropped with
+  reason `poison`, with what last went wrong with it, and the run goes on.
 
 Every change is also written to `journal`, the events the controller appends
 to the run's ledger file and `rlflow audit` replays. `snapshot` / `restore`
@@ -62,6 +66,8 @@ class Group:
     """The rollout replica generating it, or (downstream) that generated it."""
     grants: int = 0
     """Times it has been granted."""
+    error: str = ""
+    """What last went wrong with it (as an expiry said)."""
 
 
 class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -78,6 +84,8 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """requeued / dropped: why."""
     min_versions: list[int] = []
     """issued: the oldest version each group may start on."""
+    details: list[str] = []
+    """dropped: what went wrong with each group, where known (a poison group: its grants and last error)."""
     t: float = 0.0
     """Seconds since the Unix epoch (set by the controller when it writes the event)."""
 
@@ -97,6 +105,10 @@ class LedgerState(msgspec.Struct, frozen=True, kw_only=True):
     """Groups dropped for good, by reason."""
 
 
+#: `Event.reason` of a group dropped for having been granted `max_grants` times.
+POISON = "poison"
+
+
 def min_version(group_id: int, batch_size: int, max_staleness: int) -> int:
     """The oldest policy version group `group_id` may start on."""
     return max(0, group_id // batch_size - max_staleness)
@@ -105,10 +117,11 @@ def min_version(group_id: int, batch_size: int, max_staleness: int) -> int:
 class GroupLedger:
     """Which groups exist, where each is, and which may start (see the module)."""
 
-    def __init__(self, batch_size: int, max_staleness: int, steps: int):
+    def __init__(self, batch_size: int, max_staleness: int, steps: int, *, max_grants: int = 3):
         self.batch_size = batch_size
         self.max_staleness = max_staleness
         self.steps = steps
+        self.max_grants = max_grants
         self.steps_done = 0
         self.next_group = 0
         self.groups: dict[int, Group] = {}
@@ -224,15 +237,18 @@ class GroupLedger:
         self.trained_count += len(done)
         self.journal.append(Event(event="trained", groups=list(group_ids), step=step))
 
-    def drop(self, group_ids: list[int], reason: str) -> list[int]:
+    def drop(self, group_ids: list[int], reason: str, details: list[str] = ()) -> list[int]:
         """A role dropped these groups for good: they are not trained on, nor
-        granted again. Returns those that were in the ledger."""
+        granted again (`details`: what went wrong with each, for the ledger
+        file and the audit). Returns those that were in the ledger."""
+        said = dict(zip(group_ids, details))
         gone = [g for g in dict.fromkeys(group_ids) if self.groups.pop(g, None) is not None]
         if gone:
             self._unqueue(gone)
             self.dropped[reason or "dropped"] += len(gone)
             self._drop_reasons.update(dict.fromkeys(gone, reason or "dropped"))
-            self.journal.append(Event(event="dropped", groups=gone, reason=reason or "dropped"))
+            self.journal.append(Event(event="dropped", groups=gone, reason=reason or "dropped",
+                                      details=[said.get(g, "") for g in gone] if said else []))
         return gone
 
     def end(self) -> list[int]:
@@ -242,10 +258,14 @@ class GroupLedger:
             self.journal.append(Event(event="ended", groups=left, reason="the run ended before they were trained"))
         return left
 
-    def expired(self, group_ids: list[int], reason: str = "expired") -> list[int]:
-        """A role dropped these groups unused: queue them again, first in
-        line. Returns those that were queued (not the ones already trained
-        on or already queued)."""
+    def expired(self, group_ids: list[int], reason: str = "expired", errors: list[str] = ()) -> list[int]:
+        """A role dropped these groups unused (`errors`: what went wrong with
+        each, if it says): queue them again, first in line. Returns those
+        that were queued (not the ones already trained on or already queued,
+        nor those dropped as poison)."""
+        for group_id, error in zip(group_ids, errors):
+            if group_id in self.groups:
+                self.groups[group_id].error = error
         return self._requeue((g for g in group_ids if g in self.groups), reason)
 
     def lost(self, owner: int) -> list[int]:
@@ -266,6 +286,11 @@ class GroupLedger:
 
     def _requeue(self, group_ids, reason: str) -> list[int]:
         again = [g for g in dict.fromkeys(group_ids) if self.groups[g].state is not GroupState.QUEUED]
+        poison = [g for g in again if self.groups[g].grants >= self.max_grants]
+        if poison:
+            again = [g for g in again if self.groups[g].grants < self.max_grants]
+            details = [f"granted {self.groups[g].grants} times; last: {self.groups[g].error or reason}" for g in poison]
+            self.drop(poison, POISON, details)
         for group_id in reversed(again):
             group = self.groups[group_id]
             group.state, group.owner = GroupState.QUEUED, None
@@ -280,7 +305,12 @@ class GroupLedger:
             self._queue = collections.deque(g for g in self._queue if g not in gone)
 
     def _add(self, group_id: int) -> None:
-        self.groups[group_id] = Group(group_id, min_version(group_id, self.batch_size, self.max_staleness))
+        # A group made to take a dropped one's place fills a step that is
+        # open now, not the later step its id would say (in sync mode that
+        # step could never start).
+        step = min(group_id // self.batch_size, self.steps_done + self.max_staleness)
+        self.groups[group_id] = Group(group_id, min_version(step * self.batch_size, self.batch_size,
+                                                            self.max_staleness))
         self._queue.append(group_id)
 
     # -- checkpoints --------------------------------------------------------
@@ -295,9 +325,10 @@ class GroupLedger:
         )
 
     @classmethod
-    def restore(cls, state: LedgerState, batch_size: int, max_staleness: int, steps: int) -> GroupLedger:
+    def restore(cls, state: LedgerState, batch_size: int, max_staleness: int, steps: int, *,
+                max_grants: int = 3) -> GroupLedger:
         """The ledger as saved, with every untrained group queued again (in id order)."""
-        ledger = cls(batch_size, max_staleness, steps)
+        ledger = cls(batch_size, max_staleness, steps, max_grants=max_grants)
         ledger.steps_done, ledger.next_group, ledger.reissued = state.steps_done, state.next_group, state.reissued
         ledger.dropped.update(state.dropped)
         for group_id in state.untrained:

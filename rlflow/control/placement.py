@@ -362,17 +362,15 @@ class RayLauncher:
         if item is not None:
             ray.kill(item.actor, no_restart=True)
 
-    def restart(self, role: str, rank: int) -> int:
-        """Start a new incarnation of a replica that has ended, in its bundle;
-        its incarnation number."""
+    def restart(self, role: str, rank: int, incarnation: int) -> None:
+        """Start incarnation `incarnation` of a replica that has ended, in its bundle."""
         item = self.running[(role, rank)]
         ray.kill(item.actor, no_restart=True)  # frees its name, if it lingers
         deadline = time.monotonic() + 30
         while self.actor_name(role, rank) in alive_actors(self.run_id) and time.monotonic() < deadline:
             time.sleep(0.05)
         actor = ray.remote(ServiceHost).options(**item.options).remote(item.cores)
-        self._run(role, rank, item.incarnation + 1, actor, item.options, item.cores, item.master)
-        return item.incarnation + 1
+        self._run(role, rank, incarnation, actor, item.options, item.cores, item.master)
 
     def stop(self, wait_s: float = 20.0) -> None:
         """Let services that are shutting down finish, then kill what is left."""

@@ -1,5 +1,6 @@
 """Weight rounds: moving each new policy version from the trainer to every
-replica that loads weights, one version at a time.
+replica that loads weights, one version at a time, and the generations of
+a collective weight group (`Weights`).
 
 Plain synchronous code, no I/O. A collective transfer needs the sender and
 every receiver to take part in the same broadcast, so only one version is
@@ -8,6 +9,13 @@ in flight; a version published meanwhile waits, and a newer one replaces it
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from rlflow.errors import RunFailed
+from rlflow.protocol import ParamSpec, SendWeights, UpdateWeights, WeightsGloo, WeightsNccl, WeightTransfer
 
 
 class WeightRounds:
@@ -72,3 +80,146 @@ class WeightRounds:
             return None
         self.moving, self._loaded = self.moved, set()
         return self.moving
+
+
+@dataclass(frozen=True)
+class Order:
+    """A message for the trainer's ranks (`rank` None: every rank) or for
+    rollout replica `rank`."""
+
+    role: str
+    rank: int | None
+    message: SendWeights | UpdateWeights
+
+
+class Weights:
+    """Each replica's weight state, and what to tell whom to move versions.
+
+    Wraps the rounds (one version moving at a time) and the collective
+    group's generations: a collective group cannot take a new member, so
+    after a receiver left or joined, the next round makes a new generation
+    (`SendWeights` with a `transfer`: the trainer hosts it and says where in
+    `WeightsGroup`; then each live receiver gets `UpdateWeights` with its
+    rank in it). A replacement rollout replica is caught up before it gets
+    work. A broken broadcast abandons the round and moves the newest version
+    again through a new generation, at most `max_rebuilds` times in a row.
+    Every method returns the orders to send, and changes nothing else.
+    """
+
+    def __init__(self, version: int, *, max_rebuilds: int):
+        self.rounds = WeightRounds(version)
+        self.max_rebuilds = max_rebuilds
+        #: The trainer's offer (from its hello) and the layout of its flat buffer.
+        self.offer: WeightTransfer | None = None
+        self.layout: list[ParamSpec] = []
+        self.generation = 0
+        #: The receivers of the current generation, in member order (member i + 1 is members[i]).
+        self.members: list[int] = []
+        #: The next round makes a new generation of the collective group.
+        self.regroup = False
+        #: The version moving through a new generation, until the trainer says where the group is.
+        self.moving_version: int | None = None
+        #: Broken broadcasts since the last round completed.
+        self.rebuilds = 0
+        #: Rollout replicas being caught up (replacements): no work for them yet.
+        self.catching_up: set[int] = set()
+
+    def offered(self, transfer: WeightTransfer | None, layout: list[ParamSpec], receivers: int) -> None:
+        """The trainer's rank 0 said how it sends weights; `receivers` rollout
+        replicas make the first generation of a collective group."""
+        self.offer, self.layout, self.members = transfer, layout, list(range(receivers))
+
+    @property
+    def collective(self) -> bool:
+        return isinstance(self.offer, (WeightsGloo, WeightsNccl))
+
+    @property
+    def busy(self) -> bool:
+        return self.rounds.busy
+
+    def welcome(self, role: str, rank: int, *, first: bool, receivers: int) -> tuple[WeightTransfer | None, list]:
+        """The transfer and layout a replica is welcomed with: the trainer's
+        rank 0 hosts the group of 1 + `receivers` members; a first rollout
+        replica joins it as member 1 + rank; a replacement joins the next
+        generation (when it is caught up); with the zmq transfer every
+        rollout replica gets the trainer's address."""
+        offer = self.offer
+        if self.collective:
+            group = msgspec.structs.replace(offer, world_size=1 + receivers)
+            if role == "trainer" and rank == 0:
+                return group, []
+            if role == "rollout" and first:
+                return msgspec.structs.replace(group, rank=1 + rank), self.layout
+            if role == "rollout":
+                return None, self.layout
+            return None, []
+        return (offer, []) if role == "rollout" else (None, [])
+
+    def publish(self, version: int, receivers: set[int]) -> list[Order]:
+        """The trainer has `version`."""
+        return self._move(self.rounds.publish(version), receivers)
+
+    def loaded(self, rank: int, version: int, receivers: set[int]) -> list[Order]:
+        """Rollout replica `rank` holds `version` now (it may take work, if it was catching up)."""
+        if version >= self.rounds.moved:
+            self.catching_up.discard(rank)
+        return self._move(self.rounds.loaded(rank, version, receivers), receivers)
+
+    def left(self, rank: int, receivers: set[int]) -> list[Order]:
+        """Rollout replica `rank` is gone: the next round regroups; this one may complete without it."""
+        self.catching_up.discard(rank)
+        self.regroup = self.collective
+        return self._move(self.rounds.left(receivers), receivers)
+
+    def joined(self, rank: int, receivers: set[int]) -> list[Order]:
+        """A replacement rollout replica is ready: it loads the newest version moved before any work."""
+        self.catching_up.add(rank)
+        if self.collective:
+            self.regroup = True
+            return [] if self.rounds.busy else self._move(self.rounds.repeat(), receivers)
+        return [Order("rollout", rank, UpdateWeights(version=self.rounds.moved))]
+
+    def hosted(self, transfer: WeightTransfer, receivers: set[int]) -> list[Order]:
+        """The trainer hosts the new generation at `transfer`: each live
+        member joins it with its rank, and loads the version moving."""
+        version, self.moving_version = self.moving_version, None
+        if version is None:
+            return []
+        replace = msgspec.structs.replace
+        return [Order("rollout", rank, UpdateWeights(version=version, transfer=replace(transfer, rank=m)))
+                for m, rank in enumerate(self.members, start=1) if rank in receivers]
+
+    def broken(self, receivers: set[int]) -> list[Order]:
+        """A broadcast failed: abandon the round, move the newest version
+        again through a new generation. Raises `RunFailed` after
+        `max_rebuilds` in a row with no round completed."""
+        if not self.collective:
+            return []
+        self.rebuilds += 1
+        if self.rebuilds > self.max_rebuilds:
+            raise RunFailed(f"the weight group broke {self.rebuilds} times in a row without a round completing "
+                            f"(cluster.max_weight_rebuilds = {self.max_rebuilds})")
+        self.regroup = True
+        self.rounds.abandon()
+        return self._move(self.rounds.repeat(), receivers)
+
+    def _move(self, version: int | None, receivers: set[int]) -> list[Order]:
+        """Start moving `version`, if there is one: every trainer rank sends
+        it (hosting a new generation first, when one is due) and every live
+        receiver loads it (told when the trainer says where a new group is)."""
+        if version is None:
+            if not self.rounds.busy:
+                self.rebuilds = 0
+            return []
+        transfer = None
+        if self.regroup and self.collective:
+            self.generation += 1
+            transfer = msgspec.structs.replace(self.offer, world_size=1 + len(receivers), port=0,
+                                               generation=self.generation)
+            self.regroup = False
+            self.members = sorted(receivers)
+            self.moving_version = version
+        orders = [Order("trainer", None, SendWeights(version=version, transfer=transfer))]
+        if transfer is None:
+            orders += [Order("rollout", rank, UpdateWeights(version=version)) for rank in sorted(receivers)]
+        return orders

@@ -10,12 +10,13 @@ window.
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlflow.protocol import Heartbeat, StepDone
+from rlflow.protocol import EvalDone, Heartbeat, StepDone
 from rlflow.rundir import EvalRow, Shares, StepRow, Summary, Trend
 
 STATES = ("busy", "starved", "blocked", "loading")
@@ -25,6 +26,8 @@ TRENDS = ("kl_teacher",)
 TREND_STEPS = 10
 #: Heartbeats of each replica kept for the live window.
 WINDOW = 32
+
+log = logging.getLogger("rlflow.controller")
 
 
 @dataclass
@@ -103,6 +106,14 @@ class RunStats:
     def evaluated(self, row: EvalRow) -> None:
         self.evals.append(row)
 
+    def eval_done(self, msg: EvalDone, step: int) -> EvalRow:
+        """The row of an evaluation a rollout replica finished (at trainer step `step`), kept."""
+        row = EvalRow(step=step, version=msg.version, version_end=msg.version_end, seconds=round(msg.seconds, 3),
+                      metrics=msg.metrics)
+        log.info("[controller] eval at v%d: %s", msg.version, msg.metrics.get("accuracy"))
+        self.evaluated(row)
+        return row
+
     def weights_loaded(self, seconds: float) -> None:
         self.load_seconds.append(seconds)
 
@@ -134,11 +145,11 @@ class RunStats:
         used = capacity = 0.0
         for clock in self.replicas("rollout"):
             last, first = clock.last, clock.at_step
-            if "slot_s" not in last.counters:
+            if last.engine is None or last.counters.slot_s == 0:
                 return None
             elapsed = sum(getattr(last, f"{k}_s") - getattr(first, f"{k}_s") for k in STATES)
-            used += last.counters["slot_s"] - first.counters.get("slot_s", 0.0)
-            capacity += elapsed * last.counters.get("slots", 0.0)
+            used += last.counters.slot_s - first.counters.slot_s
+            capacity += elapsed * last.engine.slots
         return round(used / capacity, 4) if capacity > 0 else None
 
     def _failed_share(self) -> float | None:
@@ -147,8 +158,8 @@ class RunStats:
         scored = failed = 0.0
         for clock in self.replicas("reward"):
             last, first = clock.last.counters, clock.at_step.counters
-            scored += last.get("scored_samples", 0.0) - first.get("scored_samples", 0.0)
-            failed += last.get("failed_samples", 0.0) - first.get("failed_samples", 0.0)
+            scored += last.scored_samples - first.scored_samples
+            failed += last.failed_samples - first.failed_samples
         return round(failed / scored, 4) if scored > 0 else None
 
     def trends(self, window: int = TREND_STEPS) -> dict[str, Trend]:
@@ -169,6 +180,11 @@ class RunStats:
             change = mean - sum(before) / len(before) if len(before) == window else None
             out[key] = Trend(last=values[-1], mean=mean, steps=len(recent), change=change)
         return out
+
+    def last(self, role: str, rank: int) -> Heartbeat | None:
+        """A replica's latest heartbeat (None: none yet from this incarnation)."""
+        clock = self.clocks.get((role, rank))
+        return clock.last if clock is not None else None
 
     def latest(self, role: str) -> list[Heartbeat]:
         return [clock.last for clock in self.replicas(role)]
@@ -197,7 +213,7 @@ class RunStats:
             accuracy_after=accuracy[-1] if accuracy else None,
             accuracy_last3_mean=last3,
             gain_points=round(100 * (last3 - accuracy[0]), 2) if accuracy else None,
-            data_bytes=int(sum(b.counters.get("bytes_out", 0) for b in self.latest("rollout"))),
+            data_bytes=sum(b.counters.bytes_out for b in self.latest("rollout")),
             roles=self.whole_run(),
             **fields,
         )

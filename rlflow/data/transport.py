@@ -48,6 +48,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from rlflow.data.net import CurveKeys, endpoint_is_local
 from rlflow.protocol import Codec, ControlMessage, DataMessage, Message, ProtocolError
+from rlflow.protocol.codec import MAX_FRAMES
 
 log = logging.getLogger("rlflow.data.transport")
 
@@ -63,9 +64,11 @@ DEFAULT_HWM = 8
 #: from the heap and freed ones are kept for the next message, up to 1 GiB.
 PROCESS_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
-#: Most frames a received message may have (a header and its tensors); a
-#: weight payload of this many tensors is far beyond any model's layer count.
-MAX_FRAMES = 1 << 16
+
+#: A ROUTER's send to a peer at its high-water mark is retried after this
+#: pause, doubling up to the most.
+ROUTER_RETRY_S = 0.001
+ROUTER_RETRY_MAX_S = 0.05
 
 #: Operations that found their socket ready may run this many times in a row
 #: before one yields to other tasks (see `Socket._done`).
@@ -313,12 +316,20 @@ class Socket:
         await trio.lowlevel.checkpoint_if_cancelled()
         if identity is not None:
             frames = [identity, *frames]
+        pause = ROUTER_RETRY_S
         while True:
             try:
                 self._sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
                 break
             except zmq.Again:
-                await self._until(zmq.POLLOUT)
+                if identity is None:
+                    await self._until(zmq.POLLOUT)
+                else:
+                    # A ROUTER is writable while any peer has room, so its
+                    # POLLOUT cannot say when this peer has: retry after a
+                    # pause that grows (the other peers' sends go on meanwhile).
+                    await trio.sleep(pause)
+                    pause = min(2 * pause, ROUTER_RETRY_MAX_S)
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.EHOSTUNREACH:
                     raise PeerUnreachable(f"{self.name}: no peer with identity {identity!r}") from None

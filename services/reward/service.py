@@ -19,7 +19,6 @@ function and reason in the heartbeats.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import numpy as np
@@ -66,10 +65,8 @@ class RewardService(StageService):
                 self.log.warning("[%s] %s", self.spec.name, problem)
             await super().main(control)
 
-    def hello_info(self) -> dict[str, str]:
-        if not self.reference_problems:
-            return {}
-        return {"reference_problems": json.dumps(self.reference_problems)}
+    def hello_fields(self) -> dict[str, Any]:
+        return {"problems": list(self.reference_problems)}
 
     async def process(self, batch: SampleBatch) -> SampleBatch | None:
         if self.config.roles.reward.inline:

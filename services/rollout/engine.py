@@ -10,11 +10,11 @@ the same time. Weights reach it between two of its steps.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 
-from rlflow.protocol import ParamSpec, PromptGroup, Response, WeightTransfer
+from rlflow.protocol import EngineLoad, ParamSpec, PromptGroup, Response, WeightTransfer
 
 #: What an engine hands the service: a group and one response per sample.
 Finished = tuple[PromptGroup, list[Response]]
@@ -33,8 +33,11 @@ class RolloutEngine(Protocol):
     async def start(self) -> None:
         """Load the model (blocking work goes to a thread)."""
 
-    def hello_info(self) -> dict[str, str]:
-        """What the controller should know (``slots``: sequences decoded at once)."""
+    def hello_fields(self) -> dict[str, Any]:
+        """What the controller should know (`Hello`'s ``slots``: sequences decoded at once; ``model``)."""
+
+    def load(self) -> EngineLoad:
+        """The engine's load now (for the heartbeats)."""
 
     async def set_version(self, version: int) -> None:
         """Label the weights held now (above 0 when the run resumes)."""

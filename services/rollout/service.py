@@ -22,6 +22,7 @@ from rlflow.config import FunctionsReward, SimRollout, VllmRollout
 from rlflow.data import transport
 from rlflow.data.tasks import Task
 from rlflow.protocol import (
+    EngineLoad,
     WEIGHT_GROUP_BROKEN,
     Ack,
     ErrorReport,
@@ -80,7 +81,7 @@ class RolloutService(Service):
             started = time.monotonic()
             await engine.start()
             self.say("%s started in %.1f s", type(engine).__name__, time.monotonic() - started)
-            welcome = await control.hello(endpoints={}, info=engine.hello_info())
+            welcome = await control.hello(endpoints={}, **engine.hello_fields())
             await engine.set_version(welcome.version)  # above 0 when resuming
             self.version = welcome.version
             await engine.join_weights(welcome.weights, welcome.layout)
@@ -122,6 +123,9 @@ class RolloutService(Service):
 
     def queues(self) -> dict[str, int]:
         return self.engine.queues() if self.engine is not None else {}
+
+    def engine_load(self) -> EngineLoad | None:
+        return self.engine.load() if self.engine is not None else None
 
     def _score_inline(self, engine: RolloutEngine, task: Task) -> None:
         """Score each finished group in this process, while the engine waits

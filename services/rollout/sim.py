@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import trio
@@ -30,6 +30,7 @@ from rlflow.config import SimRollout
 from rlflow.data import transport
 from rlflow.distributions import draw_lengths
 from rlflow.protocol import (
+    EngineLoad,
     Codec,
     FinishReason,
     ParamSpec,
@@ -503,9 +504,11 @@ class SimEngine:
     async def close(self) -> None:
         """Nothing to release."""
 
-    def hello_info(self) -> dict[str, str]:
-        self.ctx.counters["slots"] = self.cfg.slots
-        return {"slots": str(self.cfg.slots)}
+    def hello_fields(self) -> dict[str, Any]:
+        return {"slots": self.cfg.slots}
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(slots=self.cfg.slots, running=len(self.batcher.active), waiting=len(self.batcher.pending))
 
     async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
         raise NotImplementedError("the simulated engine has no model to evaluate")

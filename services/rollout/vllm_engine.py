@@ -43,9 +43,11 @@ import trio
 from rlflow.algo.staleness import too_stale
 from rlflow.config import VllmRollout
 from rlflow.protocol import (
+    EngineLoad,
     FinishReason, ParamSpec, PromptGroup, Response, Stage, WeightsGloo, WeightsNccl, WeightTransfer
 )
 from rlflow.protocol.batch import N_STAGES
+from rlflow.services import compat
 from rlflow.services.base import EngineContext, cpu_ranges
 from rlflow.errors import WeightGroupBroken
 from rlflow.services.rollout.vllm_worker import BACKEND
@@ -119,6 +121,14 @@ class VllmBackend:
         self.max_logprobs = max_logprobs
         self.bridge: AsyncioBridge | None = None
         self.llm = None
+        #: vLLM's scheduler statistics, kept current by a stat logger of its own.
+        self.scheduler = compat.SchedulerLoad()
+
+    def load(self, slots: int) -> EngineLoad:
+        """The engine's load now, as its scheduler last reported it."""
+        now = self.scheduler
+        return EngineLoad(slots=slots, running=now.running, waiting=now.waiting,
+                          kv_cache_usage=now.kv_cache_usage, preemptions=now.preemptions)
 
     def engine_args(self):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -164,7 +174,9 @@ class VllmBackend:
         args = self.engine_args()
 
         async def create():
-            return AsyncLLM.from_engine_args(args)
+            # Without vLLM's own loggers: its scheduler statistics reach the
+            # heartbeats through this one alone.
+            return AsyncLLM.from_engine_args(args, stat_loggers=[compat.load_logger(self.scheduler)])
 
         self.llm = asyncio.run_coroutine_threadsafe(create(), self.bridge.loop).result()
 
@@ -381,8 +393,11 @@ class VllmEngine:
     def queues(self) -> dict[str, int]:
         return {"pending": len(self.pending), "running": len(self.running)}
 
-    def hello_info(self) -> dict[str, str]:
-        return {"model": self.backend.model_path, "slots": str(self.cfg.max_num_seqs)}
+    def hello_fields(self) -> dict[str, Any]:
+        return {"model": self.backend.model_path, "slots": self.cfg.max_num_seqs}
+
+    def load(self) -> EngineLoad:
+        return self.backend.load(self.cfg.max_num_seqs)
 
     # -- start-up ---------------------------------------------------------------
 
@@ -480,7 +495,10 @@ class VllmEngine:
                 try:
                     output = await self.backend.generate(item.group.prompt_ids, item.group.n, self.cfg.temperature)
                     responses = self._responses(output, item, started)
-                except Exception as exc:  # per-request: failed samples in the batch, the engine goes on
+                except Exception as exc:
+                    if compat.engine_dead(exc):  # nothing more can be served: the replica ends, to be restarted
+                        raise EngineDead(f"vLLM's engine died while generating group {group_id}: {exc}") from exc
+                    # Per request: failed samples in the batch, the engine goes on.
                     self.ctx.counters["failed_requests"] += 1
                     self.ctx.log.warning("[%s] group %d failed: %s: %s", self.ctx.name, group_id, type(exc).__name__, exc)
                     responses = [_failed(item, started, exc)] * item.group.n
@@ -520,6 +538,10 @@ class VllmEngine:
                 )
             )
         return out
+
+
+class EngineDead(RuntimeError):
+    """vLLM's engine core is gone: the replica cannot serve any request."""
 
 
 def check_offer(backend: str, transfer: WeightTransfer) -> None:

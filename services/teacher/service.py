@@ -11,8 +11,8 @@ refuse replicas that disagree.
 
 from __future__ import annotations
 
-import json
 import time
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -36,8 +36,8 @@ class TeacherService(StageService):
         self._probe = await self.engine.probe()
         self.say("%s ready in %.1f s", type(self.engine).__name__, time.monotonic() - started)
 
-    def hello_info(self) -> dict[str, str]:
-        return {"probe": json.dumps(self._probe)}
+    def hello_fields(self) -> dict[str, Any]:
+        return {"probe": list(self._probe)}
 
     async def process(self, batch: SampleBatch) -> SampleBatch:
         failed_before = {f.index for f in batch.failures}

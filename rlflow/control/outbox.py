@@ -1,0 +1,168 @@
+"""What the controller says to peers: to each replica, through an outbox of
+its own; to peers turned away, through the door.
+
+The controller decides synchronously and posts what it has to say; each
+replica's outbox sends it. So a replica that stops reading its control
+socket (its pipe at the high-water mark) delays only its own messages,
+never another replica's welcome or a weight order, and never the
+controller's handling of what arrives.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from rlflow.data import transport
+from rlflow.control.replicas import State
+from rlflow.protocol import Bye, ErrorReport, Shutdown
+
+log = logging.getLogger("rlflow.controller")
+
+#: Messages an outbox holds; one that fills up belongs to a replica that stopped reading.
+OUTBOX_SIZE = 256
+
+
+class Outbox:
+    """Posts to one identity of a ROUTER (see the module)."""
+
+    def __init__(self, router: transport.Router, identity: bytes, *, size: int = OUTBOX_SIZE):
+        self.router = router
+        self.identity = identity
+        self.size = size
+        self._in, self._out = trio.open_memory_channel(size)
+        self._scope = trio.CancelScope()
+
+    def post(self, msg: Any) -> bool:
+        """Queue `msg`; False if the outbox is full (the peer has not taken
+        its messages for a long while) or closed."""
+        try:
+            self._in.send_nowait(msg)
+        except (trio.WouldBlock, trio.ClosedResourceError):
+            return False
+        return True
+
+    def close(self) -> None:
+        """Send nothing more (what is queued is dropped, a send under way abandoned)."""
+        self._in.close()
+        self._scope.cancel()
+
+    async def run(self, unreachable: Callable[[], None]) -> None:
+        """Send what is posted, in order, until closed; `unreachable()` when
+        the ROUTER has no peer of this identity any more (it died)."""
+        with self._scope:
+            async for msg in self._out:
+                try:
+                    await self.router.send(self.identity, msg)
+                except transport.PeerUnreachable:
+                    unreachable()
+                    return
+
+
+#: Peers refused with an answer, at most (more are refused in silence).
+MAX_REFUSED = 4096
+
+
+class Door:
+    """Who is turned away: counts every message not acted on by kind, and
+    answers a peer that may not join (or was replaced) with a fatal
+    `ErrorReport`: a refused hello once per identity (a flood is not answered
+    in kind), a replaced incarnation at every message it sends, as far as a
+    small queue allows. Sent by `run`, a peer that does not read is not
+    waited for."""
+
+    def __init__(self) -> None:
+        self.ignored: collections.Counter[str] = collections.Counter()
+        self._refused: set[bytes] = set()
+        self._in, self._out = trio.open_memory_channel(16)
+
+    def ignore(self, kind: str, what: str) -> None:
+        """Count a well-formed message that is not acted on (log the first few)."""
+        self.ignored[kind] += 1
+        if self.ignored[kind] <= 3:
+            log.warning("[controller] ignored %s", what)
+
+    def refuse(self, identity: bytes, refusal: Any, *, every: bool = False) -> None:
+        """Turn `identity` away with `refusal` (a `replicas.Refusal`)."""
+        self.ignore(refusal.kind, refusal.message)
+        if not every:
+            if identity in self._refused or len(self._refused) >= MAX_REFUSED:
+                return
+            self._refused.add(identity)
+        try:
+            self._in.send_nowait((identity, ErrorReport(fatal=True, kind=refusal.kind, message=refusal.message)))
+        except trio.WouldBlock:
+            pass
+
+    async def run(self, router: transport.Router) -> None:
+        async for identity, report in self._out:
+            with trio.move_on_after(1):
+                try:
+                    await router.send(identity, report)
+                except transport.PeerUnreachable:
+                    pass
+
+
+class Outboxes:
+    """An outbox for each registered replica (see `Outbox`); `lose(replica,
+    why, kill)` is called for a replica found unreachable or stuck."""
+
+    def __init__(self, lose: Callable[[Any, str, bool], None]):
+        self._lose = lose
+        self._boxes: dict[bytes, Outbox] = {}
+        self.router: transport.Router | None = None
+        self.nursery: trio.Nursery | None = None
+
+    def open(self, replica: Any) -> None:
+        """An outbox for `replica`'s registered incarnation."""
+        outbox = self._boxes[replica.identity] = Outbox(self.router, replica.identity)
+        incarnation = replica.incarnation
+
+        def unreachable() -> None:
+            if replica.incarnation == incarnation and replica.registered:
+                log.info("[controller] %s is unreachable", replica.name)
+                self._lose(replica, "closed its connection", False)
+
+        self.nursery.start_soon(outbox.run, unreachable)
+
+    def close(self, replica: Any) -> None:
+        if (outbox := self._boxes.pop(replica.identity, None)) is not None:
+            outbox.close()
+
+    def post(self, replica: Any, msg: Any) -> None:
+        """Say `msg` to `replica`; one whose outbox is full has not read its
+        control socket for a long while: lost."""
+        outbox = self._boxes.get(replica.identity)
+        if outbox is not None and not outbox.post(msg) and replica.registered:
+            self._lose(replica, f"took none of its last {outbox.size} control messages: presumed stuck", True)
+
+    def order(self, orders: list[Any], roster: Any) -> None:
+        """Send weight orders (`rounds.Order`): to every trainer rank, or to a live rollout replica."""
+        for order in orders:
+            if order.rank is None:
+                for replica in roster.role(order.role):
+                    self.post(replica, order.message)
+            elif (replica := roster.replicas.get((order.role, order.rank))) is not None and replica.live:
+                self.post(replica, order.message)
+
+
+async def farewell(router: transport.Router, roster: Any, reason: str, wait_s: float = 10.0) -> None:
+    """Tell every registered replica of `roster` to stop (directly, not through
+    the outboxes: this is the end), and wait up to `wait_s` for their goodbyes."""
+    targets = [r for r in roster if r.registered]
+    with trio.move_on_after(wait_s):
+        for replica in targets:
+            with trio.move_on_after(1):
+                try:
+                    await router.send(replica.identity, Shutdown(reason=reason))
+                except transport.PeerUnreachable:
+                    replica.state = State.GONE
+        while any(r.registered for r in targets):
+            identity, msg = await router.recv()
+            replica = roster.by_identity.get(identity)
+            if replica is not None and isinstance(msg, Bye | ErrorReport):
+                replica.state = State.GONE

@@ -1,0 +1,146 @@
+"""The run's status (status.json) and summary built from what the controller
+holds: plain functions, no I/O. `run_status` and `run_summary` read a
+controller's public state (its config, replicas, ledger, statistics,
+warnings, the door's counts and its router's)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+
+from rlflow.control.ledger import GroupLedger
+from rlflow.control.replicas import Replica, State
+from rlflow.control.stats import process_cpu
+from rlflow.protocol import Counters, EngineLoad, Heartbeat
+from rlflow.rundir import ControllerStats, GroupCounts, Placed, RoleStatus, Shares, Status, Summary
+
+#: Roles that hold the policy (and so can be behind the trainer).
+POLICY_ROLES = ("rollout", "trainer")
+
+
+def add_counters(counts: Iterable[Counters]) -> Counters:
+    """Counters added up, field by field (maps key by key)."""
+    plain: collections.Counter[str] = collections.Counter()
+    rejected: collections.Counter[str] = collections.Counter()
+    calls: collections.Counter[str] = collections.Counter()
+    for c in counts:
+        plain.update({k: v for k, v in msgspec.structs.asdict(c).items() if not isinstance(v, dict)})
+        rejected.update(c.rejected)
+        calls.update(c.reward_calls)
+    return Counters(**plain, rejected=dict(rejected), reward_calls=dict(calls))
+
+
+def add_loads(loads: Iterable[EngineLoad | None]) -> EngineLoad | None:
+    """Engines' loads added up; KV-cache use is the fullest one's (None: no engine reported)."""
+    loads = [load for load in loads if load is not None]
+    if not loads:
+        return None
+    return EngineLoad(
+        slots=sum(x.slots for x in loads),
+        running=sum(x.running for x in loads),
+        waiting=sum(x.waiting for x in loads),
+        kv_cache_usage=max(x.kv_cache_usage for x in loads),
+        preemptions=sum(x.preemptions for x in loads),
+    )
+
+
+def placed(replica: Replica, now: float) -> Placed:
+    hello = replica.hello
+    waiting = None
+    if replica.state is State.LOST and replica.restart_at is not None:
+        waiting = round(max(0.0, replica.restart_at - now), 2)
+    return Placed(
+        rank=replica.rank, host=hello.host, pid=hello.pid, incarnation=replica.incarnation,
+        endpoints=hello.endpoints, state=replica.state.value, restarts=replica.restarts, restart_in_s=waiting,
+        last_error=replica.last_error, external=replica.external, threads=hello.threads, cpus=hello.cpus,
+        model=hello.model,
+    )
+
+
+def role_status(role: str, expected: int, replicas: list[Replica], beats: list[Heartbeat], shares: Shares,
+                version: int, now: float) -> RoleStatus:
+    """One role now: its replicas, the shares of their time over the latest
+    heartbeats (`shares`), their queues and counts added up, and (roles that
+    hold the policy) the oldest version held and how far behind `version`."""
+    queues: collections.Counter[str] = collections.Counter()
+    for beat in beats:
+        queues.update(beat.queues)
+    held = [r.version for r in replicas if r.live] or [r.version for r in replicas]
+    oldest = min(held, default=0) if role in POLICY_ROLES else None
+    return RoleStatus(
+        replicas=expected,
+        up=sum(r.live for r in replicas),
+        restarts=sum(r.restarts for r in replicas),
+        placed=[placed(r, now) for r in replicas],
+        states=shares,
+        queues=dict(queues),
+        counters=add_counters(beat.counters for beat in beats),
+        engine=add_loads(beat.engine for beat in beats),
+        version=oldest,
+        behind=None if oldest is None else version - oldest,
+    )
+
+
+def group_counts(ledger: GroupLedger) -> GroupCounts:
+    counts = ledger.counts()
+    return GroupCounts(
+        queued=counts["queued"],
+        generating=counts["generating"],
+        downstream=counts["downstream"],
+        received=counts["received"],
+        trained=ledger.trained_count,
+        granted=ledger.granted,
+        reissued=ledger.reissued,
+        dropped=dict(ledger.dropped),
+    )
+
+
+def controller_stats(controller: Any) -> ControllerStats:
+    """The controller's own load."""
+    elapsed = max(time.monotonic() - controller.started, 1e-9)
+    (thread0, proc0), (thread, proc) = controller.cpu0, process_cpu()
+    messages, router = sum(controller.received_by_type.values()), controller.router
+    return ControllerStats(
+        messages_received=messages, messages_per_s=round(messages / elapsed, 2),
+        bytes_received=router.bytes_received if router else 0, bytes_sent=router.bytes_sent if router else 0,
+        rejected=dict(router.rejected) if router else {}, ignored=dict(controller.door.ignored),
+        by_type=dict(controller.received_by_type), cpu_s=round(thread - thread0, 4),
+        cpu_share=round((thread - thread0) / elapsed, 5), process_cpu_share=round((proc - proc0) / elapsed, 5),
+    )
+
+
+def run_status(controller: Any, now: float) -> Status:
+    """status.json from the controller's state (`now`: its supervision clock)."""
+    stats, run, window = controller.stats, controller.config.run, controller.stats.window()
+    roles = {
+        name: role_status(name, cfg.replicas, controller.roster.role(name), stats.latest(name), window[name],
+                          controller.version, now)
+        for name, cfg in controller.config.role_items()
+    }
+    return Status(
+        run_id=controller.run_id, state=controller.state, error=controller.error, pid=os.getpid(),
+        host=socket.gethostname(), address=controller.address,
+        elapsed_s=round(time.monotonic() - controller.started, 2), step=controller.ledger.steps_done,
+        steps=run.steps, samples=sum(r.samples for r in stats.rows), version=controller.version, mode=run.mode,
+        max_staleness=run.staleness, staleness_check=run.staleness_check, groups=group_counts(controller.ledger),
+        last_step=stats.rows[-1] if stats.rows else None, last_eval=stats.evals[-1] if stats.evals else None,
+        roles=roles, controller=controller_stats(controller), warnings=list(controller.warnings),
+        trends=stats.trends(),
+    )
+
+
+def run_summary(controller: Any) -> Summary:
+    """summary.json from the controller's state."""
+    run = controller.config.run
+    return controller.stats.summary(
+        time.monotonic() - (controller.training_started or controller.started), run_id=controller.run_id,
+        state=controller.state, error=controller.error, stop_reason=controller.stop_reason, mode=run.mode,
+        max_staleness=run.staleness, staleness_check=run.staleness_check, steps=controller.ledger.steps_done,
+        groups=group_counts(controller.ledger), controller=controller_stats(controller),
+    )

@@ -1,0 +1,43 @@
+"""Who sends to whom: plain code, no I/O.
+
+The roles form one chain in the config's order (rollout -> reward ->
+teacher -> trainer, the teacher optional). Each replica streams to every
+registered replica of the next role that binds an ``in`` endpoint; of the
+trainer's ranks only rank 0 takes the stream, and it deals each step's
+shares to the other ranks' ``share`` endpoints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rlflow.control.replicas import Replica
+
+
+class Topology:
+    """The chain of roles of one run."""
+
+    def __init__(self, roles: list[str]):
+        self.roles = roles
+
+    def next(self, role: str) -> str | None:
+        """The role `role` streams to (None: the last)."""
+        i = self.roles.index(role)
+        return self.roles[i + 1] if i + 1 < len(self.roles) else None
+
+    def previous(self, role: str) -> str | None:
+        """The role that streams to `role` (None: the first)."""
+        i = self.roles.index(role)
+        return self.roles[i - 1] if i > 0 else None
+
+    def peers(self, role: str, rank: int, replicas: Iterable[Replica]) -> dict[str, list[str]]:
+        """``out``: the ``in`` endpoint of every registered replica of the next
+        role; to trainer rank 0 (the last role), ``shares``: the ``share``
+        endpoint of each other rank, in rank order."""
+        replicas = sorted(replicas, key=lambda r: (r.role, r.rank))
+        after = self.next(role)
+        if after is None:
+            shares = [r.hello.endpoints.get("share", "") for r in replicas if r.role == role and r.rank > 0]
+            return {"shares": shares} if rank == 0 and shares else {}
+        return {"out": [r.hello.endpoints["in"] for r in replicas
+                        if r.role == after and r.registered and "in" in r.hello.endpoints]}
