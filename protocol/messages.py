@@ -6,8 +6,8 @@ raw frames beside the header (see `tensors.py` and SPEC.md).
 
 Three channels, one union each:
 
-* data plane (`DataMessage`): prompt groups and columnar sample batches,
-  streamed PUSH -> PULL from role to role;
+* data plane (`DataMessage`): columnar sample batches, streamed PUSH ->
+  PULL from role to role;
 * control plane (`ControlMessage`): between each service (DEALER) and the
   controller (ROUTER);
 * weights (`WeightsMessage`): a weight payload served by the trainer when
@@ -664,7 +664,8 @@ class EvalDone(Message, tag=27):
     """Policy version held when it ended (weights may change while it runs)."""
 
 
-DataMessage = Union[PromptGroup, SampleBatch]
+#: `PromptGroup` is on no channel: a task makes it inside a rollout replica (see SPEC.md).
+DataMessage = Union[SampleBatch]
 ControlMessage = Union[
     Hello,
     Welcome,
@@ -688,7 +689,7 @@ ControlMessage = Union[
     WeightsGroup,
 ]
 WeightsMessage = Union[WeightsRequest, WeightsPayload]
-AnyMessage = Union[DataMessage, ControlMessage, WeightsMessage]
+AnyMessage = Union[PromptGroup, DataMessage, ControlMessage, WeightsMessage]
 
 #: Every message class, by tag.
 MESSAGE_TYPES: dict[int, type[Message]] = {

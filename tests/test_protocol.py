@@ -239,6 +239,11 @@ def test_message_of_another_channel_is_rejected():
     frames = wire(Codec().encode(HELLO))
     with pytest.raises(UnknownMessageType, match="not accepted on this channel"):
         Codec(P.DataMessage).decode(frames)
+    # A prompt group is on no channel (SPEC.md, *The data plane*).
+    group = wire(Codec().encode(examples()["PromptGroup"]))
+    for channel in (P.DataMessage, P.ControlMessage, P.WeightsMessage):
+        with pytest.raises(UnknownMessageType, match="PromptGroup \\(tag 1\\) is not accepted on this channel"):
+            Codec(channel).decode(group)
 
 
 def test_wrong_schema_version_is_rejected():
