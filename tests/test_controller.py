@@ -25,7 +25,7 @@ from rlflow.control.rounds import WeightRounds
 from rlflow.control.spec import ServiceSpec
 from rlflow.control.stats import RunStats
 from rlflow.errors import RunFailed
-from rlflow.protocol import Heartbeat, StepDone
+from rlflow.protocol import Heartbeat, Stage, StepDone
 from rlflow.rundir import RunDir
 from rlflow.tools import cli
 
@@ -653,3 +653,43 @@ async def test_a_role_whose_last_replica_is_given_up_on_stops_the_run_naming_it(
         await run_in_process(config, tmp_path, during=kill_reward)
     status = RunDir(tmp_path).read_status()
     assert status.state == "failed" and status.roles["reward"].restarts == 1
+
+
+async def test_a_prompt_that_fails_every_time_is_dropped_as_poison_and_the_run_goes_on(tmp_path):
+    """Every sample of group 5 fails, every time it is generated: granted
+    `run.max_grants` times, it is dropped with reason poison (named with its
+    last error in the warnings, the ledger and the audit); every step still
+    trains, and failed samples are not progress."""
+    import msgspec
+
+    from rlflow.protocol import SampleFailure
+    from rlflow.tools.audit import audit, text
+
+    async def poison(controller: Controller, launcher: InProcessLauncher) -> None:
+        while ("rollout", 0) not in launcher.services:
+            await trio.sleep(0.01)
+        service = launcher.services[("rollout", 0)]
+        build = service._batch
+
+        def failing(finished):
+            batch = build(finished)
+            rows, start = [], 0
+            for g in batch.groups:
+                if g.group_id == 5:
+                    rows += range(start, start + g.size)
+                start += g.size
+            bad = [SampleFailure(index=i, stage=Stage.ROLLOUT_END, kind="engine_error", message="prompt too long")
+                   for i in rows]
+            return msgspec.structs.replace(batch, failures=batch.failures + bad) if bad else batch
+
+        service._batch = failing
+
+    with trio.fail_after(60):
+        _, summary = await run_in_process(sim("run.steps=6", "run.max_grants=2"), tmp_path, during=poison)
+    assert summary.state == "stopped" and summary.steps == 6 and summary.groups.dropped == {"poison": 1}
+    status = RunDir(tmp_path).read_status()
+    assert any(w == "group 5 dropped as poison (granted 2 times; last: engine_error: prompt too long)"
+               for w in status.warnings), status.warnings
+    result = audit(tmp_path)
+    assert (result.lost, result.duplicated, result.trained) == (0, 0, 24)
+    assert result.reasons == {"poison": 1} and "group 5: granted 2 times" in text(result)

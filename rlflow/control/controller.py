@@ -354,7 +354,11 @@ class Controller:
     # ---------------------------------------------------------- saying things
 
     def _grant(self) -> None:
-        """Hand the groups the staleness bound allows to the rollout replicas with room."""
+        """Hand the groups the staleness bound allows to the rollout replicas with room
+        (after saying which, if any, the ledger has just given up on as poison)."""
+        for group_id, detail in self.ledger.poisoned:
+            self._warn(f"group {group_id} dropped as poison ({detail})")
+        self.ledger.poisoned.clear()
         if self.training_started is None or self.state not in ("running", "evaluating"):
             return
         room = {r.rank: r.capacity for r in self.roster.role("rollout")

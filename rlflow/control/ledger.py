@@ -134,6 +134,8 @@ class GroupLedger:
         self._drop_reasons: dict[int, str] = {}
         #: Changes not yet written out (the controller drains it).
         self.journal: list[Event] = []
+        #: (group id, what went wrong) of the groups dropped as poison since the controller last asked.
+        self.poisoned: list[tuple[int, str]] = []
 
     # -- queries ------------------------------------------------------------
 
@@ -291,6 +293,7 @@ class GroupLedger:
             again = [g for g in again if self.groups[g].grants < self.max_grants]
             details = [f"granted {self.groups[g].grants} times; last: {self.groups[g].error or reason}" for g in poison]
             self.drop(poison, POISON, details)
+            self.poisoned += zip(poison, details)
         for group_id in reversed(again):
             group = self.groups[group_id]
             group.state, group.owner = GroupState.QUEUED, None

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from rlflow.control.ledger import Event
+from rlflow.control.ledger import POISON, Event
 from rlflow.rundir import RunDir
 
 
@@ -33,6 +33,8 @@ class Audit:
     reasons: Counter[str] = field(default_factory=Counter)
     """Dropped groups, by reason."""
     lost_groups: list[int] = field(default_factory=list)
+    details: dict[int, str] = field(default_factory=dict)
+    """What went wrong with a dropped group, where the ledger says (a poison group: grants and last error)."""
     torn_lines: int = 0
     """Lines cut short by a crash while being written (skipped)."""
 
@@ -50,6 +52,7 @@ def audit(run_dir: str | pathlib.Path) -> Audit:
     issued: set[int] = set()
     trained_at: dict[int, list[int]] = {}
     dropped: dict[int, str] = {}
+    details: dict[int, str] = {}
     for line in folder.ledger.read_bytes().splitlines():
         if not line.strip():
             continue
@@ -67,6 +70,7 @@ def audit(run_dir: str | pathlib.Path) -> Audit:
             case "dropped" | "ended":
                 for group in event.groups:
                     dropped[group] = event.reason
+                details.update(zip(event.groups, event.details))
             case "resumed":
                 # Steps from the checkpoint on were lost with the weights that took them.
                 for group, steps in list(trained_at.items()):
@@ -84,6 +88,7 @@ def audit(run_dir: str | pathlib.Path) -> Audit:
     gone = {g: r for g, r in dropped.items() if g in issued and g not in trained}
     out.dropped = len(gone)
     out.reasons = Counter(gone.values())
+    out.details = {g: details[g] for g in gone if details.get(g)}
     out.lost_groups = sorted(issued - trained - set(gone))
     out.lost = len(out.lost_groups)
     return out
@@ -93,6 +98,8 @@ def text(result: Audit) -> str:
     lines = []
     for reason, count in result.reasons.most_common():
         lines.append(f"dropped {count}: {reason}")
+        named = [g for g in sorted(result.details) if g in result.details and reason == POISON][:20]
+        lines += [f"  group {g}: {result.details[g]}" for g in named]
     if result.lost_groups:
         shown = ", ".join(str(g) for g in result.lost_groups[:20])
         lines.append(f"lost {result.lost}: groups {shown}{' ...' if result.lost > 20 else ''}")

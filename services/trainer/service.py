@@ -306,6 +306,7 @@ class TrainerService(Service):
         if msg is None:
             return
         failed_groups: list[int] = []
+        errors: list[str] = []
         received: list[int] = []
         for group in split(stamp(msg, Stage.TRAINER_RECEIVED, time.time())):
             group_id = group.groups[0].group_id
@@ -315,9 +316,12 @@ class TrainerService(Service):
             failed = {f.index for f in group.failures}
             if failed:
                 self.counters["failed_samples"] += len(failed)
+                row = group.groups[0].meta.get("row")
+                why = (f"row {row}: " if row else "") + f"{group.failures[0].kind}: {group.failures[0].message}"
                 group = take(group, [i for i in range(group.n_samples) if i not in failed])
             if group.n_samples == 0:
                 failed_groups.append(group_id)
+                errors.append(why[:500] if failed else "no samples")
                 continue
             self.buffer.append(group)
             self._held.add(group_id)
@@ -325,7 +329,7 @@ class TrainerService(Service):
                 self._first[group_id] = int(group.versions.numpy().min())
             received.append(group_id)
         if failed_groups:
-            await control.send(Expired(group_ids=failed_groups, reason="every sample failed"))
+            await control.send(Expired(group_ids=failed_groups, reason="every sample failed", errors=errors))
         if received:
             await control.send(Ack(stage=Stage.TRAINER_RECEIVED, group_ids=received))
 

@@ -1,0 +1,316 @@
+"""The controller's plain modules on their own, without sockets or Ray:
+admission, the supervision policy on trio's mock clock, the weights'
+generations, topology, the status builders; and the outbox with real
+sockets (a replica that stops reading delays only itself)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+
+from rlflow.control.ledger import GroupLedger
+from rlflow.control.replicas import (
+    Policy, Refusal, Replica, Restart, Roster, State, Supervisor, admit,
+)
+from rlflow.control.rounds import Weights
+from rlflow.control.status import add_counters, add_loads, role_status
+from rlflow.control.topology import Topology
+from rlflow.protocol import (
+    REPLACED, SCHEMA_VERSION, UNAUTHENTICATED, UNEXPECTED_HELLO, WRONG_VERSION, Counters, EngineLoad, Heartbeat,
+    Hello, Role, SendWeights, UpdateWeights, WeightsGloo, WeightsZmq,
+)
+from rlflow.rundir import Shares
+
+EXPECTED = {("rollout", 0), ("rollout", 1), ("reward", 0), ("trainer", 0)}
+
+
+def hello(role: Role = Role.ROLLOUT, rank: int = 0, *, incarnation: int = 0, secret: str = "s", **fields) -> Hello:
+    return Hello(role=role, rank=rank, replicas=2, schema_version=SCHEMA_VERSION, incarnation=incarnation,
+                 secret=secret, **fields)
+
+
+def replica(role: str = "rollout", rank: int = 0, state: State = State.READY, **fields) -> Replica:
+    r = Replica(role, rank, f"{role}-{rank}".encode(), hello(Role[role.upper()], rank), started=0.0, **fields)
+    r.state = state
+    return r
+
+
+# -- admission ------------------------------------------------------------------------------
+
+
+def test_admission_refuses_with_a_kind_and_a_reason():
+    def refusal(h: Hello, current: Replica | None = None) -> Refusal | None:
+        return admit(h, expected=EXPECTED, secret="s", schema_version=SCHEMA_VERSION, current=current)
+
+    assert refusal(hello()) is None
+    assert refusal(Hello(role=Role.ROLLOUT, rank=0, replicas=2, schema_version=SCHEMA_VERSION + 1)).kind == WRONG_VERSION
+    assert refusal(hello(secret="guess")).kind == UNAUTHENTICATED
+    assert refusal(hello(rank=5)) == Refusal(UNEXPECTED_HELLO, "a hello from rollout-5, which the config does not have")
+    # A second hello while the first incarnation is up: refused.
+    assert refusal(hello(incarnation=1), replica()).message == (
+        "rollout-0 said hello again as incarnation 1 while incarnation 0 is ready")
+    # A restart: only the incarnation the launcher started now.
+    restarting = replica(state=State.RESTARTING, launched=2, incarnation=1)
+    assert refusal(hello(incarnation=2), restarting) is None
+    assert "while the one expected is incarnation 2" in refusal(hello(incarnation=1), restarting).message
+    assert refusal(hello(incarnation=3), restarting).kind == UNEXPECTED_HELLO
+    # Lost and waiting for its back-off: no hello yet (the incarnation it will be is not started).
+    assert refusal(hello(incarnation=1), replica(state=State.LOST)).kind == UNEXPECTED_HELLO
+    # An external replica that was lost comes back with any higher incarnation.
+    external = replica(state=State.LOST, external=True, incarnation=4)
+    assert refusal(hello(incarnation=5), external) is None
+    assert refusal(hello(incarnation=4), external).kind == UNEXPECTED_HELLO
+
+
+def test_the_roster_registers_a_next_incarnation_in_place_and_retires_the_last():
+    roster = Roster(EXPECTED)
+    first = roster.join(b"a", hello(slots=64), secret="s", schema_version=SCHEMA_VERSION, now=0.0,
+                        samples_per_prompt=8)
+    assert isinstance(first, Replica) and first.capacity == 16 * 64 // 8
+    assert isinstance(roster.join(b"b", hello(secret="x"), secret="s", schema_version=SCHEMA_VERSION, now=0.0,
+                                  samples_per_prompt=8), Refusal)
+    first.state = State.READY
+    roster.retire(first)
+    first.state, first.launched = State.RESTARTING, 1
+    again = roster.join(b"c", hello(incarnation=1), secret="s", schema_version=SCHEMA_VERSION, now=5.0,
+                        samples_per_prompt=8)
+    assert again is first and again.identity == b"c" and again.state is State.HELLO
+    assert roster.by_identity == {b"c": first} and roster.retired == {b"a": "rollout-0 incarnation 0"}
+    assert roster.receivers() == set()  # not ready yet
+
+
+# -- the supervision policy, on trio's mock clock ------------------------------------------
+
+
+POLICY = Policy(heartbeat_timeout_s=10, progress_timeout_s=30, handshake_timeout_s=60, max_restarts=3,
+                restart_window_s=3600, backoff_s=1, backoff_max_s=20)
+
+
+async def test_restarts_back_off_doubling_with_jitter_up_to_the_cap(autojump_clock):
+    supervisor = Supervisor(POLICY, trio.current_time, random.Random(3))
+    r = replica()
+    delays = []
+    for _ in range(3):
+        verdict = supervisor.died(r, "died: killed")
+        assert isinstance(verdict, Restart) and r.state is State.LOST
+        delays.append(verdict.delay_s)
+        assert not supervisor.due(r)
+        await trio.sleep(verdict.delay_s)
+        assert supervisor.due(r)
+        supervisor.restarting(r)
+        assert (r.state, r.restarts, r.launched) == (State.RESTARTING, len(delays), len(delays))
+        r.state = State.READY
+    for n, delay in enumerate(delays):
+        assert 0.75 * 2**n <= delay <= 1.25 * 2**n
+    assert supervisor.backoff(10) <= 20 and supervisor.backoff(10) >= 15  # 1 x 2^9, capped at 20
+    # A fourth death within the window: over max_restarts.
+    verdict = supervisor.died(r, "died: killed")
+    assert r.state is State.GIVEN_UP and "4 deaths in 3600 s" in verdict.reason
+
+
+async def test_max_restarts_counts_deaths_within_the_window_so_a_long_run_survives_a_death_a_day(autojump_clock):
+    supervisor = Supervisor(POLICY, trio.current_time, random.Random(0))
+    r = replica()
+    for _ in range(10):  # ten deaths, a day apart
+        assert isinstance(supervisor.died(r, "died: killed"), Restart)
+        assert len(r.deaths) == 1
+        await trio.sleep(86_400)
+        supervisor.restarting(r)
+        r.state = State.READY
+
+
+async def test_silence_and_hangs_are_found_on_the_clock(autojump_clock):
+    supervisor = Supervisor(POLICY, trio.current_time)
+    r = replica(last_seen=trio.current_time(), progressed=trio.current_time())
+    assert supervisor.silent_or_hung(r, progress=5, holds_work=True) is None
+    await trio.sleep(25)  # progress stands while it holds work, heartbeats go on
+    r.last_seen = trio.current_time()
+    assert supervisor.silent_or_hung(r, progress=5, holds_work=True) is None
+    await trio.sleep(6)
+    r.last_seen = trio.current_time()
+    assert "made no progress for 31 s" in supervisor.silent_or_hung(r, progress=5, holds_work=True)
+    # Idle (no work held): no progress expected.
+    assert supervisor.silent_or_hung(r, progress=5, holds_work=False) is None
+    await trio.sleep(11)
+    assert "sent nothing for 11 s" in supervisor.silent_or_hung(r, progress=6, holds_work=True)
+
+
+async def test_a_slow_restart_is_waited_for_until_the_handshake_timeout(autojump_clock):
+    supervisor = Supervisor(POLICY, trio.current_time)
+    r = replica()
+    supervisor.died(r, "died: killed")
+    await trio.sleep(2)
+    supervisor.restarting(r)
+    await trio.sleep(59)
+    assert supervisor.review(r, None, False) is None  # slow, its process alive: not a death
+    await trio.sleep(2)
+    assert supervisor.review(r, None, False) == ("lose", "was not back within 60 s of its restart "
+                                                         "(cluster.handshake_timeout_s)")
+
+
+async def test_a_lost_external_replica_is_waited_for_then_given_up_on(autojump_clock):
+    supervisor = Supervisor(POLICY, trio.current_time)
+    r = replica(external=True)
+    verdict = supervisor.died(r, "sent nothing")
+    assert r.state is State.LOST and verdict.delay_s == float("inf")  # never restarted here
+    await trio.sleep(59)
+    assert supervisor.review(r, None, False) is None
+    await trio.sleep(2)
+    action, why = supervisor.review(r, None, False)
+    assert action == "give_up" and "(external) did not come back within 60 s" in why
+
+
+# -- weights: rounds and generations -------------------------------------------------------
+
+
+def test_generations_regroup_after_a_receiver_leaves_and_a_replacement_catches_up():
+    weights = Weights(0, max_rebuilds=2)
+    weights.offered(WeightsGloo(host="h", port=1, nbytes=8), [], receivers=2)
+    transfer, _ = weights.welcome("rollout", 1, first=True, receivers=2)
+    assert (transfer.rank, transfer.world_size) == (2, 3)
+    assert weights.welcome("rollout", 1, first=False, receivers=2)[0] is None  # joins the next generation
+    first = weights.publish(1, {0, 1})
+    assert [(o.role, o.rank, type(o.message)) for o in first] == [
+        ("trainer", None, SendWeights), ("rollout", 0, UpdateWeights), ("rollout", 1, UpdateWeights)]
+    weights.loaded(0, 1, {0, 1})
+    assert weights.left(1, {0}) == []  # round 1 completes without it
+    assert not weights.busy
+    # The next version goes through a new generation of one receiver.
+    (send,) = weights.publish(2, {0})
+    assert send.message.transfer.generation == 1 and send.message.transfer.world_size == 2
+    (load,) = weights.hosted(WeightsGloo(host="h", port=77, world_size=2, generation=1), {0})
+    assert (load.rank, load.message.version, load.message.transfer.rank, load.message.transfer.port) == (0, 2, 1, 77)
+    weights.loaded(0, 2, {0})
+    # Replica 1 is back: it catches up (no work meanwhile) through generation 2.
+    (send,) = weights.joined(1, {0, 1})
+    assert 1 in weights.catching_up and send.message.version == 2 and send.message.transfer.generation == 2
+    weights.hosted(WeightsGloo(host="h", port=78, world_size=3, generation=2), {0, 1})
+    weights.loaded(0, 2, {0, 1})
+    weights.loaded(1, 2, {0, 1})
+    assert not weights.catching_up and not weights.busy
+
+
+def test_a_broken_group_is_rebuilt_a_bounded_number_of_times_in_a_row():
+    from rlflow.errors import RunFailed
+
+    weights = Weights(0, max_rebuilds=2)
+    weights.offered(WeightsGloo(host="h", port=1, nbytes=8), [], receivers=1)
+    weights.publish(1, {0})
+    for generation in (1, 2):
+        (send,) = weights.broken({0})
+        assert send.message.version == 1 and send.message.transfer.generation == generation
+    with pytest.raises(RunFailed, match="broke 3 times in a row .*cluster.max_weight_rebuilds = 2"):
+        weights.broken({0})
+    # A round that completes resets the count.
+    weights = Weights(0, max_rebuilds=1)
+    weights.offered(WeightsGloo(host="h", port=1, nbytes=8), [], receivers=1)
+    weights.publish(1, {0})
+    weights.broken({0})
+    weights.hosted(WeightsGloo(host="h", port=2, world_size=2, generation=1), {0})
+    weights.loaded(0, 1, {0})
+    weights.publish(2, {0})
+    weights.broken({0})  # the first break of this round
+
+
+def test_with_the_zmq_transfer_a_replacement_is_sent_the_newest_version_moved():
+    weights = Weights(3, max_rebuilds=1)
+    weights.offered(WeightsZmq(address="tcp://t:1"), [], receivers=2)
+    assert weights.welcome("rollout", 0, first=True, receivers=2) == (WeightsZmq(address="tcp://t:1"), [])
+    (order,) = weights.joined(0, {1})
+    assert (order.rank, order.message) == (0, UpdateWeights(version=3))
+
+
+# -- topology and status -------------------------------------------------------------------
+
+
+def test_each_replica_streams_to_every_registered_replica_of_the_next_role():
+    topology = Topology(["rollout", "reward", "trainer"])
+    reward0, reward1 = replica("reward", 0), replica("reward", 1, state=State.LOST)
+    for r, port in ((reward0, 1), (reward1, 2)):
+        r.hello = hello(Role.REWARD, r.rank, endpoints={"in": f"tcp://h:{port}"})
+    trainers = [replica("trainer", k) for k in range(3)]
+    for t in trainers:
+        t.hello = hello(Role.TRAINER, t.rank, endpoints={"share": f"tcp://t:{t.rank}"} if t.rank else {"in": "x"})
+    everyone = [reward0, reward1, *trainers]
+    assert topology.peers("rollout", 0, everyone) == {"out": ["tcp://h:1"]}  # not the lost one
+    assert topology.peers("trainer", 0, everyone) == {"shares": ["tcp://t:1", "tcp://t:2"]}
+    assert topology.peers("trainer", 1, everyone) == {}
+    assert topology.previous("reward") == "rollout" and topology.next("trainer") is None
+
+
+def test_the_status_adds_up_each_roles_counters_and_engines():
+    beats = [Heartbeat(seq=1, version=4, counters=Counters(samples=3, rejected={"malformed": 1},
+                                                           reward_calls={"f.ok": 2}),
+                       engine=EngineLoad(slots=8, running=5, waiting=1, kv_cache_usage=0.25, preemptions=1)),
+             Heartbeat(seq=1, version=3, counters=Counters(samples=4, rejected={"malformed": 2}),
+                       engine=EngineLoad(slots=8, running=8, waiting=6, kv_cache_usage=0.9, preemptions=2))]
+    assert add_counters(b.counters for b in beats) == Counters(samples=7, rejected={"malformed": 3},
+                                                               reward_calls={"f.ok": 2})
+    assert add_loads(b.engine for b in beats) == EngineLoad(slots=16, running=13, waiting=7, kv_cache_usage=0.9,
+                                                            preemptions=3)
+    assert add_loads([None]) is None
+    lost = replica(rank=1, state=State.LOST, restart_at=12.5, restarts=2)
+    up = replica(rank=0, version=4)
+    status = role_status("rollout", 2, [up, lost], beats, Shares(busy=1.0), version=6, now=10.0)
+    assert (status.up, status.restarts, status.version, status.behind) == (1, 2, 4, 2)
+    assert [(p.state, p.restart_in_s) for p in status.placed] == [("ready", None), ("lost", 2.5)]
+
+
+# -- the outbox, with real sockets ----------------------------------------------------------
+
+
+async def test_a_replica_that_stops_reading_delays_neither_another_replicas_welcome_nor_a_weight_order():
+    """Two peers of the controller's ROUTER; one never reads. Its outbox
+    fills (and reports it), while every message to the other arrives at once."""
+    from rlflow.control.outbox import Outbox
+    from rlflow.data import transport
+    from rlflow.protocol import Welcome
+
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:*", hwm=4) as router,
+        transport.open_dealer(connect=transport.bound_address(router), identity=b"stuck", hwm=4) as stuck,
+        transport.open_dealer(connect=transport.bound_address(router), identity=b"fine", hwm=4) as fine,
+        trio.open_nursery() as nursery,
+    ):
+        with trio.fail_after(30):
+            for dealer in (stuck, fine):  # the ROUTER learns each identity
+                await dealer.send(hello())
+                await router.recv()
+            boxes = {name: Outbox(router, name, size=50) for name in (b"stuck", b"fine")}
+            for box in boxes.values():
+                nursery.start_soon(box.run, lambda: None)
+            full = 0
+            for version in range(200):
+                full += not boxes[b"stuck"].post(UpdateWeights(version=version))
+            assert full > 0  # the stuck peer's pipe and its outbox filled: the controller sees it
+            for version in range(20):
+                assert boxes[b"fine"].post(UpdateWeights(version=version))
+            assert boxes[b"fine"].post(Welcome(schema_version=SCHEMA_VERSION, run_id="r"))
+            with trio.fail_after(5):
+                got = [await fine.recv() for _ in range(21)]
+            assert [m.version for m in got[:20]] == list(range(20)) and isinstance(got[20], Welcome)
+            for box in boxes.values():
+                box.close()  # a send stuck on the full peer is abandoned
+        nursery.cancel_scope.cancel()
+
+
+def test_a_replaced_incarnation_is_told_the_kind_the_spec_names():
+    from rlflow.protocol import CONTROLLER_ERROR_KINDS
+
+    assert REPLACED == "replaced" and REPLACED in CONTROLLER_ERROR_KINDS
+
+
+def test_poison_names_the_group_its_grants_and_its_last_error():
+    ledger = GroupLedger(2, 0, 10, max_grants=2)
+    ledger.grant({0: 10}, 0)
+    assert ledger.expired([0], "every sample failed", ["row 7: engine_error: prompt too long"]) == [0]
+    ledger.grant({0: 10}, 0)
+    assert ledger.expired([0], "every sample failed", ["row 7: engine_error: prompt too long"]) == []
+    assert ledger.dropped == {"poison": 1}
+    (event,) = [e for e in ledger.drain() if e.event == "dropped"]
+    assert event.groups == [0] and event.details == ["granted 2 times; last: row 7: engine_error: prompt too long"]
+    # The step the poisoned group left is filled by a new group that can start now (sync: version 0).
+    (fresh,) = [g for g in ledger.grant({0: 10}, 0)[0] if g.group_id == 2]
+    assert fresh.min_version == 0
