@@ -50,6 +50,16 @@ class Shares(Record):
     loading: float = 0.0
 
 
+class EngineStep(Record):
+    """The rollout's engines at the end of a step: requests running and
+    waiting, KV-cache use (the fullest replica's) and preemptions during the step."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_cache_usage: float = 0.0
+    preemptions: int = 0
+
+
 class StepRow(Record):
     """One optimizer step, as the controller saw it (a line of metrics.jsonl)."""
 
@@ -74,6 +84,8 @@ class StepRow(Record):
     """The trainer engine's own statistics (loss, gradient norm, clipped share, ...)."""
     reward_failed_share: float | None = None
     """Share of the samples scored over the step whose reward could not be computed."""
+    engine: EngineStep | None = None
+    """The rollout's engines at the step's end (engines that report a scheduler)."""
     controller_msgs: int = 0
     """Messages the controller had received by then."""
 
@@ -232,6 +244,12 @@ class Summary(Record):
     staleness_mean: float = 0.0
     reward_mean: float | None = None
     weights_load_s_mean: float = 0.0
+    kv_cache_usage_mean: float | None = None
+    """The rollout's KV-cache use at the end of each step, averaged (engines that report one)."""
+    waiting_mean: float | None = None
+    """Requests waiting for a slot or KV-cache room at the end of each step, averaged."""
+    preemptions: int = 0
+    """Requests the rollout's engines preempted for want of KV-cache room over the run."""
     evals: list[EvalRow] = []
     accuracy_before: float | None = None
     accuracy_after: float | None = None

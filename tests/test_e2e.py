@@ -265,3 +265,43 @@ def test_a_run_of_two_trainer_ranks_resumes_on_one(two_ranks):
     rows = folder.read_metrics()
     assert [r.step for r in rows] == [0, 1, 2] and rows[-1].version == 3
     assert (run_dir / "checkpoints" / "step-000003" / "model.safetensors").exists()
+
+
+def test_a_dead_vllm_engine_ends_its_replica_which_is_restarted_and_nothing_is_lost(ray_cluster, tmp_path):
+    """SIGKILL the engine-core process of a live vLLM rollout replica: the
+    replica does not go on failing every request; it ends, is restarted as a
+    new incarnation, and the run finishes with a clean audit."""
+    import threading
+
+    from rlflow.tools.audit import audit
+
+    model = tiny_model(tmp_path / "model", tied=False, seed=11)
+    config = C.load(text=CONFIG.format(model=model), overrides=[
+        "run.steps=8", "eval.every_steps=0", "eval.before=false", "cluster.restart_backoff_s=0.1"])
+    run_dir = tmp_path / "run"
+    killed: list[int] = []
+
+    def kill_engine_core() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not killed:
+            time.sleep(0.5)
+            status = RunDir(run_dir).read_status()
+            if status is None or status.step < 2:
+                continue
+            rollout = psutil.Process(status.roles["rollout"].placed[0].pid)
+            cores = [p for p in rollout.children(recursive=True) if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
+            for core in cores:
+                core.kill()
+                killed.append(core.pid)
+
+    killer = threading.Thread(target=kill_engine_core, daemon=True)
+    killer.start()
+    summary = run(config, run_dir)
+    killer.join(timeout=10)
+    assert killed, "found no vLLM engine-core process to kill"
+    assert summary.state == "stopped" and summary.steps == 8, summary.error
+    status = RunDir(run_dir).read_status()
+    assert status.roles["rollout"].restarts == 1 and status.roles["rollout"].placed[0].incarnation == 1
+    assert any("rollout-0 died" in w and "EngineDead" in w for w in status.warnings), status.warnings
+    result = audit(run_dir)
+    assert (result.lost, result.duplicated, result.trained) == (0, 0, 8 * 4), result

@@ -52,6 +52,23 @@ def test_the_bottleneck_sentence_names_the_slow_role():
     assert bottleneck({"rollout": {"busy": 0.9}, "trainer": {"busy": 0.92}}).startswith("balanced: ")
 
 
+def test_the_sentence_names_kv_cache_pressure_when_it_holds_the_rollout_back():
+    from rlflow.rundir import Summary
+    from rlflow.tools.report import kv_pressure
+
+    full = Summary(run_id="r", state="stopped", kv_cache_usage_mean=0.96, waiting_mean=14.5, preemptions=7)
+    kv = kv_pressure(full)
+    assert kv == ("rollout held back by its KV cache: 96% full on average, 14.5 requests waiting, 7 preemptions "
+                  "(raise roles.rollout.engine.kv_cache_bytes, or gpu_memory_utilization on a GPU)")
+    rollout_bound = {"rollout": {"busy": 0.97}, "trainer": {"busy": 0.5, "starved": 0.5}}
+    assert bottleneck(rollout_bound, kv=kv).endswith(f"trainer starved 50%: waiting for rollout; {kv}; "
+                                                     "rollout replicas busy 97%")
+    # Not said when the cache has room, nor when the rollout is not what the run waits for.
+    assert kv_pressure(Summary(run_id="r", state="stopped", kv_cache_usage_mean=0.4, preemptions=0)) == ""
+    assert kv_pressure(Summary(run_id="r", state="stopped")) == ""
+    assert "KV cache" not in bottleneck({"rollout": {"busy": 0.3}, "trainer": {"busy": 0.99}}, kv=kv)
+
+
 def test_a_slow_reward_is_reported_as_the_bottleneck(ray_cluster, tmp_path):
     # One sample scored at a time, 12 ms each: the reward role cannot keep up.
     run_dir, summary = sim(tmp_path, "slow-reward", reward_s=0.012, reward_concurrency=1, steps=6)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow.protocol import EvalDone, Heartbeat, StepDone
-from rlflow.rundir import EvalRow, Shares, StepRow, Summary, Trend
+from rlflow.rundir import EngineStep, EvalRow, Shares, StepRow, Summary, Trend
 
 STATES = ("busy", "starved", "blocked", "loading")
 #: Trainer statistics whose trend the status shows.
@@ -94,6 +94,7 @@ class RunStats:
             train_s=known["train_s"] or 0.0,
             occupancy=self._occupancy(),
             reward_failed_share=self._failed_share(),
+            engine=self._engine_step(),
             roles={role: self._role_shares(role, "step") for role in self.roles},
             train=metrics,
             controller_msgs=messages,
@@ -152,6 +153,17 @@ class RunStats:
             capacity += elapsed * last.engine.slots
         return round(used / capacity, 4) if capacity > 0 else None
 
+    def _engine_step(self) -> EngineStep | None:
+        """The rollout's engines now, and their preemptions since the last step."""
+        clocks = [c for c in self.replicas("rollout") if c.last.engine is not None]
+        if not clocks:
+            return None
+        now = [c.last.engine for c in clocks]
+        before = sum(c.at_step.engine.preemptions for c in clocks if c.at_step.engine is not None)
+        return EngineStep(running=sum(e.running for e in now), waiting=sum(e.waiting for e in now),
+                          kv_cache_usage=max(e.kv_cache_usage for e in now),
+                          preemptions=max(0, sum(e.preemptions for e in now) - before))
+
     def _failed_share(self) -> float | None:
         """Share of the samples the reward role scored since the last step
         whose reward could not be computed."""
@@ -198,7 +210,11 @@ class RunStats:
         accuracy = [e.accuracy for e in self.evals if e.accuracy is not None]
         tail = accuracy[-3:]
         last3 = sum(tail) / len(tail) if tail else None
+        engines = [r.engine for r in rows if r.engine is not None]
         return Summary(
+            kv_cache_usage_mean=_mean([e.kv_cache_usage for e in engines]) if engines else None,
+            waiting_mean=_mean([float(e.waiting) for e in engines]) if engines else None,
+            preemptions=sum(e.preemptions for e in engines),
             samples=samples,
             tokens=tokens,
             wall_time_s=round(wall_s, 3),

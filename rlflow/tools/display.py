@@ -8,7 +8,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from rlflow.rundir import Status, Trend
+from rlflow.protocol import EngineLoad
+from rlflow.rundir import RoleStatus, Status, Trend
 
 
 def _pct(x: float) -> str:
@@ -19,6 +20,25 @@ def trend_text(key: str, trend: Trend) -> str:
     """``kl_teacher 0.412 (10-step mean 0.450, -0.081)``."""
     change = "" if trend.change is None else f", {trend.change:+.3f}"
     return f"{key} {trend.last:.3f} ({trend.steps}-step mean {trend.mean:.3f}{change})"
+
+
+def _engine(load: EngineLoad | None) -> str:
+    """``kv 85% run 12 wait 3 pre 1`` (a rollout's engines; "" for other roles)."""
+    if load is None:
+        return ""
+    return f"kv {100 * load.kv_cache_usage:.0f}% run {load.running} wait {load.waiting} pre {load.preemptions}"
+
+
+def _restarts(info: RoleStatus) -> str:
+    """Restarts so far, and a back-off in progress (``2, next in 3 s``)."""
+    waiting = [p.restart_in_s for p in info.placed if p.restart_in_s is not None]
+    given_up = sum(p.state == "given_up" for p in info.placed)
+    text = str(info.restarts)
+    if waiting:
+        text += f", next in {min(waiting):.0f} s"
+    if given_up:
+        text += f", {given_up} given up"
+    return text
 
 
 def render(status: Status) -> Group:
@@ -37,19 +57,22 @@ def render(status: Status) -> Group:
         *(f"  {trend_text(key, trend)}" for key, trend in status.trends.items()),
     )
     table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("role", "replicas", "busy", "starved", "blocked", "loading", "queues", "version", "behind"):
-        table.add_column(column, justify="left" if column in ("role", "queues") else "right")
+    for column in ("role", "replicas", "restarts", "busy", "starved", "blocked", "loading", "queues", "engine",
+                   "version", "behind"):
+        table.add_column(column, justify="left" if column in ("role", "queues", "engine") else "right")
     for role, info in status.roles.items():
         states = info.states
         queues = " ".join(f"{k}={v}" for k, v in sorted(info.queues.items()))
         table.add_row(
             role,
             f"{info.up}/{info.replicas}",
+            _restarts(info),
             _pct(states.busy),
             _pct(states.starved),
             _pct(states.blocked),
             _pct(states.loading),
             queues,
+            _engine(info.engine),
             "-" if info.version is None else str(info.version),
             "-" if info.behind is None else str(info.behind),
         )

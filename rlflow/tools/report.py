@@ -76,8 +76,24 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-def bottleneck(fractions: dict[str, dict[str, float]], max_staleness: int | None = None) -> str:
-    """One sentence: which role holds the run back and what waits for it."""
+#: The rollout's KV cache this full on average, or any preemption, is pressure worth naming.
+KV_PRESSURE = 0.9
+
+
+def kv_pressure(summary: Summary | None) -> str:
+    """What the rollout's KV cache did to it, when it held generation back (else "")."""
+    if summary is None or summary.kv_cache_usage_mean is None:
+        return ""
+    if summary.kv_cache_usage_mean < KV_PRESSURE and summary.preemptions == 0:
+        return ""
+    return (f"rollout held back by its KV cache: {_pct(summary.kv_cache_usage_mean)} full on average, "
+            f"{summary.waiting_mean or 0:.1f} requests waiting, {summary.preemptions} preemptions "
+            "(raise roles.rollout.engine.kv_cache_bytes, or gpu_memory_utilization on a GPU)")
+
+
+def bottleneck(fractions: dict[str, dict[str, float]], max_staleness: int | None = None, kv: str = "") -> str:
+    """One sentence: which role holds the run back and what waits for it
+    (`kv`: what the rollout's KV cache did, said when the rollout is what waits)."""
     roles = [r for r in ORDER if r in fractions]
     if not roles:
         return "no role reported its time"
@@ -88,7 +104,8 @@ def bottleneck(fractions: dict[str, dict[str, float]], max_staleness: int | None
     saturated = [r for r in roles if share(r, "busy") >= 0.85]
     if len(saturated) > 1:
         each = ", ".join(f"{r} busy {_pct(share(r, 'busy'))}" for r in saturated)
-        return f"balanced: {each}; the run needs more of each to go faster"
+        tail = f"; {kv}" if kv and "rollout" in saturated else ""
+        return f"balanced: {each}; the run needs more of each to go faster{tail}"
     busiest = max(roles, key=lambda r: share(r, "busy"))
     head = f"{busiest} replicas busy {_pct(share(busiest, 'busy'))}"
     parts = []
@@ -103,6 +120,8 @@ def bottleneck(fractions: dict[str, dict[str, float]], max_staleness: int | None
     for role in roles:
         if share(role, "loading") >= 0.1:
             parts.append(f"{role} loading weights {_pct(share(role, 'loading'))}")
+    if kv and busiest == "rollout":
+        parts.append(kv)
     if not parts:
         return f"bottleneck: {busiest} ({head}); nothing waits long for it"
     return f"bottleneck: {busiest}. " + "; ".join(parts) + f"; {head}"
@@ -131,7 +150,8 @@ def text(run: Run) -> str:
             f"  {role:<9}{_pct(f.get('busy', 0)):>7}{_pct(f.get('starved', 0)):>9}"
             f"{_pct(f.get('blocked', 0)):>9}{_pct(f.get('loading', 0)):>9}  {queues}"
         )
-    lines.append("  " + bottleneck(run.fractions, summary.max_staleness if summary is not None else None))
+    lines.append("  " + bottleneck(run.fractions, summary.max_staleness if summary is not None else None,
+                                   kv_pressure(summary)))
     return "\n".join(lines)
 
 
