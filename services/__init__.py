@@ -32,7 +32,7 @@ def main(spec_bytes: bytes) -> None:
     """Run the service described by `spec_bytes` until it is shut down."""
     import trio
 
-    from rlflow.control.spec import ServiceSpec
+    from rlflow.startup import ServiceSpec
 
     spec = ServiceSpec.decode(spec_bytes)
     _log_to(spec)

@@ -25,7 +25,6 @@ from typing import Any
 import trio
 
 from rlflow.config import Config
-from rlflow.control.spec import ServiceSpec
 from rlflow.data import transport
 from rlflow.data import net
 from rlflow.data.tasks import Task, load_tokenizer, make_task, needs_tokenizer
@@ -44,6 +43,7 @@ from rlflow.protocol import (
     Welcome,
 )
 from rlflow.rundir import RunDir
+from rlflow.startup import ServiceSpec
 
 STATES = ("busy", "starved", "blocked", "loading", "idle")
 

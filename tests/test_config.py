@@ -132,7 +132,7 @@ def test_run_dir_template():
 
 def test_the_launcher_resolves_the_model_and_paths_once(tmp_path, monkeypatch):
     from rlflow.control.launch import resolve
-    from rlflow.tools.model import default_model_dir
+    from rlflow.models import default_model_dir
 
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
     real = C.load(ROOT / "rlflow" / "defaults" / "default.toml")

@@ -24,7 +24,7 @@ TEMPLATE = (
 def tokenizer():
     from transformers import PreTrainedTokenizerFast
 
-    from rlflow.tools.model import build_tokenizer
+    from rlflow.models import build_tokenizer
 
     # Every printable character, so that templates and words tokenize.
     chars = "".join(chr(c) for c in range(32, 127)) + "\n"

@@ -616,7 +616,7 @@ async def test_reward_model_scores_in_batches_as_a_direct_forward_does(tmp_path)
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     from rlflow.data.tasks import Arith
-    from rlflow.tools.model import build_tokenizer
+    from rlflow.models import build_tokenizer
 
     tokenizer = build_tokenizer(Arith.ALPHABET)
     torch.manual_seed(0)

@@ -16,7 +16,6 @@ and placement group.
 from __future__ import annotations
 
 import json
-
 import os
 import pathlib
 import secrets
@@ -30,6 +29,7 @@ from rlflow.control import placement
 from rlflow.control.controller import Controller
 from rlflow.data import transport
 from rlflow.data.net import is_loopback
+from rlflow.models import resolve_model
 from rlflow.rundir import RunDir, Status, Summary
 
 
@@ -42,8 +42,6 @@ def resolve(config: Config) -> Config:
 
     Raises `ConfigError` naming the key of a path that does not hold what it should.
     """
-    from rlflow.tools.model import resolve_model
-
     run = config.run
     if run.resume:
         run = msgspec.structs.replace(run, resume=os.path.abspath(run.resume))

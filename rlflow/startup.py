@@ -1,6 +1,10 @@
-"""What a service process is started with: its role, rank, the controller's
-address, the resolved config, the run's secret and, when its sockets are
-reachable from other hosts, the run's CURVE keys (passed to it as bytes)."""
+"""The start-up contract between the launcher and every service: what a
+service process is started with (its role, rank, the controller's address,
+the resolved config, the run's secret and, when its sockets are reachable
+from other hosts, the run's CURVE keys), passed to it as bytes.
+
+Both sides import it: the control plane that places the services, and the
+services themselves; so it lives beside the config, below both."""
 
 from __future__ import annotations
 
