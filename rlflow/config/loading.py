@@ -32,9 +32,18 @@ def load(path: str | pathlib.Path | None = None, overrides: list[str] = (), *, t
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path or "<config>"), "(file)", f"is not valid TOML: {exc}") from None
-    for item in overrides:
-        apply_override(raw, item)
+    mode = _mode(raw)
+    keys = [apply_override(raw, item) for item in overrides]
+    if _mode(raw) not in (mode, None) and not any(key in ("run", "run.max_staleness") for key in keys):
+        # The mode implies its staleness: the file's bound was for the mode it named.
+        raw["run"].pop("max_staleness", None)
     return from_dict(raw)
+
+
+def _mode(raw: dict[str, Any]) -> Any:
+    """`run.mode` as `raw` gives it (the default if it does not)."""
+    run = raw.get("run", {})
+    return run.get("mode", "async") if isinstance(run, dict) else None
 
 
 def from_dict(raw: dict[str, Any]) -> Config:
@@ -47,8 +56,9 @@ def from_dict(raw: dict[str, Any]) -> Config:
     return config
 
 
-def apply_override(raw: dict[str, Any], item: str) -> None:
-    """Apply one ``a.b.c=value`` (the value read as a TOML value, else a string)."""
+def apply_override(raw: dict[str, Any], item: str) -> str:
+    """Apply one ``a.b.c=value`` (the value read as a TOML value, else a
+    string); the key set (``a.b.c``)."""
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
@@ -69,6 +79,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
             raise ConfigError(".".join(parts[: i + 1]), node, f"is not a table, so {key} cannot be set")
         table = node
     table[parts[-1]] = value
+    return key
 
 
 def _default_table(path: list[str]) -> dict[str, Any]:

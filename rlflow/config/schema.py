@@ -406,9 +406,12 @@ class RunConfig(Table):
     """The algorithmic shape of the run."""
 
     mode: Literal["sync", "one_step", "async"] = "async"
-    """sync: no staleness and a barrier per step; one_step: one step behind; async: up to max_staleness."""
+    """sync: no staleness and a barrier per step; one_step: one step behind; async: up to max_staleness.
+    The mode implies its staleness: `--set run.mode=...` that changes the file's mode also drops the
+    file's max_staleness (the bound of the other mode), unless max_staleness is set too."""
     max_staleness: NonNegInt | None = None
-    """Versions a token may lag the trainer (default: 0 sync, 1 one_step, 2 async)."""
+    """Versions a token may lag the trainer (default, or left out: 0 sync, 1 one_step, 2 async). With
+    sync or one_step it may only restate that value: set with the mode to something else, it is an error."""
     batch_size: PosInt = 8
     """Prompt groups per optimizer step."""
     samples_per_prompt: PosInt = 8
