@@ -8,10 +8,21 @@ services themselves; so it lives beside the config, below both."""
 
 from __future__ import annotations
 
+import sys
+
 import msgspec
 
 from rlflow.config import Config
 from rlflow.data.net import CurveKeys
+
+
+def use_import_dir(config: Config) -> None:
+    """Put the run's `run.import_dir` (resolved at launch) first on this
+    process's import path: the user's modules are found there whatever the
+    process's working directory."""
+    path = config.run.import_dir
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
 
 
 class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -71,3 +71,37 @@ def test_bad_data_or_functions_are_one_line_and_exit_status_2(model, tmp_path, r
     assert re.search(error, done.stderr), done.stderr
     if "row" in error:
         assert str(data) in done.stderr
+
+
+def test_a_reward_module_beside_the_config_is_found_by_the_rlflow_command(model, tmp_path):
+    """The console script does not put its working directory on the import
+    path (`python -m rlflow` does): the run's `import_dir` does, for the check
+    and for every reward worker."""
+    (tmp_path / "user_rewards.py").write_text(
+        "def fn(sample):\n    return float(sample.response.strip() == sample.reference.strip())\n"
+    )
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                                                 for i in range(4)))
+    (tmp_path / "my.toml").write_text(f"""
+[pools.cpu]
+cpus_per_bundle = 1
+[roles.rollout]
+pool = "cpu"
+model = {json.dumps(str(model))}
+[roles.reward]
+pool = "cpu"
+[roles.reward.engine]
+kind = "functions"
+functions = [{{path = "user_rewards:fn"}}]
+[roles.trainer]
+pool = "cpu"
+[task]
+kind = "dataset"
+train = "data.jsonl"
+""")
+    rlflow = pathlib.Path(sys.executable).parent / "rlflow"
+    done = subprocess.run([str(rlflow), "check", "--config", "my.toml"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "RESULT check rows=4 skipped=0 reference_reward_mean=1 failures=0"
+

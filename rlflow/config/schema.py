@@ -424,6 +424,11 @@ class RunConfig(Table):
     """Where the run writes its config, metrics and checkpoints ({time} is the start time)."""
     resume: str = ""
     """A checkpoint directory to continue from (set by `rlflow up --resume`)."""
+    import_dir: str = ""
+    """Where the user's own modules are imported from (reward functions named by import path, such as
+    "my_rewards:brevity"): put first on the import path of every service and reward worker, whatever
+    its working directory. Empty: the directory `rlflow` is run from. The launcher makes it absolute;
+    a run that spans nodes needs it at the same path on each (a shared filesystem)."""
     partial_rollout: bool = True
     """Keep generating across weight updates (tokens after an update carry the new version);
     false: finish in-flight requests on the old weights before applying an update."""

@@ -1,7 +1,8 @@
 """One training run from start to finish: paths, Ray, pools, services, controller.
 
 `run` is what `rlflow up` calls. It resolves every path of the config once
-(the "default" model to its directory, relative paths to absolute ones) and
+(the "default" model to its directory, relative paths to absolute ones, the
+directory user modules are imported from to where `rlflow` runs) and
 writes that resolved config into the run directory: what the services get,
 so that a service on another node needs nothing from the launcher's machine
 but the paths themselves. It makes the run's secret and, when its sockets
@@ -42,7 +43,7 @@ def resolve(config: Config) -> Config:
 
     Raises `ConfigError` naming the key of a path that does not hold what it should.
     """
-    run = config.run
+    run = msgspec.structs.replace(config.run, import_dir=os.path.abspath(config.run.import_dir or os.getcwd()))
     if run.resume:
         run = msgspec.structs.replace(run, resume=os.path.abspath(run.resume))
     rollout = config.roles.rollout

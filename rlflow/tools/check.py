@@ -36,8 +36,10 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
     from rlflow.data.dataset_task import DatasetError
     from rlflow.data.tasks import load_tokenizer, make_task, needs_tokenizer
     from rlflow.rewards import PoolError, RewardFunctionError, load_function, sandbox_problem
+    from rlflow.startup import use_import_dir
 
     config = resolve(config)
+    use_import_dir(config)  # the functions are loaded here too, to name a bad one at once
     tokenizer = load_tokenizer(config.policy_path) if needs_tokenizer(config) else None
     try:
         task = make_task(config, tokenizer)
@@ -72,7 +74,7 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
                 raise CheckError(f"the code reward cannot run here: {problem}")
     count = loaded if rows <= 0 else min(rows, loaded)
     try:
-        rewards, failures, problems = trio.run(_score_references, task, reward, count)
+        rewards, failures, problems = trio.run(_score_references, task, reward, count, config.run.import_dir)
     except (PoolError, RewardFunctionError) as exc:
         raise CheckError(f"reward functions: {exc}") from None
     for problem in problems[:10]:
@@ -88,7 +90,9 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
     return {"rows": loaded, "skipped": skipped, "reference_reward_mean": mean, "failures": failures}
 
 
-async def _score_references(task, reward: FunctionsReward, count: int) -> tuple[list[float], int, list[str]]:
+async def _score_references(
+    task, reward: FunctionsReward, count: int, import_dir: str
+) -> tuple[list[float], int, list[str]]:
     from rlflow.rewards import Sample, open_pool
 
     samples = []
@@ -100,7 +104,7 @@ async def _score_references(task, reward: FunctionsReward, count: int) -> tuple[
     rewards, failures, problems = [], 0, []
     if not samples:
         return rewards, failures, problems
-    async with open_pool(reward.functions, start_timeout_s=reward.start_timeout_s) as pool:
+    async with open_pool(reward.functions, start_timeout_s=reward.start_timeout_s, import_dir=import_dir) as pool:
         results = await pool.score_many(samples, as_reference=True)
         for i, scored in enumerate(results):
             combined = pool.combine(scored)
