@@ -279,7 +279,10 @@ class Service:
     def load_task(self) -> Task:
         """The run's task, with the policy's tokenizer where it speaks text."""
         tokenizer = load_tokenizer(self.config.policy_path) if needs_tokenizer(self.config) else None
-        return make_task(self.config, tokenizer)
+        task = make_task(self.config, tokenizer)
+        for warning in getattr(task, "warnings", ()):
+            self.log.warning("[%s] data: %s", self.spec.name, warning)
+        return task
 
     def queues(self) -> dict[str, int]:
         """Items waiting in this service's queues now (for heartbeats)."""
