@@ -536,6 +536,42 @@ class EvalConfig(Table):
     """With reward functions: a held-out answer passes when its reward reaches this (the pass rate)."""
 
 
+class WandbConfig(Table):
+    """Weights & Biases: each step's scalars (those TensorBoard gets) logged to a W&B run, and the resolved
+    config as the run's config (the optional extra `rlflow[wandb]`)."""
+
+    project: str
+    """The W&B project."""
+    entity: str = ""
+    """The team or user that owns the project (empty: the account's default)."""
+    name: str = ""
+    """The run's name in W&B (empty: the run directory's name). Each `rlflow up`, a resume too, is a W&B run."""
+    mode: Literal["auto", "online", "offline"] = "auto"
+    """online: to the W&B server (after `wandb login`); offline: only to files under the run directory's
+    wandb/, with no network (`wandb sync` uploads them later); auto: WANDB_MODE if set, else online."""
+    tags: list[str] = []
+    """The run's tags."""
+
+
+class TrackioConfig(Table):
+    """trackio: each step's scalars (those TensorBoard gets) logged to a trackio run in its local database
+    (``trackio show`` displays them; the optional extra `rlflow[trackio]`)."""
+
+    project: str
+    """The trackio project."""
+    name: str = ""
+    """The run's name (empty: the run directory's name)."""
+
+
+class MetricsConfig(Table):
+    """Where each step's metrics go besides metrics.jsonl (always) and TensorBoard (when it is installed)."""
+
+    wandb: WandbConfig | None = None
+    """Also to Weights & Biases (e.g. {project = "my-rl"}; needs `pip install 'rlflow[wandb]'`)."""
+    trackio: TrackioConfig | None = None
+    """Also to trackio (e.g. {project = "my-rl"}; needs `pip install 'rlflow[trackio]'`)."""
+
+
 class Config(Table):
     """A whole rlflow run."""
 
@@ -551,6 +587,8 @@ class Config(Table):
     """Prompts and answer checking."""
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation (tasks that have a held-out set)."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Experiment trackers the metrics also go to (Weights & Biases, trackio)."""
 
     @property
     def policy_path(self) -> str:

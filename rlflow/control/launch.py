@@ -28,6 +28,7 @@ import trio
 from rlflow.config import Config, ConfigError, ModelTeacher, to_toml
 from rlflow.control import placement
 from rlflow.control.controller import Controller
+from rlflow.control.metrics import check_trackers
 from rlflow.data import transport
 from rlflow.data.net import is_loopback
 from rlflow.models import resolve_model
@@ -71,6 +72,7 @@ def resolve(config: Config) -> Config:
                               f"asks for more tokens than the teacher's vocabulary has ({vocab})")
         roles = msgspec.structs.replace(roles, teacher=msgspec.structs.replace(
             teacher, engine=msgspec.structs.replace(engine, model=path)))
+    check_trackers(config)
     return msgspec.structs.replace(config, run=run, roles=roles)
 
 
