@@ -22,9 +22,12 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 
+# setuptools prints a note on every editable install it maps by an import
+# finder; this one must (protocol/ and services/ install as rlflow.protocol
+# and rlflow.services, see pyproject.toml), so the note says nothing here.
 $(STAMP): pyproject.toml | $(BIN)/python
 	rm -f $(VENV)/.rlflow-installed*
-	$(BIN)/python -m pip install --quiet -e '.[$(ACCEL),test]'
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/python -m pip install --quiet -e '.[$(ACCEL),test]'
 	if [ "$(ACCEL)" = cpu ]; then $(BIN)/python -m pip uninstall --quiet --yes $(BROKEN) 2>/dev/null || true; fi
 	$(BIN)/python -c "import rlflow, rlflow.protocol, rlflow.services, torch, vllm, transformers"
 	touch $(STAMP)

@@ -274,7 +274,7 @@ def real_ratio(out: pathlib.Path, steps: int) -> tuple[float, dict]:
     are of a similar size, the case the overlap is for.
     """
     from rlflow.tools.cli import default_config_path
-    from rlflow.tools.model import ensure_default
+    from rlflow.models import ensure_default
 
     ensure_default()
     times = {}

@@ -247,7 +247,7 @@ def halfgb_model(path: pathlib.Path) -> pathlib.Path:
     """A Qwen2 of about 0.5 GB of random float32 weights, with the task's tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlflow.tools.model import build_tokenizer
+    from rlflow.models import build_tokenizer
     from rlflow.data.tasks import Arith
 
     tokenizer = build_tokenizer(Arith.ALPHABET)
@@ -268,7 +268,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "rollout.json")
     args = parser.parse_args()
 
-    from rlflow.tools.model import ensure_default
+    from rlflow.models import ensure_default
 
     ensure_default()
     config = resolve(load(DEFAULT))

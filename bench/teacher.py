@@ -64,7 +64,7 @@ def wide_models(folder: pathlib.Path) -> tuple[str, str]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from rlflow.tools.model import SPECIAL, build_tokenizer
+    from rlflow.models import SPECIAL, build_tokenizer
 
     tokenizer = build_tokenizer("".join(chr(0x100 + i) for i in range(VOCAB - len(SPECIAL))))
     paths = []

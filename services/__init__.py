@@ -32,9 +32,10 @@ def main(spec_bytes: bytes) -> None:
     """Run the service described by `spec_bytes` until it is shut down."""
     import trio
 
-    from rlflow.control.spec import ServiceSpec
+    from rlflow.startup import ServiceSpec, use_import_dir
 
     spec = ServiceSpec.decode(spec_bytes)
+    use_import_dir(spec.config)
     _log_to(spec)
     service = service_class(spec.role)(spec)
     trio.run(service.run)

@@ -26,7 +26,6 @@ import msgspec
 import trio
 
 from rlflow.config import Config
-from rlflow.control.spec import ServiceSpec
 from rlflow.data import transport
 from rlflow.data import net
 from rlflow.data.tasks import Task, load_tokenizer, make_task, needs_tokenizer
@@ -47,6 +46,7 @@ from rlflow.protocol import (
     Welcome,
 )
 from rlflow.rundir import RunDir
+from rlflow.startup import ServiceSpec
 
 STATES = ("busy", "starved", "blocked", "loading", "idle")
 
@@ -314,7 +314,10 @@ class Service:
     def load_task(self) -> Task:
         """The run's task, with the policy's tokenizer where it speaks text."""
         tokenizer = load_tokenizer(self.config.policy_path) if needs_tokenizer(self.config) else None
-        return make_task(self.config, tokenizer)
+        task = make_task(self.config, tokenizer)
+        for warning in getattr(task, "warnings", ()):
+            self.log.warning("[%s] data: %s", self.spec.name, warning)
+        return task
 
     def queues(self) -> dict[str, int]:
         """Items waiting in this service's queues now (for heartbeats)."""

@@ -91,6 +91,35 @@ def test_cross_field_checks():
         C.load(text=BASE + "[pools.spare]\n")
 
 
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_one_flag_switches_a_shipped_config_to_sync(path):
+    config = C.load(path, ["run.mode=sync"])
+    assert config.run.mode == "sync" and config.run.staleness == 0
+
+
+def test_the_mode_implies_its_staleness_unless_both_are_set():
+    pinned = BASE + "[run]\nmode = 'async'\nmax_staleness = 2\n"
+    # A --set of the mode alone: the file's bound was the other mode's.
+    sync = C.load(text=pinned, overrides=["run.mode=sync"])
+    assert sync.run.max_staleness is None and sync.run.staleness == 0
+    assert C.load(text=pinned, overrides=["run.mode=one_step"]).run.staleness == 1
+    # The other way: a file pinned for sync, run async, gets async's default.
+    back = C.load(text=BASE + "[run]\nmode = 'sync'\nmax_staleness = 0\n", overrides=["run.mode=async"])
+    assert back.run.mode == "async" and back.run.staleness == 2
+    # The file's own mode set again changes nothing: its bound stays.
+    assert C.load(text=BASE + "[run]\nmax_staleness = 4\n", overrides=["run.mode=async"]).run.staleness == 4
+    # Both given: the user's word, checked; inconsistent is still an error, from --set or from the file.
+    assert C.load(text=pinned, overrides=["run.mode=async", "run.max_staleness=5"]).run.staleness == 5
+    assert C.load(text=pinned, overrides=["run.mode=sync", "run.max_staleness=0"]).run.staleness == 0
+    wrong = r"run.max_staleness = 2: must be 0 \(or left out\) when run.mode = 'sync'"
+    with pytest.raises(C.ConfigError, match=wrong):
+        C.load(text=pinned, overrides=["run.max_staleness=2", "run.mode=sync"])
+    with pytest.raises(C.ConfigError, match=wrong):
+        C.load(text=BASE + "[run]\nmode = 'sync'\nmax_staleness = 2\n")
+    with pytest.raises(C.ConfigError, match=r"run.max_staleness = 3: must be 1 \(or left out\) when run.mode = 'one_step'"):
+        C.load(text=BASE + "[run]\nmode = 'sync'\n", overrides=["run.mode=one_step", "run.max_staleness=3"])
+
+
 def test_trainer_ranks_on_gpus_take_a_gpu_each():
     # On CPUs any number of ranks share the pool's cores.
     assert C.load(text=BASE, overrides=["roles.trainer.replicas=2"]).roles.trainer.replicas == 2
@@ -132,7 +161,7 @@ def test_run_dir_template():
 
 def test_the_launcher_resolves_the_model_and_paths_once(tmp_path, monkeypatch):
     from rlflow.control.launch import resolve
-    from rlflow.tools.model import default_model_dir
+    from rlflow.models import default_model_dir
 
     monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
     real = C.load(ROOT / "rlflow" / "defaults" / "default.toml")

@@ -22,11 +22,11 @@ from rlflow import config as C
 from rlflow.control.controller import Controller
 from rlflow.control.ledger import POISON, GroupLedger, GroupState, min_version
 from rlflow.control.rounds import WeightRounds
-from rlflow.control.spec import ServiceSpec
 from rlflow.control.stats import RunStats
 from rlflow.errors import RunFailed
 from rlflow.protocol import Heartbeat, Stage, StepDone
 from rlflow.rundir import RunDir
+from rlflow.startup import ServiceSpec
 from rlflow.tools import cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ TEMPLATE = (
 def tokenizer():
     from transformers import PreTrainedTokenizerFast
 
-    from rlflow.tools.model import build_tokenizer
+    from rlflow.models import build_tokenizer
 
     # Every printable character, so that templates and words tokenize.
     chars = "".join(chr(c) for c in range(32, 127)) + "\n"
@@ -116,14 +116,14 @@ def test_long_prompts_are_left_out_and_counted(tokenizer, tmp_path):
 @pytest.mark.parametrize(
     ("rows", "fields", "error"),
     [
-        ([{"prompt": "a", "answer": "1"}, {"question": "b", "answer": "2"}], {}, r"d.jsonl: row 1: has no field 'prompt'"),
-        ([{"prompt": "a"}], {}, r"d.jsonl: row 0: has no field 'answer' \(task.answer"),
+        ([{"prompt": "a", "answer": "1"}, {"question": "b", "answer": "2"}], {}, r"d.jsonl: line 2: has no field 'prompt'"),
+        ([{"prompt": "a"}], {}, r"d.jsonl: line 1: has no field 'answer' \(task.answer"),
         ([{"prompt": [{"role": "user"}], "answer": "1"}], {},
-         r"d.jsonl: row 0: field 'prompt'\[0\]: is not a \{role, content\} message"),
+         r"d.jsonl: line 1: field 'prompt'\[0\]: is not a \{role, content\} message"),
         ([{"prompt": [{"role": "user", "content": "x"}], "answer": "1"}], {"chat_template": False},
-         r"d.jsonl: row 0: field 'prompt': holds chat messages, but prompts are not rendered with a chat template"),
+         r"d.jsonl: line 1: field 'prompt': holds chat messages, but prompts are not rendered with a chat template"),
         ([{"prompt": 7, "answer": "1"}], {"chat_template": True},
-         r"d.jsonl: row 0: field 'prompt': is neither a string nor a list"),
+         r"d.jsonl: line 1: field 'prompt': is neither a string nor a list"),
     ],
 )
 def test_bad_rows_name_the_file_the_row_and_the_field(tokenizer, tmp_path, rows, fields, error):
@@ -131,6 +131,62 @@ def test_bad_rows_name_the_file_the_row_and_the_field(tokenizer, tmp_path, rows,
     try:
         with pytest.raises(DatasetError, match=error):
             task(tokenizer, train=str(write_jsonl(tmp_path / "d.jsonl", rows)), **fields)
+    finally:
+        tokenizer.chat_template = None
+
+
+def test_a_row_is_named_as_its_file_numbers_it(tokenizer, tmp_path):
+    """Lines from 1 as an editor shows them (blank lines and a CSV's header
+    counted, a quoted CSV field may span lines); records from 1 where the
+    file has no lines."""
+    import datasets
+
+    (tmp_path / "d.jsonl").write_text('{"prompt": "a", "answer": "1"}\n\n   \n{"prompt": "b", "answer": "2"}\n'
+                                      '{"q": "c", "answer": "3"}\n')
+    with pytest.raises(DatasetError, match=r"d.jsonl: line 5: has no field 'prompt'"):
+        task(tokenizer, train=str(tmp_path / "d.jsonl"))
+    (tmp_path / "d.csv").write_text('prompt,answer\n"a\nspanning",1\n\nb,2\n,3\n')
+    with pytest.raises(DatasetError, match=r"d.csv: line 6: has no field 'prompt'"):
+        task(tokenizer, train=str(tmp_path / "d.csv"))
+    rows = [{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}, {"prompt": None, "answer": "3"}]
+    (tmp_path / "d.json").write_text(json.dumps(rows, indent=1))
+    data = datasets.Dataset.from_list(rows)
+    data.to_parquet(str(tmp_path / "d.parquet"))
+    data.save_to_disk(str(tmp_path / "folder"))
+    for name in ("d.json", "d.parquet", "folder"):
+        with pytest.raises(DatasetError, match=rf"{name}: record 3: has no field 'prompt'"):
+            task(tokenizer, train=str(tmp_path / name))
+    # JSON lines in a .json file are lines.
+    write_jsonl(tmp_path / "lines.json", rows)
+    with pytest.raises(DatasetError, match=r"lines.json: line 3: has no field 'prompt'"):
+        task(tokenizer, train=str(tmp_path / "lines.json"))
+
+
+def test_rows_keep_their_line_through_a_held_out_share(tokenizer):
+    held = task(tokenizer, eval_fraction=0.1)
+    lines = ARITH.read_text().splitlines()
+    for split in (held.train, held.heldout):
+        for i in (0, 7, len(split) - 1):
+            line = int(split.where(i).rsplit("line ", 1)[1])
+            assert json.loads(lines[line - 1]) == split.rows[i]
+    g = 123
+    assert held.where(g) == held.train.where(held.index(g))
+
+
+def test_a_prompt_column_mixing_strings_and_messages_is_a_warning_naming_the_first_odd_row(tokenizer, tmp_path):
+    tokenizer.chat_template = TEMPLATE
+    try:
+        rows = [{"prompt": "hi", "answer": "1"}] * 6 + [
+            {"prompt": [{"role": "user", "content": "yo"}], "answer": "2"},
+            {"prompt": [{"role": "user", "content": "again"}], "answer": "3"},
+        ]
+        mixed = task(tokenizer, train=str(write_jsonl(tmp_path / "d.jsonl", rows)))
+        assert len(mixed.train) == 8  # it still loads
+        (warning,) = mixed.warnings
+        assert warning.startswith(f"{tmp_path / 'd.jsonl'}: line 7: field 'prompt' is a list of chat messages, "
+                                  "while line 1 has a string")
+        clean = task(tokenizer, train=str(write_jsonl(tmp_path / "e.jsonl", rows[:6])))
+        assert clean.warnings == []
     finally:
         tokenizer.chat_template = None
 

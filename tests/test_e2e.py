@@ -153,6 +153,10 @@ check_references = 4
 path = "rlflow.rewards:math"
 kwargs = {{ extract = "marker", marker = "#" }}
 workers = 1
+[[roles.reward.engine.functions]]
+path = "own_rewards:length"
+weight = 0.0
+workers = 1
 
 [roles.teacher]
 pool = "score"
@@ -186,11 +190,17 @@ steps = 2
 """
 
 
-def test_own_data_reward_functions_and_a_teacher_end_to_end(ray_cluster, tmp_path):
-    """A dataset task scored by a reward function, with a teacher scoring
-    every token on its own pool and the trainer distilling from it."""
+def test_own_data_reward_functions_and_a_teacher_end_to_end(ray_cluster, tmp_path, monkeypatch):
+    """A dataset task scored by reward functions, one of them the user's own
+    module in the folder the run is launched from (the Ray workers were
+    started elsewhere), with a teacher scoring every token on its own pool
+    and the trainer distilling from it."""
     import itertools
 
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "own_rewards.py").write_text("def length(sample):\n    return float(len(sample.response))\n")
+    monkeypatch.chdir(own)
     model = tiny_model(tmp_path / "model", tied=False, seed=11)
     teacher = tiny_model(tmp_path / "teacher", tied=False, seed=12)
     data = tmp_path / "arith.jsonl"
@@ -205,6 +215,7 @@ def test_own_data_reward_functions_and_a_teacher_end_to_end(ray_cluster, tmp_pat
         assert row.samples == 16 and 0.0 <= row.reward_mean <= 1.0
         assert row.train["kl_teacher"] == row.train["kl_teacher"]  # a number: the teacher scored every token
         assert "distill_loss" in row.train and "kl_loss" in row.train
+    assert RunDir(tmp_path / "run").read_status().roles["reward"].counters["reward.length.ok"] > 0
     evals = RunDir(tmp_path / "run").read_evals()
     assert {"pass_rate", "reward_mean"} <= set(evals[0].metrics) and evals[0].metrics["problems"] == 10.0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -15,10 +16,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 IMPORTS = "import rlflow, rlflow.protocol, rlflow.services, rlflow.data.transport; "
 
 
-def run(*args: str, cwd: pathlib.Path, env: dict | None = None) -> str:
+def run(*args: str, cwd: pathlib.Path, env: dict | None = None, stderr: bool = False) -> str:
+    """What `args` printed (stdout; with `stderr`, both), once it has exited 0."""
     done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{args} failed:\n{done.stdout}\n{done.stderr}"
-    return done.stdout
+    return done.stdout + done.stderr if stderr else done.stdout
 
 
 def test_editable_install_maps_the_top_level_folders(tmp_path):
@@ -42,7 +44,11 @@ def test_a_wheel_installs_and_imports_all_three(tmp_path):
         src,
         ignore=shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", "runs", "results"),
     )
-    run(sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src), cwd=tmp_path)
+    built = run(sys.executable, "-m", "pip", "wheel", "--verbose", "--no-deps", "--no-build-isolation",
+                "-w", str(tmp_path / "dist"), str(src), cwd=tmp_path, stderr=True)
+    # A clean build says nothing but progress: no setuptools warning (a folder of
+    # package data that is no declared package, a deprecated setting, ...).
+    assert not re.findall(r"\w*Warning: .*", built), re.findall(r"\w*Warning: .*", built)
     (wheel,) = (tmp_path / "dist").glob("rlflow-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "rlflow/protocol/SPEC.md" in names

@@ -536,6 +536,22 @@ async def test_a_function_that_cannot_start_stops_the_pool_with_its_reason():
                 pytest.fail("the pool opened")
 
 
+async def test_workers_import_from_the_runs_import_dir_whatever_their_working_directory(tmp_path, monkeypatch):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "beside_config.py").write_text("def fn(sample):\n    return float(len(sample.response))\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # a service's working directory is not the launcher's
+    with trio.fail_after(60):
+        with pytest.raises(PoolError, match="'beside_config:fn': cannot import module 'beside_config'"):
+            async with open_pool([spec("beside_config:fn")]):
+                pytest.fail("the pool opened")
+        async with open_pool([spec("beside_config:fn")], import_dir=str(mine)) as pool:
+            (scored,) = await pool.score(sample("four"))
+    assert (scored.status, scored.value) == (Status.OK, 4.0)
+
+
 async def test_check_references_reports_what_cannot_score_its_reference():
     specs = [
         spec("rlflow.rewards:math"),  # renders "\boxed{reference}"
@@ -616,7 +632,7 @@ async def test_reward_model_scores_in_batches_as_a_direct_forward_does(tmp_path)
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
     from rlflow.data.tasks import Arith
-    from rlflow.tools.model import build_tokenizer
+    from rlflow.models import build_tokenizer
 
     tokenizer = build_tokenizer(Arith.ALPHABET)
     torch.manual_seed(0)

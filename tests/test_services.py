@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 from golden import examples
 
 from rlflow import config as C
-from rlflow.control.spec import ServiceSpec
 from rlflow.data import transport
 from rlflow.protocol import (
     SCHEMA_VERSION,
@@ -42,6 +41,7 @@ from rlflow.protocol import (
     split,
 )
 from rlflow.rundir import RunDir
+from rlflow.startup import ServiceSpec
 from rlflow.services.base import Service, StageService, standalone_context
 from rlflow.services.reward.service import RewardService
 from rlflow.services.rollout.service import RolloutService

@@ -226,7 +226,7 @@ def test_a_teacher_with_another_tokenizer_is_refused(teacher_path, tmp_path):
     from transformers import AutoTokenizer
 
     from rlflow.control.launch import resolve
-    from rlflow.tools.model import build_tokenizer
+    from rlflow.models import build_tokenizer
 
     other = tiny_model(tmp_path / "other", tied=False, seed=2)
     build_tokenizer("abc").save_pretrained(other)  # another vocabulary

@@ -6,7 +6,8 @@
   row per problem: ``prompt`` (``57+68=``), ``answer`` (``125``) and
   ``digits``; ``arith-eval.jsonl``: its 1,000 held-out problems, the same the
   built-in task evaluates on.
-* ``code.jsonl``: small programming problems, each with stdin/stdout tests.
+* ``code.jsonl``: small programming problems, each with stdin/stdout tests and
+  a reference ``solution`` (a program that passes them).
 
 The files are committed; this script says how they were made.
 """
@@ -18,22 +19,34 @@ import pathlib
 
 HERE = pathlib.Path(__file__).resolve().parent
 
-#: (problem, [(stdin, stdout), ...]) of the programming problems.
+#: (problem, [(stdin, stdout), ...], a right program) of the programming problems.
 PROBLEMS = [
-    ("Read two integers on one line and print their sum.", [("1 2", "3"), ("-5 5", "0"), ("100 23", "123")]),
-    ("Read an integer n and print n squared.", [("3", "9"), ("-4", "16"), ("0", "0")]),
-    ("Read a line and print it reversed.", [("abc", "cba"), ("racecar", "racecar"), ("ab cd", "dc ba")]),
-    ("Read an integer n and print the sum 1 + 2 + ... + n.", [("1", "1"), ("10", "55"), ("100", "5050")]),
-    ("Read a line of words and print how many words it has.", [("a b c", "3"), ("hello", "1"), ("x  y", "2")]),
-    ("Read an integer and print 'even' or 'odd'.", [("2", "even"), ("7", "odd"), ("0", "even")]),
-    ("Read integers on one line and print the largest.", [("1 5 3", "5"), ("-1 -7", "-1"), ("42", "42")]),
-    ("Read a line and print it in upper case.", [("abc", "ABC"), ("Hi There", "HI THERE"), ("1a", "1A")]),
-    ("Read an integer n and print n factorial.", [("0", "1"), ("5", "120"), ("10", "3628800")]),
-    ("Read a line and print 'yes' if it is a palindrome, else 'no'.", [("abba", "yes"), ("abc", "no"), ("a", "yes")]),
+    ("Read two integers on one line and print their sum.", [("1 2", "3"), ("-5 5", "0"), ("100 23", "123")],
+     "a, b = map(int, input().split())\nprint(a + b)"),
+    ("Read an integer n and print n squared.", [("3", "9"), ("-4", "16"), ("0", "0")],
+     "n = int(input())\nprint(n * n)"),
+    ("Read a line and print it reversed.", [("abc", "cba"), ("racecar", "racecar"), ("ab cd", "dc ba")],
+     "print(input()[::-1])"),
+    ("Read an integer n and print the sum 1 + 2 + ... + n.", [("1", "1"), ("10", "55"), ("100", "5050")],
+     "n = int(input())\nprint(n * (n + 1) // 2)"),
+    ("Read a line of words and print how many words it has.", [("a b c", "3"), ("hello", "1"), ("x  y", "2")],
+     "print(len(input().split()))"),
+    ("Read an integer and print 'even' or 'odd'.", [("2", "even"), ("7", "odd"), ("0", "even")],
+     "print('even' if int(input()) % 2 == 0 else 'odd')"),
+    ("Read integers on one line and print the largest.", [("1 5 3", "5"), ("-1 -7", "-1"), ("42", "42")],
+     "print(max(map(int, input().split())))"),
+    ("Read a line and print it in upper case.", [("abc", "ABC"), ("Hi There", "HI THERE"), ("1a", "1A")],
+     "print(input().upper())"),
+    ("Read an integer n and print n factorial.", [("0", "1"), ("5", "120"), ("10", "3628800")],
+     "import math\nprint(math.factorial(int(input())))"),
+    ("Read a line and print 'yes' if it is a palindrome, else 'no'.", [("abba", "yes"), ("abc", "no"), ("a", "yes")],
+     "s = input()\nprint('yes' if s == s[::-1] else 'no')"),
     ("Read an integer n and print the n-th Fibonacci number (F(0) = 0, F(1) = 1).",
-     [("0", "0"), ("1", "1"), ("10", "55")]),
+     [("0", "0"), ("1", "1"), ("10", "55")],
+     "a, b = 0, 1\nfor _ in range(int(input())):\n    a, b = b, a + b\nprint(a)"),
     ("Read integers on one line and print them sorted, separated by spaces.",
-     [("3 1 2", "1 2 3"), ("5", "5"), ("2 2 1", "1 2 2")]),
+     [("3 1 2", "1 2 3"), ("5", "5"), ("2 2 1", "1 2 2")],
+     "print(' '.join(map(str, sorted(map(int, input().split())))))"),
 ]
 
 
@@ -51,8 +64,8 @@ def main() -> None:
         for a, b in arith.heldout:
             f.write(json.dumps({"prompt": Arith.prompt_text(a, b), "answer": str(a + b), "digits": len(str(a))}) + "\n")
     with open(HERE / "code.jsonl", "w") as f:
-        for problem, tests in PROBLEMS:
-            row = {"prompt": problem, "tests": [{"input": i, "output": o} for i, o in tests]}
+        for problem, tests, solution in PROBLEMS:
+            row = {"prompt": problem, "tests": [{"input": i, "output": o} for i, o in tests], "solution": solution}
             f.write(json.dumps(row) + "\n")
 
 

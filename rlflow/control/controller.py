@@ -141,7 +141,7 @@ class Controller:
         """Start the services, run every step, shut them down; the summary."""
         bind = transport.tcp_address(bind_host(self.config.cluster.host))
         self.run_dir.path.mkdir(parents=True, exist_ok=True)
-        self._sinks = open_sinks(self.run_dir)
+        self._sinks = open_sinks(self.run_dir, self.config)
         try:
             async with transport.open_router(bind=bind, curve=self.curve, name="controller") as router:
                 self.router = self.outboxes.router = router

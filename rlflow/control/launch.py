@@ -1,7 +1,8 @@
 """One training run from start to finish: paths, Ray, pools, services, controller.
 
 `run` is what `rlflow up` calls. It resolves every path of the config once
-(the "default" model to its directory, relative paths to absolute ones) and
+(the "default" model to its directory, relative paths to absolute ones, the
+directory user modules are imported from to where `rlflow` runs) and
 writes that resolved config into the run directory: what the services get,
 so that a service on another node needs nothing from the launcher's machine
 but the paths themselves. It makes the run's secret and, when its sockets
@@ -16,7 +17,6 @@ and placement group.
 from __future__ import annotations
 
 import json
-
 import os
 import pathlib
 import secrets
@@ -28,8 +28,10 @@ import trio
 from rlflow.config import Config, ConfigError, ModelTeacher, to_toml
 from rlflow.control import placement
 from rlflow.control.controller import Controller
+from rlflow.control.metrics import check_trackers
 from rlflow.data import transport
 from rlflow.data.net import is_loopback
+from rlflow.models import resolve_model
 from rlflow.rundir import RunDir, Status, Summary
 
 
@@ -42,9 +44,7 @@ def resolve(config: Config) -> Config:
 
     Raises `ConfigError` naming the key of a path that does not hold what it should.
     """
-    from rlflow.tools.model import resolve_model
-
-    run = config.run
+    run = msgspec.structs.replace(config.run, import_dir=os.path.abspath(config.run.import_dir or os.getcwd()))
     if run.resume:
         run = msgspec.structs.replace(run, resume=os.path.abspath(run.resume))
     rollout = config.roles.rollout
@@ -72,6 +72,7 @@ def resolve(config: Config) -> Config:
                               f"asks for more tokens than the teacher's vocabulary has ({vocab})")
         roles = msgspec.structs.replace(roles, teacher=msgspec.structs.replace(
             teacher, engine=msgspec.structs.replace(engine, model=path)))
+    check_trackers(config)
     return msgspec.structs.replace(config, run=run, roles=roles)
 
 

@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlflow.data import transport
 from rlflow.data.net import CurveKeys, free_port
 from rlflow.config import ClusterConfig, Config, PoolConfig
-from rlflow.control.spec import ServiceSpec
+from rlflow.startup import ServiceSpec
 
 log = logging.getLogger("rlflow.control.placement")
 

@@ -16,12 +16,22 @@ on where it stopped, with no row skipped or repeated within an epoch. The
 evaluation split (a file of its own, or a fixed share of the training rows)
 is never trained on.
 
+A message about a row names it as its file numbers it: the line (from 1, as
+an editor shows it) of a JSON-lines or CSV file, where a CSV's header is
+line 1 and its first row line 2; the record (from 1) where the source has
+no lines (Parquet, a `save_to_disk` folder, a JSON array, generated
+problems). Rows that load but look wrong (a prompt column that mixes plain
+strings and chat messages) are warnings kept beside the rows left out
+(`Split.warnings`, `RowTask.warnings`): `rlflow check` shows them, and each
+service that loads the task logs them.
+
 The same machinery serves procedural problems from `reasoning-gym`
 (`ReasoningGymTaskImpl`): generated locally, each problem a row.
 """
 
 from __future__ import annotations
 
+import csv
 import functools
 import os
 import pathlib
@@ -40,7 +50,56 @@ REFERENCE_ROWS = 8
 
 
 class DatasetError(ValueError):
-    """Data that cannot be used; the message names the file, the row and the field."""
+    """Data that cannot be used; the message names the file, the row (see
+    `RowSource`) and the field."""
+
+
+class RowSource:
+    """Where rows come from, to name a row as the source numbers it: a line
+    of a JSON-lines or CSV file (from 1; a CSV's header is line 1), else a
+    record (from 1). The lines are found on first use: only a message needs them."""
+
+    def __init__(self, name: str, path: str | os.PathLike | None = None):
+        self.name = name
+        self._path = None if path is None else pathlib.Path(path)
+        self._lines: list[int] | None = None
+
+    @functools.cached_property
+    def unit(self) -> str:
+        """"line" where the source is a file of lines, else "record"."""
+        return "record" if self._record_lines() is None else "line"
+
+    def number(self, index: int) -> int:
+        """The line (or record) number of the row read `index`-th (from 0)."""
+        lines = self._record_lines()
+        return index + 1 if lines is None else lines[index]
+
+    def where(self, index: int) -> str:
+        """The row read `index`-th (from 0), as a message names it."""
+        return f"{self.name}: {self.unit} {self.number(index)}"
+
+    def _record_lines(self) -> list[int] | None:
+        if self._lines is not None:
+            return self._lines
+        path, lines = self._path, None
+        if path is None or path.is_dir():
+            return None
+        suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".json"):
+            with path.open(encoding="utf-8", errors="replace") as f:
+                numbered = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+            if suffix == ".jsonl" or not numbered or not numbered[0][1].lstrip().startswith("["):
+                lines = [n for n, _ in numbered]  # JSON lines: blank lines hold no row
+        elif suffix == ".csv":
+            with path.open(newline="", encoding="utf-8", errors="replace") as f:
+                reader, lines, end = csv.reader(f), [], 0
+                for record in reader:
+                    start, end = end + 1, reader.line_num  # a quoted field may span lines
+                    if record:  # blank lines hold no row
+                        lines.append(start)
+            lines = lines[1:]  # the header
+        self._lines = lines
+        return lines
 
 
 @dataclass
@@ -53,9 +112,18 @@ class Split:
     ids: list[list[int]] = field(default_factory=list)
     skipped: Counter[str] = field(default_factory=Counter)
     """Rows left out, by reason."""
+    source: RowSource = field(default_factory=lambda: RowSource("(no source)"))
+    positions: list[int] = field(default_factory=list)
+    """Where each row was read in `source` (from 0)."""
+    warnings: list[str] = field(default_factory=list)
+    """What looked wrong in rows that loaded."""
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def where(self, i: int) -> str:
+        """Row `i` of the split, as the source numbers it."""
+        return self.source.where(self.positions[i])
 
 
 def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -118,14 +186,25 @@ class Renderer:
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
-    def split(self, rows: list[dict[str, Any]], source: str, prompt: str) -> Split:
-        """Render and tokenize `rows`, leaving out those too long."""
-        out = Split()
-        for i, row in enumerate(rows):
-            where = f"{source}: row {i}: field {prompt!r}"
-            if row.get(prompt) is None:
-                raise DatasetError(f"{source}: row {i}: has no field {prompt!r} (task.prompt)")
-            text = self.render(row[prompt], where)
+    def split(self, rows: list[dict[str, Any]], source: RowSource, prompt: str, positions: Sequence[int]) -> Split:
+        """Render and tokenize `rows` (read at `positions` of `source`),
+        leaving out those too long."""
+        out = Split(source=source)
+        first: tuple[int, bool] | None = None  # the first row's position, and whether its prompt is a string
+        for row, position in zip(rows, positions, strict=True):
+            where = source.where(position)
+            value = row.get(prompt)
+            if value is None:
+                raise DatasetError(f"{where}: has no field {prompt!r} (task.prompt)")
+            text = self.render(value, f"{where}: field {prompt!r}")
+            if first is None:
+                first = (position, isinstance(value, str))
+            elif isinstance(value, str) != first[1] and not out.warnings:
+                kinds = ("a list of chat messages", "a string") if first[1] else ("a string", "a list of chat messages")
+                out.warnings.append(
+                    f"{where}: field {prompt!r} is {kinds[0]}, while {source.unit} {source.number(first[0])} has "
+                    f"{kinds[1]}: the column mixes plain prompts and chat messages (each is rendered as it is)"
+                )
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             if len(ids) > self.max_tokens:
                 out.skipped[f"longer than task.max_prompt_tokens = {self.max_tokens}"] += 1
@@ -133,6 +212,7 @@ class Renderer:
             out.rows.append(row)
             out.texts.append(text)
             out.ids.append(list(ids))
+            out.positions.append(position)
         return out
 
 
@@ -166,6 +246,15 @@ class RowTask:
 
     def prompt_text(self, group_id: int) -> str:
         return self.train.texts[self.index(group_id)]
+
+    @property
+    def warnings(self) -> list[str]:
+        """What looked wrong in the rows that loaded, training and held out."""
+        return self.train.warnings + self.heldout.warnings
+
+    def where(self, group_id: int) -> str:
+        """The training row of group `group_id`, as its file numbers it."""
+        return self.train.where(self.index(group_id))
 
     def reference(self, row: Mapping[str, Any]) -> str:
         value = row.get(self.answer) if self.answer else None
@@ -212,25 +301,28 @@ class DatasetTaskImpl(RowTask):
     def __init__(self, cfg: DatasetTask, seed: int, tokenizer: Any):
         renderer = Renderer(tokenizer, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt,
                             max_tokens=cfg.max_prompt_tokens)
-        rows = read_rows(cfg.train)
-        _check_answers(rows, cfg.train, cfg.answer)
+        rows, source = read_rows(cfg.train), RowSource(cfg.train, cfg.train)
+        _check_answers(rows, source, cfg.answer)
+        positions = list(range(len(rows)))
         if cfg.eval:
-            heldout_rows = read_rows(cfg.eval)
-            _check_answers(heldout_rows, cfg.eval, cfg.answer)
-            heldout_source = cfg.eval
+            heldout_rows, heldout_source = read_rows(cfg.eval), RowSource(cfg.eval, cfg.eval)
+            _check_answers(heldout_rows, heldout_source, cfg.answer)
+            heldout_positions = list(range(len(heldout_rows)))
         else:
             # A fixed share, whatever the run's seed: runs of one dataset compare.
             order = np.random.default_rng((0, 6)).permutation(len(rows))
             cut = round(cfg.eval_fraction * len(rows))
             held = set(order[:cut].tolist())
-            heldout_rows = [rows[i] for i in sorted(held)]
-            rows = [row for i, row in enumerate(rows) if i not in held]
-            heldout_source = cfg.train
+            heldout_positions = sorted(held)
+            heldout_rows = [rows[i] for i in heldout_positions]
+            positions = [i for i in positions if i not in held]
+            rows = [rows[i] for i in positions]
+            heldout_source = source
         if cfg.eval_size:
-            heldout_rows = heldout_rows[: cfg.eval_size]
+            heldout_rows, heldout_positions = heldout_rows[: cfg.eval_size], heldout_positions[: cfg.eval_size]
         super().__init__(
-            renderer.split(rows, cfg.train, cfg.prompt),
-            renderer.split(heldout_rows, heldout_source, cfg.prompt),
+            renderer.split(rows, source, cfg.prompt, positions),
+            renderer.split(heldout_rows, heldout_source, cfg.prompt, heldout_positions),
             seed,
             cfg.answer,
             tokenizer,
@@ -261,23 +353,24 @@ class ReasoningGymTaskImpl(RowTask):
                 raise DatasetError(f"reasoning-gym dataset {cfg.dataset!r}: {type(exc).__name__}: {exc}") from None
             return [dict(entry) for entry in made]
 
+        train, heldout = generate(cfg.size, 1), generate(cfg.eval_size, 2)
         source = f"reasoning-gym:{cfg.dataset}"
         super().__init__(
-            renderer.split(generate(cfg.size, 1), source, "question"),
-            renderer.split(generate(cfg.eval_size, 2), source, "question"),
+            renderer.split(train, RowSource(source), "question", range(len(train))),
+            renderer.split(heldout, RowSource(f"{source} (evaluation)"), "question", range(len(heldout))),
             seed,
             "answer",
             tokenizer,
         )
 
 
-def _check_answers(rows: list[dict[str, Any]], source: str, answer: str) -> None:
+def _check_answers(rows: list[dict[str, Any]], source: RowSource, answer: str) -> None:
     """The answer column, if one is named, is in every row."""
     if not answer:
         return
     for i, row in enumerate(rows):
         if answer not in row:
-            raise DatasetError(f"{source}: row {i}: has no field {answer!r} (task.answer; set it to \"\" for none)")
+            raise DatasetError(f"{source.where(i)}: has no field {answer!r} (task.answer; set it to \"\" for none)")
 
 
 def _leave_out_heldout(train: Split, heldout: Split) -> None:
@@ -290,3 +383,4 @@ def _leave_out_heldout(train: Split, heldout: Split) -> None:
         train.rows = [train.rows[i] for i in keep]
         train.texts = [train.texts[i] for i in keep]
         train.ids = [train.ids[i] for i in keep]
+        train.positions = [train.positions[i] for i in keep]

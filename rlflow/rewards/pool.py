@@ -136,20 +136,26 @@ class RewardPool:
 
 @asynccontextmanager
 async def open_pool(
-    specs: Sequence[FunctionSpec], *, start_timeout_s: float = 60.0, workers: int | None = None
+    specs: Sequence[FunctionSpec],
+    *,
+    start_timeout_s: float = 60.0,
+    workers: int | None = None,
+    import_dir: str = "",
 ) -> AsyncIterator[RewardPool]:
     """Start workers for `specs` and yield the pool once every worker is
     ready; kill them all on exit. `workers` overrides every spec's count
-    (e.g. 1 for a check). Raises `ValueError` for specs that cannot run
-    together, `PoolError` when a worker cannot start."""
+    (e.g. 1 for a check). `import_dir` goes first on the workers' import
+    path (the run's `run.import_dir`, where the user's modules are). Raises
+    `ValueError` for specs that cannot run together, `PoolError` when a
+    worker cannot start."""
     check_specs(specs)
     if not 0 < start_timeout_s < math.inf:
         raise ValueError(f"start_timeout_s must be positive, got {start_timeout_s}")
     if workers is not None:
         specs = [msgspec.structs.replace(spec, workers=workers) for spec in specs]
-    # Workers import from where this process imports; '' (the current
-    # directory) is resolved now, once.
-    sys_path = [os.path.abspath(entry) for entry in sys.path]
+    # Workers import from `import_dir`, then from where this process imports;
+    # '' (the current directory) is resolved now, once.
+    sys_path = [os.path.abspath(entry) for entry in ([import_dir, *sys.path] if import_dir else sys.path)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys_path)}
     lanes = [_Lane(spec, sys_path, env, start_timeout_s) for spec in specs]
     try:

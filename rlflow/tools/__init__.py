@@ -1,2 +1,2 @@
 """What users run: the `rlflow` command, the live table, the report and the
-planner, and the builder of the embedded default model."""
+planner."""

@@ -2,10 +2,11 @@
 starting a run, and show what the model will see and how the functions
 score the dataset's own answers.
 
-It prints how many rows loaded and how many were left out (and why), three
-prompts exactly as the model will see them, prompt-length statistics in
-tokens, and the reward of each row's reference answer scored as if it were a
-response; its last line is
+It prints how many rows loaded and how many were left out (and why), what
+looked wrong in rows that loaded, three prompts exactly as the model will
+see them, prompt-length statistics in tokens, the rows that have no
+reference answer, and the reward of each row's reference answer scored as
+if it were a response; its last line is
 
     RESULT check rows=N skipped=N reference_reward_mean=X failures=N
 
@@ -36,8 +37,10 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
     from rlflow.data.dataset_task import DatasetError
     from rlflow.data.tasks import load_tokenizer, make_task, needs_tokenizer
     from rlflow.rewards import PoolError, RewardFunctionError, load_function, sandbox_problem
+    from rlflow.startup import use_import_dir
 
     config = resolve(config)
+    use_import_dir(config)  # the functions are loaded here too, to name a bad one at once
     tokenizer = load_tokenizer(config.policy_path) if needs_tokenizer(config) else None
     try:
         task = make_task(config, tokenizer)
@@ -50,6 +53,8 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
         + (f"; {len(task.heldout)} evaluation rows" if hasattr(task, "heldout") else ""))
     for reason, count in (train.skipped.items() if train is not None else ()):
         say(f"  left out {count}: {reason}")
+    for warning in getattr(task, "warnings", ()):
+        say(f"  warning: {warning}")
     for group_id in range(3):
         say(f"--- prompt of group {group_id}, as the model sees it ---")
         say(task.prompt_text(group_id))
@@ -70,9 +75,11 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
             problem = sandbox_problem(**spec.kwargs)
             if problem is not None:
                 raise CheckError(f"the code reward cannot run here: {problem}")
+    if train is not None and task.answer:
+        _say_missing_references(task, say)
     count = loaded if rows <= 0 else min(rows, loaded)
     try:
-        rewards, failures, problems = trio.run(_score_references, task, reward, count)
+        rewards, failures, problems = trio.run(_score_references, task, reward, count, config.run.import_dir)
     except (PoolError, RewardFunctionError) as exc:
         raise CheckError(f"reward functions: {exc}") from None
     for problem in problems[:10]:
@@ -88,7 +95,26 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
     return {"rows": loaded, "skipped": skipped, "reference_reward_mean": mean, "failures": failures}
 
 
-async def _score_references(task, reward: FunctionsReward, count: int) -> tuple[list[float], int, list[str]]:
+#: Rows without a reference answer named by line (or record) at most.
+MISSING_SHOWN = 5
+
+
+def _say_missing_references(task, say: Callable[[str], None]) -> None:
+    """How many training rows have no reference answer, and where the first are."""
+    train = task.train
+    missing = sorted(train.positions[i] for i, row in enumerate(train.rows) if not task.reference(row))
+    if not missing:
+        return
+    source = train.source
+    shown = ", ".join(str(source.number(p)) for p in missing[:MISSING_SHOWN])
+    more = ", ..." if len(missing) > MISSING_SHOWN else ""
+    say(f"{len(missing)} of {len(train)} rows have no reference answer (task.answer = {task.answer!r}), so how the "
+        f"functions score a right answer is not checked on them: {source.name}: {source.unit}s {shown}{more}")
+
+
+async def _score_references(
+    task, reward: FunctionsReward, count: int, import_dir: str
+) -> tuple[list[float], int, list[str]]:
     from rlflow.rewards import Sample, open_pool
 
     samples = []
@@ -100,7 +126,7 @@ async def _score_references(task, reward: FunctionsReward, count: int) -> tuple[
     rewards, failures, problems = [], 0, []
     if not samples:
         return rewards, failures, problems
-    async with open_pool(reward.functions, start_timeout_s=reward.start_timeout_s) as pool:
+    async with open_pool(reward.functions, start_timeout_s=reward.start_timeout_s, import_dir=import_dir) as pool:
         results = await pool.score_many(samples, as_reference=True)
         for i, scored in enumerate(results):
             combined = pool.combine(scored)

@@ -248,7 +248,7 @@ def _build_models(config) -> None:
     """Build the models rlflow makes itself that `config` names and that are
     not cached yet (the default policy, the default teacher)."""
     from rlflow.config import ModelTeacher
-    from rlflow.tools.model import BUILT
+    from rlflow.models import BUILT
 
     if not config.needs_model:
         return
@@ -264,7 +264,7 @@ def _build_default_model(force: bool, name: str = "default") -> pathlib.Path:
     (with a progress bar) if needed."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from rlflow.tools.model import BUILT, build_default, default_model_dir
+    from rlflow.models import BUILT, build_default, default_model_dir
 
     path = default_model_dir(name)
     if (path / "config.json").exists() and not force:
@@ -364,7 +364,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from rlflow.tools.model import default_model_dir
+    from rlflow.models import default_model_dir
 
     name = "default-teacher" if args.teacher else "default"
     if args.model_command == "path":

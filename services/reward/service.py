@@ -58,7 +58,8 @@ class RewardService(StageService):
             return
         from rlflow.rewards import open_pool
 
-        async with open_pool(self.engine.functions, start_timeout_s=self.engine.start_timeout_s) as pool:
+        async with open_pool(self.engine.functions, start_timeout_s=self.engine.start_timeout_s,
+                             import_dir=self.config.run.import_dir) as pool:
             self.pool = pool
             self.reference_problems = await check_references(pool, self.task, self.engine.check_references)
             for problem in self.reference_problems:

@@ -62,7 +62,8 @@ class RolloutService(Service):
             # Held-out answers are scored by the run's reward functions, here.
             from rlflow.rewards import open_pool
 
-            async with open_pool(reward.functions, start_timeout_s=reward.start_timeout_s, workers=1) as pool:
+            async with open_pool(reward.functions, start_timeout_s=reward.start_timeout_s, workers=1,
+                                 import_dir=self.config.run.import_dir) as pool:
                 self.eval_pool = pool
                 await self._main(control, task)
         else:

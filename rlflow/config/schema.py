@@ -1,55 +1,28 @@
-"""The typed run configuration, read from TOML and `--set key.path=value`.
+"""The schema of a run's configuration: one msgspec Struct per TOML table.
 
-Every table is a msgspec Struct that forbids unknown keys; numbers carry
-bounds; alternatives (which engine a role runs) are tagged unions on a
-``kind`` key. `load` validates the file and the overrides together and then
-checks what involves several fields (a role's pool exists, sync mode means
-no staleness, ...). Any problem raises `ConfigError`, whose text is one line
-naming the key, the value given and what is allowed.
+Every table forbids unknown keys; numbers carry bounds; alternatives (which
+engine a role runs) are tagged unions on a ``kind`` key; every field has a
+docstring (`undocumented_fields` lists those that do not, and a test keeps
+it empty). What involves several fields is checked in `checks`.
 """
 
 from __future__ import annotations
 
-import datetime
 import math
-import pathlib
-import re
-import tomllib
 from typing import Annotated, Any, Literal, Union
 
 import msgspec
-import tomli_w
 from msgspec import Meta
 
 from rlflow.data.net import is_loopback
 from rlflow.protocol.spec import field_docs
-from rlflow.rewards.core import FunctionSpec, check_specs
+from rlflow.rewards.core import FunctionSpec
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
 PosFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 Fraction = Annotated[float, Meta(ge=0, le=1)]
-
-
-class ConfigError(Exception):
-    """A configuration problem: `key`, the value given, and what is allowed."""
-
-    def __init__(self, key: str, given: Any, allowed: str):
-        self.key, self.given, self.allowed = key, given, allowed
-        shown = "(missing)" if given is _MISSING else _show(given)
-        super().__init__(f"config error: {key} = {shown}: {allowed}")
-
-
-_MISSING = object()
-
-
-def _show(value: Any) -> str:
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_show(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, str):
-        return repr(value)
-    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 class Table(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -445,9 +418,12 @@ class RunConfig(Table):
     """The algorithmic shape of the run."""
 
     mode: Literal["sync", "one_step", "async"] = "async"
-    """sync: no staleness and a barrier per step; one_step: one step behind; async: up to max_staleness."""
+    """sync: no staleness and a barrier per step; one_step: one step behind; async: up to max_staleness.
+    The mode implies its staleness: `--set run.mode=...` that changes the file's mode also drops the
+    file's max_staleness (the bound of the other mode), unless max_staleness is set too."""
     max_staleness: NonNegInt | None = None
-    """Versions a token may lag the trainer (default: 0 sync, 1 one_step, 2 async)."""
+    """Versions a token may lag the trainer (default, or left out: 0 sync, 1 one_step, 2 async). With
+    sync or one_step it may only restate that value: set with the mode to something else, it is an error."""
     batch_size: PosInt = 8
     """Prompt groups per optimizer step."""
     samples_per_prompt: PosInt = 8
@@ -460,6 +436,11 @@ class RunConfig(Table):
     """Where the run writes its config, metrics and checkpoints ({time} is the start time)."""
     resume: str = ""
     """A checkpoint directory to continue from (set by `rlflow up --resume`)."""
+    import_dir: str = ""
+    """Where the user's own modules are imported from (reward functions named by import path, such as
+    "my_rewards:brevity"): put first on the import path of every service and reward worker, whatever
+    its working directory. Empty: the directory `rlflow` is run from. The launcher makes it absolute;
+    a run that spans nodes needs it at the same path on each (a shared filesystem)."""
     partial_rollout: bool = True
     """Keep generating across weight updates (tokens after an update carry the new version);
     false: finish in-flight requests on the old weights before applying an update."""
@@ -571,6 +552,42 @@ class EvalConfig(Table):
     """With reward functions: a held-out answer passes when its reward reaches this (the pass rate)."""
 
 
+class WandbConfig(Table):
+    """Weights & Biases: each step's scalars (those TensorBoard gets) logged to a W&B run, and the resolved
+    config as the run's config (the optional extra `rlflow[wandb]`)."""
+
+    project: str
+    """The W&B project."""
+    entity: str = ""
+    """The team or user that owns the project (empty: the account's default)."""
+    name: str = ""
+    """The run's name in W&B (empty: the run directory's name). Each `rlflow up`, a resume too, is a W&B run."""
+    mode: Literal["auto", "online", "offline"] = "auto"
+    """online: to the W&B server (after `wandb login`); offline: only to files under the run directory's
+    wandb/, with no network (`wandb sync` uploads them later); auto: WANDB_MODE if set, else online."""
+    tags: list[str] = []
+    """The run's tags."""
+
+
+class TrackioConfig(Table):
+    """trackio: each step's scalars (those TensorBoard gets) logged to a trackio run in its local database
+    (``trackio show`` displays them; the optional extra `rlflow[trackio]`)."""
+
+    project: str
+    """The trackio project."""
+    name: str = ""
+    """The run's name (empty: the run directory's name)."""
+
+
+class MetricsConfig(Table):
+    """Where each step's metrics go besides metrics.jsonl (always) and TensorBoard (when it is installed)."""
+
+    wandb: WandbConfig | None = None
+    """Also to Weights & Biases (e.g. {project = "my-rl"}; needs `pip install 'rlflow[wandb]'`)."""
+    trackio: TrackioConfig | None = None
+    """Also to trackio (e.g. {project = "my-rl"}; needs `pip install 'rlflow[trackio]'`)."""
+
+
 class Config(Table):
     """A whole rlflow run."""
 
@@ -586,6 +603,8 @@ class Config(Table):
     """Prompts and answer checking."""
     eval: EvalConfig = EvalConfig()
     """Held-out evaluation (tasks that have a held-out set)."""
+    metrics: MetricsConfig = MetricsConfig()
+    """Experiment trackers the metrics also go to (Weights & Biases, trackio)."""
 
     @property
     def policy_path(self) -> str:
@@ -608,362 +627,6 @@ class Config(Table):
             roles.append(("teacher", self.roles.teacher))
         roles.append(("trainer", self.roles.trainer))
         return roles
-
-
-# ---------------------------------------------------------------------------
-# Loading
-# ---------------------------------------------------------------------------
-
-
-def load(path: str | pathlib.Path | None = None, overrides: list[str] = (), *, text: str | None = None) -> Config:
-    """Read, override and validate a config (from `path`, or `text`)."""
-    if text is None:
-        if path is None:
-            raise ValueError("load() needs a path or text")
-        try:
-            text = pathlib.Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError("--config", str(path), f"cannot be read ({exc.strerror})") from None
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(str(path or "<config>"), "(file)", f"is not valid TOML: {exc}") from None
-    for item in overrides:
-        apply_override(raw, item)
-    return from_dict(raw)
-
-
-def from_dict(raw: dict[str, Any]) -> Config:
-    """Validate a config given as plain data."""
-    try:
-        config = msgspec.convert(raw, Config, strict=False)
-    except msgspec.ValidationError as exc:
-        raise _explain(exc, raw) from None
-    check(config)
-    return config
-
-
-def apply_override(raw: dict[str, Any], item: str) -> None:
-    """Apply one ``a.b.c=value`` (the value read as a TOML value, else a string)."""
-    key, sep, text = item.partition("=")
-    key = key.strip()
-    if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"--set {item}", item, "expected KEY.PATH=VALUE")
-    try:
-        value = tomllib.loads(f"v = {text.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text.strip()
-    table = raw
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part not in table:
-            # A table that only has defaults so far: start from the default,
-            # so that one of its keys can be set on its own.
-            table[part] = _default_table(parts[: i + 1])
-        node = table[part]
-        if not isinstance(node, dict):
-            raise ConfigError(".".join(parts[: i + 1]), node, f"is not a table, so {key} cannot be set")
-        table = node
-    table[parts[-1]] = value
-
-
-def _default_table(path: list[str]) -> dict[str, Any]:
-    """The default value at `path` as a plain table ({} if it has none)."""
-    _, field = _walk(path)
-    default = field.default if field is not None else None
-    if isinstance(default, msgspec.Struct):
-        return _drop_none(msgspec.to_builtins(default))
-    return {}
-
-
-def check(config: Config) -> None:
-    """Checks that involve several fields."""
-    pools = sorted(config.pools)
-    for name, role in config.role_items():
-        if role.pool not in config.pools:
-            raise ConfigError(f"roles.{name}.pool", role.pool, f"not a pool; pools: {', '.join(pools) or '(none)'}")
-    used = {role.pool for _, role in config.role_items()}
-    for name in pools:
-        if name not in used:
-            raise ConfigError(f"pools.{name}", msgspec.to_builtins(config.pools[name]), "no role runs on this pool")
-    host = config.cluster.host
-    if host.strip("[]") in ("0.0.0.0", "::", "*"):
-        raise ConfigError(
-            "cluster.host", host,
-            "a wildcard is no address to connect to: give one, or leave it empty for each node's own IP",
-        )
-    run = config.run
-    if run.max_staleness is not None and run.mode != "async":
-        implied = {"sync": 0, "one_step": 1}[run.mode]
-        if run.max_staleness != implied:
-            raise ConfigError(
-                "run.max_staleness", run.max_staleness, f"must be {implied} (or left out) when run.mode = {run.mode!r}"
-            )
-    _check_teacher(config)
-    reward = config.roles.reward.engine
-    if isinstance(reward, FunctionsReward):
-        try:
-            check_specs(reward.functions)
-        except ValueError as exc:
-            raise ConfigError("roles.reward.engine.functions", [f.path for f in reward.functions], str(exc)) from None
-    if config.roles.reward.inline and (not isinstance(config.roles.rollout.engine, SimRollout)
-                                       or isinstance(reward, FunctionsReward)):
-        raise ConfigError("roles.reward.inline", True,
-                          "scoring in line is a layout of the simulated rollout with a sim or task reward engine")
-    if isinstance(config.task, (DatasetTask, ReasoningGymTask)) and not isinstance(reward, FunctionsReward):
-        raise ConfigError(
-            "roles.reward.engine.kind", kind_of(reward),
-            f"task.kind = {kind_of(config.task)!r} is scored by reward functions: use kind = 'functions'",
-        )
-    _check_trainer(config)
-
-
-def _check_trainer(config: Config) -> None:
-    """Trainer ranks on GPUs take a GPU each (NCCL refuses two ranks of one group on one device)."""
-    trainer = config.roles.trainer
-    pool = config.pools[trainer.pool]
-    if trainer.replicas == 1 or pool.gpus_per_bundle == 0:
-        return
-    # As placement shares them: replicas round-robin over the bundles, the first bundle the most crowded.
-    crowd = sum(math.ceil(role.replicas / pool.bundles) for _, role in config.role_items() if role.pool == trainer.pool)
-    if pool.gpus_per_bundle / crowd < 1:
-        raise ConfigError(
-            "roles.trainer.replicas", trainer.replicas,
-            f"trainer ranks on GPUs need a GPU each; pool {trainer.pool!r} gives each replica "
-            f"{pool.gpus_per_bundle / crowd:g} (raise its gpus_per_bundle or bundles_per_node, or run fewer ranks)",
-        )
-
-
-def _check_teacher(config: Config) -> None:
-    """The trainer's teacher terms need a teacher that sends what they read,
-    scored at the temperature the rollout samples at."""
-    trainer, teacher = config.roles.trainer.engine, config.roles.teacher
-    needs = isinstance(trainer, TorchTrainer) and (trainer.kl_coef > 0 or trainer.distill_coef > 0)
-    if needs and (teacher is None or not isinstance(teacher.engine, ModelTeacher)):
-        key = "roles.trainer.engine.distill_coef" if trainer.distill_coef > 0 else "roles.trainer.engine.kl_coef"
-        value = trainer.distill_coef if trainer.distill_coef > 0 else trainer.kl_coef
-        raise ConfigError(key, value, "needs a teacher that scores with a model ([roles.teacher] with engine.kind = 'model')")
-    if needs and trainer.distill_coef > 0 and trainer.distill == "topk" and teacher.engine.top_k == 0:
-        raise ConfigError("roles.teacher.engine.top_k", 0, "must be at least 1 for roles.trainer.engine.distill = 'topk'")
-    if teacher is not None and isinstance(teacher.engine, ModelTeacher) and teacher.engine.temperature is not None:
-        rollout_t = getattr(config.roles.rollout.engine, "temperature", None)
-        if rollout_t is not None and teacher.engine.temperature != rollout_t:
-            raise ConfigError(
-                "roles.teacher.engine.temperature", teacher.engine.temperature,
-                f"must equal the rollout's sampling temperature ({rollout_t:g}): the teacher scores the distribution "
-                "the student samples from",
-            )
-
-
-def resolve_run_dir(config: Config, override: str | None = None, now: datetime.datetime | None = None) -> pathlib.Path:
-    """The run directory, with ``{time}`` filled in."""
-    template = override or config.run.run_dir
-    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
-    return pathlib.Path(template.replace("{time}", stamp))
-
-
-def to_toml(config: Config) -> str:
-    """The resolved config as TOML (unset optional tables are left out)."""
-    return tomli_w.dumps(_drop_none(msgspec.to_builtins(config)))
-
-
-def _drop_none(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_none(v) for v in value]
-    return value
-
-
-# ---------------------------------------------------------------------------
-# Turning msgspec's errors into one line that names key, value and allowed
-# ---------------------------------------------------------------------------
-
-_AT = re.compile(r"^(?P<what>.*) - at `\$(?P<path>.*)`$")
-_FIELD = re.compile(r"`(?P<name>[^`]+)`")
-
-
-def _explain(exc: msgspec.ValidationError, raw: dict[str, Any]) -> ConfigError:
-    text = str(exc)
-    match = _AT.match(text)
-    what, path = (match["what"], _parse_path(match["path"])) if match else (text, [])
-    path = _name_elided_keys(path, raw)
-    if path and path[-1] == "kind":
-        union = _union_at(path[:-1])
-        if union is not None:
-            return ConfigError(_join(path), _lookup(raw, path), f"expected {_kinds(union)}")
-    if what.startswith(("Object contains unknown field", "Object missing required field")):
-        name = _FIELD.search(what)["name"]  # type: ignore[index]
-        key_path = path + [name]
-        given = _lookup(raw, key_path)
-        target = _type_at(path, raw)
-        if what.startswith("Object contains unknown field"):
-            keys = _keys_of(target)
-            return ConfigError(_join(key_path), given, f"unknown key; {_join(path) or 'the top level'} takes: {keys}")
-        if name == "kind":
-            union = _union_at(path)
-            return ConfigError(_join(key_path), _MISSING, f"required: {_kinds(union) if union else 'a kind'}")
-        field_type = _type_at(key_path, raw)
-        return ConfigError(_join(key_path), _MISSING, f"required: {_describe(field_type)}")
-    given = _lookup(raw, path)
-    target = _type_at(path, raw)
-    # A table that checks itself (a __post_init__) says what is wrong in its own words.
-    if target is None or (isinstance(target, msgspec.inspect.StructType) and not what.startswith("Expected")):
-        return ConfigError(_join(path) or "config", given, what)
-    return ConfigError(_join(path), given, f"expected {_describe(target)}")
-
-
-def _parse_path(path: str) -> list[str]:
-    path = path.replace("[...]", ".\0")
-    return [part for part in re.split(r"\.|\[|\]", path) if part]
-
-
-def _name_elided_keys(path: list[str], raw: Any) -> list[str]:
-    """msgspec writes a dict key as ``[...]``: find the entry that fails."""
-    out: list[str] = []
-    for i, part in enumerate(path):
-        if part != "\0":
-            out.append(part)
-            continue
-        table = _lookup(raw, out)
-        dict_type = _type_at(out, raw)
-        value_type = getattr(dict_type, "value_type", None)
-        bad = [k for k, v in (table.items() if isinstance(table, dict) else ()) if not _converts(v, value_type)]
-        out.append(bad[0] if bad else part)
-    return out
-
-
-def _converts(value: Any, node: Any) -> bool:
-    insp = msgspec.inspect
-    kind = {insp.FloatType: float, insp.IntType: int, insp.StrType: str, insp.BoolType: bool}.get(type(node))
-    kind = node.cls if isinstance(node, insp.StructType) else kind
-    if kind is None:
-        return True
-    try:
-        msgspec.convert(value, kind, strict=False)
-    except msgspec.ValidationError:
-        return False
-    return True
-
-
-def _union_at(path: list[str]) -> Any:
-    """The tagged union declared at `path`, if that is what it is."""
-    insp = msgspec.inspect
-    node, _ = _walk(path)
-    if isinstance(node, insp.UnionType) and any(getattr(m, "tag", None) for m in node.types):
-        return node
-    if isinstance(node, insp.StructType) and node.tag is not None:  # a union of one
-        return insp.UnionType(types=(node,))
-    return None
-
-
-def _kinds(union: Any) -> str:
-    tags = [m.tag for m in union.types if getattr(m, "tag", None) is not None]
-    return "one of " + ", ".join(repr(t) for t in tags)
-
-
-def _join(path: list[str]) -> str:
-    return ".".join(path)
-
-
-def _lookup(raw: Any, path: list[str]) -> Any:
-    node = raw
-    for part in path:
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return _MISSING
-    return node
-
-
-def _type_at(path: list[str], raw: Any) -> msgspec.inspect.Type | None:
-    """The declared type at `path` (following tagged unions by the given kind)."""
-    node, _ = _walk(path, raw)
-    return _strip(node, _lookup(raw, path))
-
-
-def _walk(path: list[str], raw: Any = _MISSING) -> tuple[Any, Any]:
-    """The declared type at `path` in `Config`, and the struct field it is
-    (None inside tables and lists). A tagged union is followed by the kind
-    `raw` gives there, or, with no data, by its first member."""
-    insp = msgspec.inspect
-    node: Any = insp.type_info(Config)
-    field = None
-    for i, part in enumerate(path):
-        node = _strip(node, _lookup(raw, path[:i]))
-        if isinstance(node, insp.StructType):
-            field = next((f for f in node.fields if f.name == part), None)
-            node = field.type if field is not None else None
-        elif isinstance(node, insp.DictType):
-            node, field = node.value_type, None
-        elif isinstance(node, (insp.ListType, insp.VarTupleType)):
-            node, field = node.item_type, None
-        else:
-            return None, None
-    return node, field
-
-
-def _strip(node: Any, value: Any) -> Any:
-    """Drop None from optional types; pick a tagged union's member by `kind`
-    (with no data, its first member)."""
-    insp = msgspec.inspect
-    if isinstance(node, insp.UnionType):
-        members = [m for m in node.types if not isinstance(m, insp.NoneType)]
-        structs = [m for m in members if isinstance(m, insp.StructType)]
-        if structs and isinstance(value, dict) and "kind" in value:
-            chosen = [m for m in structs if m.tag == value["kind"]]
-            if chosen:
-                return chosen[0]
-        if len(members) == 1:
-            return members[0]
-        if value is _MISSING and structs:
-            return structs[0]
-    return node
-
-
-def _keys_of(node: Any) -> str:
-    if isinstance(node, msgspec.inspect.StructType):
-        return ", ".join(f.name for f in node.fields if f.name != "kind")
-    return "(no keys)"
-
-
-def _describe(node: Any) -> str:
-    insp = msgspec.inspect
-    if isinstance(node, insp.IntType):
-        return "an integer" + _bounds(node)
-    if isinstance(node, insp.FloatType):
-        return "a number" + _bounds(node)
-    if isinstance(node, insp.StrType):
-        return "a string"
-    if isinstance(node, insp.BoolType):
-        return "true or false"
-    if isinstance(node, insp.LiteralType):
-        return "one of " + ", ".join(repr(v) for v in node.values)
-    if isinstance(node, insp.DictType):
-        return f"a table of {_describe(node.value_type)}"
-    if isinstance(node, (insp.ListType, insp.VarTupleType)):
-        return f"a list of {_describe(node.item_type)}"
-    if isinstance(node, insp.StructType):
-        if node.tag is not None:
-            return f"a table with kind = {node.tag!r} and keys: {_keys_of(node)}"
-        return f"a table with keys: {_keys_of(node)}"
-    if isinstance(node, insp.UnionType):
-        kinds = [repr(m.tag) for m in node.types if isinstance(m, insp.StructType) and m.tag is not None]
-        if kinds:
-            return "a table whose kind is one of " + ", ".join(kinds)
-        return " or ".join(_describe(m) for m in node.types if not isinstance(m, insp.NoneType))
-    return str(node)
-
-
-def _bounds(node: Any) -> str:
-    parts = []
-    for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
-        value = getattr(node, attr, None)
-        if value is not None:
-            parts.append(f"{sign} {value:g}")
-    return (" " + " and ".join(parts)) if parts else ""
 
 
 def undocumented_fields() -> list[str]:

@@ -1,13 +1,28 @@
-"""What a service process is started with: its role, rank, the controller's
-address, the resolved config, the run's secret and, when its sockets are
-reachable from other hosts, the run's CURVE keys (passed to it as bytes)."""
+"""The start-up contract between the launcher and every service: what a
+service process is started with (its role, rank, the controller's address,
+the resolved config, the run's secret and, when its sockets are reachable
+from other hosts, the run's CURVE keys), passed to it as bytes.
+
+Both sides import it: the control plane that places the services, and the
+services themselves; so it lives beside the config, below both."""
 
 from __future__ import annotations
+
+import sys
 
 import msgspec
 
 from rlflow.config import Config
 from rlflow.data.net import CurveKeys
+
+
+def use_import_dir(config: Config) -> None:
+    """Put the run's `run.import_dir` (resolved at launch) first on this
+    process's import path: the user's modules are found there whatever the
+    process's working directory."""
+    path = config.run.import_dir
+    if path and path not in sys.path:
+        sys.path.insert(0, path)
 
 
 class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):

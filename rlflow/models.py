@@ -189,6 +189,26 @@ def greedy_accuracy(model, tokenizer, problems: list[tuple[int, int]], max_new_t
     return right / len(problems)
 
 
+class BuildProgress:
+    """What the warm start reports after each step: the steps against
+    `max_steps` and the development-set accuracy against the target. Its
+    fraction never goes back: dev accuracy is noisy, so the best so far
+    counts (the stopping rule itself reads the accuracy of the moment)."""
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+        self.best = 0.0
+
+    def update(self, step: int, accuracy: float, loss: float) -> tuple[str, float]:
+        """(text, fraction done) after `step` steps."""
+        recipe = self.recipe
+        self.best = max(self.best, accuracy)
+        fraction = min(max(self.best / recipe.target_accuracy, step / recipe.max_steps), 1.0)
+        text = (f"warm start: step {step} (at most {recipe.max_steps}), dev accuracy {accuracy:.1%} "
+                f"(best {self.best:.1%}, target {recipe.target_accuracy:.0%}), loss {loss:.3f}")
+        return text, fraction
+
+
 def build_default(
     out: pathlib.Path | None = None,
     recipe: Recipe = Recipe(),
@@ -196,7 +216,8 @@ def build_default(
 ) -> pathlib.Path:
     """Build, warm-start and save the default model; its directory.
 
-    `progress(text, fraction)` is called as it goes. The build is a function
+    `progress(text, fraction)` is called as it goes (see `BuildProgress`;
+    the fraction never goes back, and is 1 once built). The build is a function
     of the recipe alone: seeded, a fixed thread count, deterministic kernels,
     and a stopping rule by steps and accuracy, never by time.
     """
@@ -250,6 +271,7 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
 
     started = time.monotonic()
     accuracy, step, history = 0.0, 0, []
+    shown = BuildProgress(recipe)
     while True:
         enc, labels = batch()
         warm = min(1.0, (step + 1) / 20)
@@ -265,8 +287,7 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
         if step % recipe.eval_every == 0:
             accuracy = greedy_accuracy(model, tokenizer, dev)
             history.append({"step": step, "seconds": round(elapsed, 1), "loss": round(loss.item(), 4), "dev_accuracy": accuracy})
-        fraction = max(min(accuracy / recipe.target_accuracy, 1.0), step / recipe.max_steps)
-        report(f"warm start: step {step}, loss {loss.item():.3f}, dev accuracy {accuracy:.1%}", fraction)
+        report(*shown.update(step, accuracy, loss.item()))
         if accuracy >= recipe.target_accuracy or step >= recipe.max_steps:
             break
 

@@ -1,0 +1,101 @@
+"""Checks that involve several fields of a config (a role's pool exists, sync
+mode means no staleness, a teacher that sends what the trainer reads, ...),
+run by `load` after the schema has validated each field."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from rlflow.config.errors import ConfigError
+from rlflow.config.schema import (
+    Config,
+    DatasetTask,
+    FunctionsReward,
+    ModelTeacher,
+    ReasoningGymTask,
+    SimRollout,
+    TorchTrainer,
+    kind_of,
+)
+from rlflow.rewards.core import check_specs
+
+
+def check(config: Config) -> None:
+    """Checks that involve several fields."""
+    pools = sorted(config.pools)
+    for name, role in config.role_items():
+        if role.pool not in config.pools:
+            raise ConfigError(f"roles.{name}.pool", role.pool, f"not a pool; pools: {', '.join(pools) or '(none)'}")
+    used = {role.pool for _, role in config.role_items()}
+    for name in pools:
+        if name not in used:
+            raise ConfigError(f"pools.{name}", msgspec.to_builtins(config.pools[name]), "no role runs on this pool")
+    host = config.cluster.host
+    if host.strip("[]") in ("0.0.0.0", "::", "*"):
+        raise ConfigError(
+            "cluster.host", host,
+            "a wildcard is no address to connect to: give one, or leave it empty for each node's own IP",
+        )
+    run = config.run
+    if run.max_staleness is not None and run.mode != "async":
+        implied = {"sync": 0, "one_step": 1}[run.mode]
+        if run.max_staleness != implied:
+            raise ConfigError(
+                "run.max_staleness", run.max_staleness, f"must be {implied} (or left out) when run.mode = {run.mode!r}"
+            )
+    _check_teacher(config)
+    reward = config.roles.reward.engine
+    if isinstance(reward, FunctionsReward):
+        try:
+            check_specs(reward.functions)
+        except ValueError as exc:
+            raise ConfigError("roles.reward.engine.functions", [f.path for f in reward.functions], str(exc)) from None
+    if config.roles.reward.inline and (not isinstance(config.roles.rollout.engine, SimRollout)
+                                       or isinstance(reward, FunctionsReward)):
+        raise ConfigError("roles.reward.inline", True,
+                          "scoring in line is a layout of the simulated rollout with a sim or task reward engine")
+    if isinstance(config.task, (DatasetTask, ReasoningGymTask)) and not isinstance(reward, FunctionsReward):
+        raise ConfigError(
+            "roles.reward.engine.kind", kind_of(reward),
+            f"task.kind = {kind_of(config.task)!r} is scored by reward functions: use kind = 'functions'",
+        )
+    _check_trainer(config)
+
+
+def _check_trainer(config: Config) -> None:
+    """Trainer ranks on GPUs take a GPU each (NCCL refuses two ranks of one group on one device)."""
+    trainer = config.roles.trainer
+    pool = config.pools[trainer.pool]
+    if trainer.replicas == 1 or pool.gpus_per_bundle == 0:
+        return
+    # As placement shares them: replicas round-robin over the bundles, the first bundle the most crowded.
+    crowd = sum(math.ceil(role.replicas / pool.bundles) for _, role in config.role_items() if role.pool == trainer.pool)
+    if pool.gpus_per_bundle / crowd < 1:
+        raise ConfigError(
+            "roles.trainer.replicas", trainer.replicas,
+            f"trainer ranks on GPUs need a GPU each; pool {trainer.pool!r} gives each replica "
+            f"{pool.gpus_per_bundle / crowd:g} (raise its gpus_per_bundle or bundles_per_node, or run fewer ranks)",
+        )
+
+
+def _check_teacher(config: Config) -> None:
+    """The trainer's teacher terms need a teacher that sends what they read,
+    scored at the temperature the rollout samples at."""
+    trainer, teacher = config.roles.trainer.engine, config.roles.teacher
+    needs = isinstance(trainer, TorchTrainer) and (trainer.kl_coef > 0 or trainer.distill_coef > 0)
+    if needs and (teacher is None or not isinstance(teacher.engine, ModelTeacher)):
+        key = "roles.trainer.engine.distill_coef" if trainer.distill_coef > 0 else "roles.trainer.engine.kl_coef"
+        value = trainer.distill_coef if trainer.distill_coef > 0 else trainer.kl_coef
+        raise ConfigError(key, value, "needs a teacher that scores with a model ([roles.teacher] with engine.kind = 'model')")
+    if needs and trainer.distill_coef > 0 and trainer.distill == "topk" and teacher.engine.top_k == 0:
+        raise ConfigError("roles.teacher.engine.top_k", 0, "must be at least 1 for roles.trainer.engine.distill = 'topk'")
+    if teacher is not None and isinstance(teacher.engine, ModelTeacher) and teacher.engine.temperature is not None:
+        rollout_t = getattr(config.roles.rollout.engine, "temperature", None)
+        if rollout_t is not None and teacher.engine.temperature != rollout_t:
+            raise ConfigError(
+                "roles.teacher.engine.temperature", teacher.engine.temperature,
+                f"must equal the rollout's sampling temperature ({rollout_t:g}): the teacher scores the distribution "
+                "the student samples from",
+            )

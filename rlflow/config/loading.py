@@ -1,0 +1,111 @@
+"""Reading a config: TOML text, then `--set a.b=c` overrides on the same raw
+tables, then one validation of the whole (the overrides go through the same
+checks as the file); and writing the resolved config back as TOML.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+import tomllib
+from typing import Any
+
+import msgspec
+import tomli_w
+
+from rlflow.config.checks import check
+from rlflow.config.errors import ConfigError
+from rlflow.config.explain import explain, walk
+from rlflow.config.schema import Config
+
+
+def load(path: str | pathlib.Path | None = None, overrides: list[str] = (), *, text: str | None = None) -> Config:
+    """Read, override and validate a config (from `path`, or `text`)."""
+    if text is None:
+        if path is None:
+            raise ValueError("load() needs a path or text")
+        try:
+            text = pathlib.Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError("--config", str(path), f"cannot be read ({exc.strerror})") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(str(path or "<config>"), "(file)", f"is not valid TOML: {exc}") from None
+    mode = _mode(raw)
+    keys = [apply_override(raw, item) for item in overrides]
+    if _mode(raw) not in (mode, None) and not any(key in ("run", "run.max_staleness") for key in keys):
+        # The mode implies its staleness: the file's bound was for the mode it named.
+        raw["run"].pop("max_staleness", None)
+    return from_dict(raw)
+
+
+def _mode(raw: dict[str, Any]) -> Any:
+    """`run.mode` as `raw` gives it (the default if it does not)."""
+    run = raw.get("run", {})
+    return run.get("mode", "async") if isinstance(run, dict) else None
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Validate a config given as plain data."""
+    try:
+        config = msgspec.convert(raw, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        raise explain(exc, raw) from None
+    check(config)
+    return config
+
+
+def apply_override(raw: dict[str, Any], item: str) -> str:
+    """Apply one ``a.b.c=value`` (the value read as a TOML value, else a
+    string); the key set (``a.b.c``)."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set {item}", item, "expected KEY.PATH=VALUE")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    table = raw
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part not in table:
+            # A table that only has defaults so far: start from the default,
+            # so that one of its keys can be set on its own.
+            table[part] = _default_table(parts[: i + 1])
+        node = table[part]
+        if not isinstance(node, dict):
+            raise ConfigError(".".join(parts[: i + 1]), node, f"is not a table, so {key} cannot be set")
+        table = node
+    table[parts[-1]] = value
+    return key
+
+
+def _default_table(path: list[str]) -> dict[str, Any]:
+    """The default value at `path` as a plain table ({} if it has none)."""
+    _, field = walk(path)
+    default = field.default if field is not None else None
+    if isinstance(default, msgspec.Struct):
+        return _drop_none(msgspec.to_builtins(default))
+    return {}
+
+
+def resolve_run_dir(config: Config, override: str | None = None, now: datetime.datetime | None = None) -> pathlib.Path:
+    """The run directory, with ``{time}`` filled in."""
+    template = override or config.run.run_dir
+    stamp = (now or datetime.datetime.now()).strftime("%Y%m%d-%H%M%S")
+    return pathlib.Path(template.replace("{time}", stamp))
+
+
+def to_toml(config: Config) -> str:
+    """The resolved config as TOML (unset optional tables are left out)."""
+    return tomli_w.dumps(_drop_none(msgspec.to_builtins(config)))
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
