@@ -16,7 +16,7 @@ import trio
 from rlflow import config as C
 from rlflow.control.controller import Controller
 from rlflow.control.placement import Failure
-from rlflow.control.spec import ServiceSpec
+from rlflow.startup import ServiceSpec
 from rlflow.rundir import RunDir
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

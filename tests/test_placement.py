@@ -58,3 +58,13 @@ def test_a_shortfall_names_the_pool_the_resource_and_the_numbers():
     with pytest.raises(PlacementError, match=r"bundles of 2 CPU; the largest node has 1"):
         check_resources(config, {"CPU": 8, "GPU": 4}, [{"CPU": 1, "GPU": 2}] * 8)
     check_resources(config, {"CPU": 5, "GPU": 2}, [{"CPU": 5, "GPU": 2}])
+
+
+def test_a_death_report_names_the_services_own_error_not_the_border_of_its_traceback():
+    from rlflow.control.placement import _first_line
+
+    wrapped = RuntimeError("ray.exceptions.RayTaskError: ServiceHost.run()\n  File \"x\", line 3\n"
+                           "    | rlflow.services.rollout.vllm_engine.EngineDead: vLLM's engine died: gone\n"
+                           "    +------------------------------------\n")
+    assert _first_line(wrapped) == "rlflow.services.rollout.vllm_engine.EngineDead: vLLM's engine died: gone"
+    assert _first_line(RuntimeError("just this")) == "just this"

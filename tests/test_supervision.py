@@ -330,3 +330,17 @@ def test_the_live_table_shows_restarts_the_back_off_in_progress_and_the_engines_
     console.print(render(Status(run_id="r", state="running", roles={"rollout": rollout})))
     shown = console.export_text()
     assert "3, next in 3 s" in shown and "kv 90% run 5 wait 2 pre 1" in shown
+
+
+def test_a_round_left_by_its_last_receiver_ends_and_the_replacement_catches_up_to_the_newest():
+    weights = Weights(0, max_rebuilds=2)
+    weights.offered(WeightsGloo(host="h", port=1, nbytes=8), [], receivers=1)
+    weights.publish(1, {0})
+    assert weights.left(0, set()) == [] and not weights.busy  # the only receiver died mid-round
+    assert weights.publish(2, set()) == [] and not weights.busy  # nobody to move version 2 to
+    send, = weights.joined(0, {0})
+    assert send.message.version == 2 and send.message.transfer.generation == 1
+    (load,) = weights.hosted(WeightsGloo(host="h", port=9, world_size=2, generation=1), {0})
+    assert load.message.version == 2
+    weights.loaded(0, 2, {0})
+    assert not weights.busy and not weights.catching_up

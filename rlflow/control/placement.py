@@ -389,9 +389,16 @@ def _first_line(exc: BaseException) -> str:
     if isinstance(exc, ray.exceptions.ActorDiedError) and "worker process has died" in text:  # the gist of a paragraph
         kind = re.search(r"Worker exit type: (\w+)", text)
         return f"its process ended ({kind.group(1) if kind else 'actor died'}: killed, out of memory, or crashed)"
-    lines = [line for line in text.splitlines() if line.strip()]
-    # Ray wraps the service's own error; its last line names it.
-    return (lines[-1] if lines else type(exc).__name__)[:500]
+    # Ray wraps the service's own error (a traceback, maybe of an exception
+    # group drawn with | and +---): the last line that names an error says it.
+    lines = [line.strip().lstrip("|").strip() for line in text.splitlines()]
+    named = [line for line in lines if _ERROR_LINE.match(line)]
+    plain = [line for line in lines if line and line.strip("+-|= ")]
+    return (named or plain or [type(exc).__name__])[-1][:500]
+
+
+#: A line that names an error: ``SomeError: what``, ``pkg.mod.SomeError: what``.
+_ERROR_LINE = re.compile(r"^[\w.]*(Error|Exception|Dead|Exit|Interrupt|Failed)\b: ")
 
 
 def alive_actors(run_id: str | None = None) -> list[str]:

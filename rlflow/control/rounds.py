@@ -211,6 +211,10 @@ class Weights:
             if not self.rounds.busy:
                 self.rebuilds = 0
             return []
+        if not receivers:  # nobody to move it to: done at once; a replica that joins later catches up
+            self.rounds.abandon()
+            self.regroup = self.collective
+            return []
         transfer = None
         if self.regroup and self.collective:
             self.generation += 1
