@@ -3,6 +3,7 @@ the typed records in the JSON files.
 
     config.toml          the resolved config the services got (absolute paths)
     controller.json      the controller's address, pid, the run's secret and CURVE keys (owner-only)
+    join.json            what a replica the user starts needs to join (`JoinInfo`, owner-only; runs with external roles)
     status.json          `Status`, rewritten twice a second; what `rlflow status` reads
     metrics.jsonl        one `StepRow` per optimizer step
     ledger.jsonl         every change of the ledger of groups (`rlflow.control.ledger.Event`)
@@ -220,6 +221,8 @@ class Status(Record):
     warnings: list[str] = []
     """The latest things a person should look at (e.g. rewards failing, a reward
     function that cannot score a reference answer)."""
+    waiting_for: list[str] = []
+    """External replicas (``role-rank``) the run waits for: not up (`rlflow join` says what each needs)."""
     trends: dict[str, Trend] = {}
     """Training statistics to watch as they move (``kl_teacher``: the per-token KL to the teacher)."""
 
@@ -265,6 +268,25 @@ class Summary(Record):
     controller: ControllerStats = ControllerStats()
 
 
+class JoinInfo(Record):
+    """What a replica the user starts needs to join the run (join.json, owner-only;
+    `rlflow join` prints it as environment variables, see SPEC.md, *Start-up parameters*)."""
+
+    run_id: str
+    controller: str
+    """The controller's ROUTER address."""
+    secret: str
+    """The run's secret, shown in `Hello.secret`."""
+    host: str
+    """The address a replica binds its own sockets on (empty: its own IP)."""
+    replicas: dict[str, int]
+    """Replicas of each role (`Hello.replicas`)."""
+    external: list[str]
+    """The replicas the user starts (``role-rank``)."""
+    curve: CurveKeys | None = None
+    """The run's CURVE keys (None: the run stays on loopback and needs none)."""
+
+
 class ControllerInfo(Record):
     """How to reach a run's controller (controller.json, owner-only)."""
 
@@ -307,6 +329,11 @@ class RunDir:
     @property
     def status(self) -> pathlib.Path:
         return self.path / "status.json"
+
+    @property
+    def join(self) -> pathlib.Path:
+        """What a replica the user starts needs (`JoinInfo`, owner-only)."""
+        return self.path / "join.json"
 
     @property
     def metrics(self) -> pathlib.Path:
@@ -396,6 +423,9 @@ class RunDir:
 
     def read_controller(self) -> ControllerInfo | None:
         return read_json(self.controller, ControllerInfo)
+
+    def read_join(self) -> JoinInfo | None:
+        return read_json(self.join, JoinInfo)
 
     def read_metrics(self) -> list[StepRow]:
         return read_jsonl(self.metrics, StepRow)

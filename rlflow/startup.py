@@ -9,6 +9,7 @@ services themselves; so it lives beside the config, below both."""
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import msgspec
 
@@ -53,3 +54,41 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def name(self) -> str:
         return f"{self.role}-{self.rank}"
+
+
+#: What a replica the user starts is given, as environment variables (`rlflow
+#: join` prints them; SPEC.md, *Start-up parameters*, says what to do with each).
+JOIN_ENV = {
+    "RLFLOW_CONTROLLER": "the controller's ROUTER address: connect a DEALER to it",
+    "RLFLOW_RUN_ID": "the run's name",
+    "RLFLOW_ROLE": "the role to play (`Hello.role`, by its name: rollout, reward, teacher)",
+    "RLFLOW_RANK": "the replica's rank within its role (`Hello.rank`)",
+    "RLFLOW_REPLICAS": "replicas of the role (`Hello.replicas`)",
+    "RLFLOW_SECRET": "the run's secret (`Hello.secret`)",
+    "RLFLOW_HOST": "the address to bind the replica's own sockets on (empty: the machine's own IP)",
+    "RLFLOW_JOIN_FILE": "the owner-only file (JSON) that holds all of these",
+    "RLFLOW_CURVE_SERVER_PUBLIC": "with CURVE: the run's server public key (Z85), which every socket that "
+    "connects expects, and which every socket that binds serves with",
+    "RLFLOW_CURVE_SERVER_SECRET": "with CURVE: the run's server secret key (Z85), for the sockets the replica binds",
+    "RLFLOW_CURVE_CLIENT_PUBLIC": "with CURVE: the run's client public key (Z85), for the sockets the replica "
+    "connects, and the one key its servers admit",
+    "RLFLOW_CURVE_CLIENT_SECRET": "with CURVE: the run's client secret key (Z85)",
+}
+
+
+def join_environment(info: Any, role: str, rank: int, path: str) -> dict[str, str]:
+    """The environment of replica `rank` of `role` joining the run of `info`
+    (a `rundir.JoinInfo`, read from `path`)."""
+    if role not in info.replicas:
+        raise ValueError(f"the run has no role {role!r}; its roles: {', '.join(info.replicas)}")
+    if not 0 <= rank < info.replicas[role]:
+        raise ValueError(f"{role} has ranks 0 to {info.replicas[role] - 1}, not {rank}")
+    env = {"RLFLOW_CONTROLLER": info.controller, "RLFLOW_RUN_ID": info.run_id, "RLFLOW_ROLE": role,
+           "RLFLOW_RANK": str(rank), "RLFLOW_REPLICAS": str(info.replicas[role]), "RLFLOW_SECRET": info.secret,
+           "RLFLOW_HOST": info.host, "RLFLOW_JOIN_FILE": path}
+    if info.curve is not None:
+        env.update(RLFLOW_CURVE_SERVER_PUBLIC=info.curve.server_public,
+                   RLFLOW_CURVE_SERVER_SECRET=info.curve.server_secret,
+                   RLFLOW_CURVE_CLIENT_PUBLIC=info.curve.client_public,
+                   RLFLOW_CURVE_CLIENT_SECRET=info.curve.client_secret)
+    return env

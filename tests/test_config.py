@@ -66,7 +66,8 @@ def test_overrides_go_through_the_same_validation():
         ("roles.rollout.engine.slots=-1", "config error: roles.rollout.engine.slots = -1: expected an integer >= 1"),
         ('pools.gen.strategy="X"', "config error: pools.gen.strategy = 'X': expected one of 'PACK', 'SPREAD'"),
         ("roles.rollout.engine.response_len={sigma=2}", "config error: roles.rollout.engine.response_len.kind = (missing): required: one of 'fixed', 'lognormal', 'pareto'"),
-        ("roles.teacher.replicas=2", "config error: roles.teacher.pool = (missing): required: a string"),
+        ("roles.teacher.replicas=2", "config error: roles.teacher.pool = (missing): not a pool; pools: gen, train"),
+        ("roles.reward.launch='external'", "config error: roles.reward.pool = 'gen': an external role (launch = 'external') runs on no pool"),
         ("pools.spare.nodes=1", "config error: pools.spare = {"),
         ("run.max_staleness=3", None),  # fine in async mode
         ("nonsense", "config error: --set nonsense = 'nonsense': expected KEY.PATH=VALUE"),

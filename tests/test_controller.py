@@ -291,7 +291,7 @@ class InProcessLauncher:
 
     def start(self, controller_address: str) -> None:
         self.controller = controller_address
-        for role, cfg in self.config.role_items():
+        for role, cfg in self.config.launched_roles():
             for rank in range(cfg.replicas):
                 trio.from_thread.run_sync(self._start, role, rank, 0, trio_token=self.token)
 

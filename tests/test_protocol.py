@@ -460,3 +460,32 @@ def test_take_and_split_keep_rows_and_renumber_failures():
     assert [g.size for g in kept.groups] == [1, 1]
     assert kept.teacher_logprobs.numel == 6 and kept.rewards.tolist() == [1.0, 1.0]
     assert P.take(batch, []).n_samples == 0
+
+
+def test_every_rejection_the_spec_names_is_raised_by_decode_itself():
+    """SPEC.md's *Validation* table, kind by kind: each is what `decode`
+    alone (no socket) raises for a message that breaks that rule. (The
+    receivers' rules of the control plane, a hello refused or a replaced
+    incarnation answered, are the controller's: tests/test_controller.py and
+    tests/test_faults.py.)"""
+    import re
+
+    spec = (pathlib.Path(P.__file__).parent / "SPEC.md").read_text()
+    table = spec[spec.index("| rejection | when |"): spec.index("The checks run in this order")]
+    kinds = re.findall(r"^\| `(\w+)` \|", table, re.M)
+    good = wire(Codec().encode(payload()))
+    one_tensor = msgspec.msgpack.decode(good[0])
+    breaking = {
+        "malformed": [msgspec.msgpack.encode([SCHEMA_VERSION, "not a message"])],
+        "truncated": [good[0][:-2], good[1]],
+        "unknown_type": [msgspec.msgpack.encode([SCHEMA_VERSION, [99]])],
+        "wrong_version": [msgspec.msgpack.encode([SCHEMA_VERSION + 1, one_tensor[1]]), good[1]],
+        "frame_count": [good[0]],
+        "frame_size": [good[0], good[1][:-1]],
+        "dtype": [msgspec.msgpack.encode([SCHEMA_VERSION, [41, 1, ["t"], [["complex128", [2], 1]]]]), b"x" * 16],
+    }
+    assert sorted(kinds) == sorted(breaking), "a rejection kind of SPEC.md has no case here (or one went)"
+    for kind in kinds:
+        with pytest.raises(P.ProtocolError) as caught:
+            P.decode(breaking[kind])
+        assert caught.value.kind == kind, (kind, caught.value)

@@ -8,7 +8,7 @@ import math
 
 import msgspec
 
-from rlflow.config.errors import ConfigError
+from rlflow.config.errors import MISSING, ConfigError
 from rlflow.config.schema import (
     Config,
     DatasetTask,
@@ -26,9 +26,14 @@ def check(config: Config) -> None:
     """Checks that involve several fields."""
     pools = sorted(config.pools)
     for name, role in config.role_items():
-        if role.pool not in config.pools:
-            raise ConfigError(f"roles.{name}.pool", role.pool, f"not a pool; pools: {', '.join(pools) or '(none)'}")
-    used = {role.pool for _, role in config.role_items()}
+        if getattr(role, "launch", "ray") == "external":
+            if role.pool:
+                raise ConfigError(f"roles.{name}.pool", role.pool, "an external role (launch = 'external') runs on "
+                                  "no pool of the run's: leave it out")
+        elif role.pool not in config.pools:
+            raise ConfigError(f"roles.{name}.pool", role.pool or MISSING,
+                              f"not a pool; pools: {', '.join(pools) or '(none)'}")
+    used = {role.pool for _, role in config.launched_roles()}
     for name in pools:
         if name not in used:
             raise ConfigError(f"pools.{name}", msgspec.to_builtins(config.pools[name]), "no role runs on this pool")

@@ -351,8 +351,12 @@ TrainerEngine = Union[SimTrainer, TorchTrainer]
 class RolloutRole(Table):
     """The role that generates responses."""
 
-    pool: str
-    """Name of the pool its replicas run on."""
+    pool: str = ""
+    """Name of the pool its replicas run on (none with `launch = "external"`)."""
+    launch: Literal["ray", "external"] = "ray"
+    """ray: rlflow starts its replicas on their pool; external: the user starts them (any language, any
+    machine: see `rlflow join` and SPEC.md, *Start-up parameters*); rlflow reserves no pool for them,
+    waits for their hellos and supervises them like the others, but cannot restart them."""
     replicas: PosInt = 1
     """Independent engine replicas; they share the work."""
     engine: RolloutEngine = SimRollout()
@@ -366,8 +370,12 @@ class RolloutRole(Table):
 class RewardRole(Table):
     """The role that scores responses."""
 
-    pool: str
-    """Name of the pool its replicas run on."""
+    pool: str = ""
+    """Name of the pool its replicas run on (none with `launch = "external"`)."""
+    launch: Literal["ray", "external"] = "ray"
+    """ray: rlflow starts its replicas on their pool; external: the user starts them (any language, any
+    machine: see `rlflow join` and SPEC.md, *Start-up parameters*); rlflow reserves no pool for them,
+    waits for their hellos and supervises them like the others, but cannot restart them."""
     replicas: PosInt = 1
     """Replicas; they share the stream."""
     engine: RewardEngine = SimReward()
@@ -381,8 +389,12 @@ class RewardRole(Table):
 class TeacherRole(Table):
     """The role that adds teacher / reference log-probabilities."""
 
-    pool: str
-    """Name of the pool its replicas run on."""
+    pool: str = ""
+    """Name of the pool its replicas run on (none with `launch = "external"`)."""
+    launch: Literal["ray", "external"] = "ray"
+    """ray: rlflow starts its replicas on their pool; external: the user starts them (any language, any
+    machine: see `rlflow join` and SPEC.md, *Start-up parameters*); rlflow reserves no pool for them,
+    waits for their hellos and supervises them like the others, but cannot restart them."""
     replicas: PosInt = 1
     """Replicas; they share the stream."""
     engine: TeacherEngine = SimTeacher()
@@ -619,6 +631,10 @@ class Config(Table):
         if self.roles.teacher is not None:
             engines.append(self.roles.teacher.engine)
         return any(kind_of(engine) != "sim" for engine in engines) or not isinstance(self.task, SimTask)
+
+    def launched_roles(self) -> list[tuple[str, Any]]:
+        """(name, role config) of the roles rlflow starts (not `launch = "external"`), in pipeline order."""
+        return [(name, role) for name, role in self.role_items() if getattr(role, "launch", "ray") == "ray"]
 
     def role_items(self) -> list[tuple[str, Any]]:
         """(name, role config) of every configured role, in pipeline order."""

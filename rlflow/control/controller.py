@@ -113,7 +113,9 @@ class Controller:
         #: The run's secret (every hello and `rlflow down` show it) and CURVE keys (None: loopback).
         self.on_status, self.secret, self.curve = on_status, secret, curve
         run, cluster = config.run, config.cluster
-        self.roster = Roster({(name, rank) for name, role in config.role_items() for rank in range(role.replicas)})
+        self.roster = Roster({(name, rank) for name, role in config.role_items() for rank in range(role.replicas)},
+                             {(name, rank) for name, role in config.role_items() for rank in range(role.replicas)
+                              if (name, role) not in config.launched_roles()})
         #: What is said to each replica goes through its outbox.
         self.outboxes = Outboxes(lambda replica, why, kill: self._lose(replica, why, kill=kill))
         self.ledger, self.version = start_ledger(run)
@@ -150,6 +152,8 @@ class Controller:
                 write_json(self.run_dir.controller, ControllerInfo(
                     run_id=self.run_id, pid=os.getpid(), address=self.address, secret=self.secret, curve=self.curve),
                     private=True)
+                if self.roster.external:
+                    write_json(self.run_dir.join, build.join_info(self), private=True)
                 try:
                     async with trio.open_nursery() as nursery:
                         self._nursery = self.outboxes.nursery = nursery

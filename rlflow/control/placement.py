@@ -101,7 +101,7 @@ def share_bundles(config: Config) -> list[tuple[str, str, int, dict[str, float]]
     replicas in one bundle split its resources evenly.
     """
     members: dict[tuple[str, int], list[tuple[str, int]]] = defaultdict(list)
-    for role, cfg in config.role_items():
+    for role, cfg in config.launched_roles():
         bundles = config.pools[cfg.pool].bundles
         for rank in range(cfg.replicas):
             members[(cfg.pool, rank % bundles)].append((role, rank))
@@ -288,7 +288,7 @@ class RayLauncher:
         self.controller = controller_address
         host_cls = ray.remote(ServiceHost)
         slots = self.pools.slots()
-        for role, cfg in self.config.role_items():
+        for role, cfg in self.config.launched_roles():
             started: list[tuple[int, Any, dict[str, Any], tuple[int, int] | None]] = []
             local_ranks: dict[tuple[str, int], int] = defaultdict(int)
             for rank, slot in enumerate(slots[role][: cfg.replicas]):

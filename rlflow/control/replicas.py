@@ -321,8 +321,10 @@ class Roster:
     """Every replica of the run, by (role, rank) and by the identity of its
     control socket, and the identities of incarnations presumed lost."""
 
-    def __init__(self, expected: set[tuple[str, int]]):
+    def __init__(self, expected: set[tuple[str, int]], external: set[tuple[str, int]] = frozenset()):
         self.expected = expected
+        #: The replicas the user starts (`launch = "external"`): never restarted by the controller.
+        self.external = external
         self.replicas: dict[tuple[str, int], Replica] = {}
         self.by_identity: dict[bytes, Replica] = {}
         #: Identity of a retired incarnation -> its name (told to exit at every message).
@@ -358,6 +360,7 @@ class Roster:
         if refusal is not None:
             return refusal
         replica = self.replicas[key] = register(current, identity, hello, now, samples_per_prompt)
+        replica.external = key in self.external
         self.by_identity[identity] = replica
         return replica
 

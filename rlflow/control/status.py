@@ -18,7 +18,7 @@ from rlflow.control.ledger import GroupLedger
 from rlflow.control.replicas import Replica, State
 from rlflow.control.stats import process_cpu
 from rlflow.protocol import Counters, EngineLoad, Heartbeat
-from rlflow.rundir import ControllerStats, GroupCounts, Placed, RoleStatus, Shares, Status, Summary
+from rlflow.rundir import ControllerStats, GroupCounts, JoinInfo, Placed, RoleStatus, Shares, Status, Summary
 
 #: Roles that hold the policy (and so can be behind the trainer).
 POLICY_ROLES = ("rollout", "trainer")
@@ -132,7 +132,18 @@ def run_status(controller: Any, now: float) -> Status:
         last_step=stats.rows[-1] if stats.rows else None, last_eval=stats.evals[-1] if stats.evals else None,
         roles=roles, controller=controller_stats(controller), warnings=list(controller.warnings),
         trends=stats.trends(),
+        waiting_for=sorted(f"{role}-{rank}" for role, rank in controller.roster.external
+                           if not (r := controller.roster.replicas.get((role, rank))) or not r.registered),
     )
+
+
+def join_info(controller: Any) -> JoinInfo:
+    """What a replica the user starts needs (join.json)."""
+    config = controller.config
+    return JoinInfo(run_id=controller.run_id, controller=controller.address, secret=controller.secret,
+                    host=config.cluster.host, replicas={name: role.replicas for name, role in config.role_items()},
+                    external=sorted(f"{role}-{rank}" for role, rank in controller.roster.external),
+                    curve=controller.curve)
 
 
 def run_summary(controller: Any) -> Summary:

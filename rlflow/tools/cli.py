@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     planner.add_argument("--devices", type=int, required=True, help="devices to split between rollout and trainer")
     planner.add_argument("--steps", type=int, default=30, help="optimizer steps to simulate per layout")
 
+    join = sub.add_parser("join", help="what a replica you start yourself needs, as environment variables")
+    join.add_argument("run_dir", type=pathlib.Path, help="the run directory (of a run with external roles)")
+    join.add_argument("--role", required=True, help="the role it plays: rollout, reward or teacher")
+    join.add_argument("--rank", type=int, required=True, help="its rank within the role")
+
     down = sub.add_parser("down", help="stop a detached run")
     down.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
     down.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for a clean stop")
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     commands = {
         "up": cmd_up, "status": cmd_status, "down": cmd_down, "model": cmd_model, "report": cmd_report, "plan": cmd_plan,
-        "check": cmd_check, "audit": cmd_audit,
+        "check": cmd_check, "audit": cmd_audit, "join": cmd_join,
     }
     return commands[args.command](args)
 
@@ -168,7 +173,12 @@ def _foreground(config, run_dir: pathlib.Path, *, display: bool) -> int:
     live = Live(console=console, refresh_per_second=4, transient=False) if display and console.is_terminal else None
     last_line = [0.0, ""]  # when, and in which state, the last progress line was printed
 
+    told = []
+
     def on_status(status) -> None:
+        if status.waiting_for and status.address and not told:  # once: what the external replicas need
+            told.append(True)
+            print(join_hint(status, run_dir), file=sys.stderr, flush=True)
         if live is not None:
             live.update(render(status))
         elif time.monotonic() - last_line[0] >= PROGRESS_EVERY_S or status.state != last_line[1]:
@@ -241,6 +251,41 @@ def _detach(args: argparse.Namespace, run_dir: pathlib.Path) -> int:
         time.sleep(0.2)
     print(f"[rlflow] run {run_dir} is up (pid {proc.pid}); `rlflow status {run_dir}` shows it, "
           f"`rlflow down {run_dir}` stops it", file=sys.stderr)
+    return 0
+
+
+def join_hint(status, run_dir: pathlib.Path) -> str:
+    """What the external replicas a run waits for need, in a few lines."""
+    roles = sorted({name.rsplit("-", 1)[0] for name in status.waiting_for})
+    return (f"[rlflow] waiting for external replicas {', '.join(status.waiting_for)}: the controller is at "
+            f"{status.address}, the run's secret and keys are in {run_dir / 'join.json'} (owner-only); "
+            + "; ".join(f"`rlflow join {run_dir} --role {role} --rank N` prints them as environment variables"
+                        for role in roles))
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    """`rlflow join RUN_DIR --role R --rank K`: ``export NAME=value`` lines for a script to source."""
+    import shlex
+
+    from rlflow.rundir import RunDir
+    from rlflow.startup import join_environment
+
+    folder = RunDir(args.run_dir)
+    info = folder.read_join()
+    if info is None:
+        print(f"{folder.join} is missing or unreadable: the run has no external roles, or it has not started",
+              file=sys.stderr)
+        return 2
+    try:
+        env = join_environment(info, args.role, args.rank, str(folder.join.resolve()))
+    except ValueError as exc:
+        print(f"join: {exc}", file=sys.stderr)
+        return 2
+    if f"{args.role}-{args.rank}" not in info.external:
+        print(f"join: {args.role}-{args.rank} is started by rlflow, not by you (external: "
+              f"{', '.join(info.external)})", file=sys.stderr)
+        return 2
+    print("\n".join(f"export {name}={shlex.quote(value)}" for name, value in env.items()))
     return 0
 
 

@@ -77,6 +77,9 @@ def render(status: Status) -> Group:
             "-" if info.behind is None else str(info.behind),
         )
     parts: list[Any] = [head, table]
+    if status.waiting_for:
+        parts.append(Text(f"waiting for external replicas {', '.join(status.waiting_for)} "
+                          "(`rlflow join RUN_DIR --role ROLE --rank N` says what each needs)", style="yellow"))
     for warning in status.warnings[-3:]:
         parts.append(Text(f"warning: {warning}", style="yellow"))
     if status.error:
