@@ -16,7 +16,9 @@ import textwrap
 
 import msgspec
 
-from .messages import CONTROLLER_ERROR_KINDS, MESSAGE_TYPES, WEIGHT_GROUP_BROKEN, FinishReason, Record, Role, Stage
+from .messages import (
+    CONTROLLER_ERROR_KINDS, MESSAGE_TYPES, WEIGHT_GROUP_BROKEN, AdapterUpdate, FinishReason, Record, Role, Stage,
+)
 from .tensors import DTYPE_SIZES, Tensor
 
 BEGIN = "<!-- BEGIN GENERATED: python -m rlflow.protocol.spec -->"
@@ -117,7 +119,7 @@ def generate() -> str:
     out += [f"| `{WEIGHT_GROUP_BROKEN}` | false | trainer, rollout | a weight broadcast failed (a member of the "
             "collective group died mid-way): the group must be made anew |", ""]
     out += ["### Enumerations", ""]
-    for enum_cls in (Role, FinishReason, Stage):
+    for enum_cls in (Role, FinishReason, Stage, AdapterUpdate):
         members = ", ".join(f"{m.name} = {m.value}" for m in enum_cls)
         out += [f"- `{enum_cls.__name__}`: {members}"]
     out += ["", "### Tensor dtypes", "", "| name | bytes per element |", "| --- | --- |"]

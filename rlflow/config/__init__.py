@@ -20,6 +20,7 @@ from rlflow.config.checks import check
 from rlflow.config.errors import ConfigError
 from rlflow.config.loading import apply_override, from_dict, load, resolve_run_dir, to_toml
 from rlflow.config.schema import (
+    ADAPTER_DIR,
     ArithTask,
     ClusterConfig,
     Config,
@@ -30,6 +31,7 @@ from rlflow.config.schema import (
     Fraction,
     FunctionsReward,
     LogNormal,
+    Lora,
     MetricsConfig,
     ModelTeacher,
     NonNegFloat,
@@ -66,6 +68,7 @@ from rlflow.config.schema import (
 )
 
 __all__ = [
+    "ADAPTER_DIR",
     "ArithTask",
     "ClusterConfig",
     "Config",
@@ -77,6 +80,7 @@ __all__ = [
     "Fraction",
     "FunctionsReward",
     "LogNormal",
+    "Lora",
     "MetricsConfig",
     "ModelTeacher",
     "NonNegFloat",
