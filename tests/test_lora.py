@@ -104,17 +104,32 @@ class Trainer:
     def send(self, snapshot: list[torch.Tensor]) -> None:
         self.engine.send(snapshot, self.group.broadcast)
 
-    def logprobs(self, prompt: list[int], response: list[int], *, adapter: bool = True) -> np.ndarray:
+    def adapter_now(self) -> dict[str, torch.Tensor]:
+        """A copy of the adapter's weights now (to score with later)."""
+        return {n: p.detach().clone() for n, p in self.engine.model.named_parameters() if p.requires_grad}
+
+    def logprobs(self, prompt: list[int], response: list[int], *, adapter: bool | dict = True) -> np.ndarray:
         """The trainer's model's log-probabilities of `response` (a Hugging Face
-        + PEFT forward; `adapter` False: the base)."""
+        + PEFT forward; `adapter` False: the base; a dict: under those adapter
+        weights (`adapter_now`), else the current ones)."""
         model = self.engine.model
         ids = torch.tensor([prompt + response])
-        with torch.no_grad():
-            if adapter:
-                logits = model(input_ids=ids).logits[0]
-            else:
-                with model.disable_adapter():
+        saved = self.adapter_now() if isinstance(adapter, dict) else {}
+        try:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n in saved:
+                        p.copy_(adapter[n])
+                if adapter is False:
+                    with model.disable_adapter():
+                        logits = model(input_ids=ids).logits[0]
+                else:
                     logits = model(input_ids=ids).logits[0]
+        finally:
+            with torch.no_grad():
+                for n, p in model.named_parameters():
+                    if n in saved:
+                        p.copy_(saved[n])
         logp = torch.log_softmax(logits.float(), -1)
         positions = torch.arange(len(prompt) - 1, len(prompt) + len(response) - 1)
         return logp[positions, torch.tensor(response)].numpy()
@@ -177,3 +192,176 @@ async def test_vllm_under_the_received_adapter_matches_a_hf_peft_forward_of_the_
         off_base = max(off_base, float(np.abs(lps - trainer.logprobs(prompt, ids, adapter=False)).max()))
     assert worst < 2e-3, f"vLLM under the received adapter disagrees with HF + PEFT by {worst:.4f} nats"
     assert off_base > 0.1, "the adapter changed nothing"
+
+
+async def test_the_served_policy_changes_at_the_first_update(base, served):
+    """The silent failure of an adapter that never reaches the rollout: the
+    base goes on being served and looks like nothing worse than staleness.
+    Before any update the rollout serves the base (version 0: B = 0); after
+    the first, the trainer's adapter, which vLLM lists."""
+    from rlflow.services.rollout.vllm_engine import IN_PLACE_ID
+
+    config = lora_config(base)
+    trainer = Trainer(config, served[1])
+    engine = rollout(config, served, trainer)
+    backend = engine.backend
+    prompt = prompt_ids(base)
+    with trio.fail_after(180):
+        await start(engine, trainer)
+        before = await backend.generate(prompt, 4, 1.0, max_tokens=16, ignore_eos=True, lora_id=engine._lora_id(0))
+        trainer.step()
+        sent = await update(engine, trainer, 1)
+        after = await backend.generate(prompt, 4, 1.0, max_tokens=16, ignore_eos=True, lora_id=engine._lora_id(1))
+        held = set(await backend.call(backend.llm.list_loras))
+    assert held == {IN_PLACE_ID} and engine.checksum == sent
+    for ids, lps, _ in sampled(before):
+        assert np.abs(lps - trainer.logprobs(prompt, ids, adapter=False)).max() < 2e-3
+    for ids, lps, _ in sampled(after):
+        assert np.abs(lps - trainer.logprobs(prompt, ids)).max() < 2e-3
+        assert np.abs(lps - trainer.logprobs(prompt, ids, adapter=False)).max() > 0.1, "still the base"
+
+
+async def test_in_place_the_adapter_changes_mid_generation_and_later_tokens_carry_the_new_version(base, served):
+    config = lora_config(base, "in_place", kv="recompute")
+    trainer = Trainer(config, served[1])
+    engine = rollout(config, served, trainer)
+    prompt = prompt_ids(base)
+    result, first = {}, trio.Event()
+    with trio.fail_after(240):
+        await start(engine, trainer)
+        trainer.step()
+        await update(engine, trainer, 1)
+        v1 = trainer.adapter_now()
+
+        async def generate() -> None:
+            result["out"] = await engine.backend.generate(prompt, 4, 1.0, max_tokens=400, ignore_eos=True,
+                                                          first_token=first, lora_id=engine._lora_id(1))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(generate)
+            await first.wait()
+            trainer.step()
+            await update(engine, trainer, 2)
+    for ids, lps, spans in sampled(result["out"]):
+        assert [s.version for s in spans] == ["1", "2"], spans
+        cut = spans[1].start
+        assert 0 < cut < len(ids)
+        assert np.abs(lps[:cut] - trainer.logprobs(prompt, ids, adapter=v1)[:cut]).max() < 2e-3
+        # After it the new adapter's, over a KV cache recomputed under it.
+        assert np.abs(lps[cut:] - trainer.logprobs(prompt, ids)[cut:]).max() < 2e-3
+
+
+async def test_per_request_a_request_keeps_its_version_and_an_old_one_is_let_go_of_after_its_last_request(
+        base, served):
+    """Per request: a request started on v1 runs to its end on v1 while v2
+    and v3 arrive; v3 pushes v1 out of the last max_staleness + 1 = 2
+    versions, and vLLM lets go of it only once that request has ended."""
+    from rlflow.protocol import FinishReason, PromptGroup
+
+    config = lora_config(base, "per_request")
+    trainer = Trainer(config, served[1])
+    engine = rollout(config, served, trainer)
+    backend = engine.backend
+    prompt = prompt_ids(base)
+    result, first = {}, trio.Event()
+    with trio.fail_after(300):
+        await start(engine, trainer)
+        trainer.step()
+        await update(engine, trainer, 1)
+        v1, id1 = trainer.adapter_now(), engine._lora_id(1)
+
+        async def generate() -> None:
+            result["out"] = await backend.generate(prompt, 2, 1.0, max_tokens=400, ignore_eos=True,
+                                                   first_token=first, lora_id=id1)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(generate)
+            await first.wait()
+            for version in (2, 3):
+                trainer.step()
+                await update(engine, trainer, version)
+            # v1 is out of the window but still in use: held until its request ends.
+            result["during"] = set(await backend.call(backend.llm.list_loras))
+        result["after"] = set(await backend.call(backend.llm.list_loras))
+        # A group started now runs on v3 (every token of it).
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            engine.submit(PromptGroup(group_id=1, prompt_ids=prompt, n=2), 0.0)
+            (done,) = await engine.finished.receive()
+            nursery.cancel_scope.cancel()
+    assert sorted(engine._lora_ids) == [2, 3]
+    assert id1 in result["during"] and result["after"] == {engine._lora_id(2), engine._lora_id(3)}
+    for ids, lps, _ in sampled(result["out"]):
+        assert len(ids) == 400
+        assert np.abs(lps - trainer.logprobs(prompt, ids, adapter=v1)).max() < 2e-3, "not v1 to the end"
+    group, responses = done
+    for r in responses:
+        assert r.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and (r.versions == 3).all()
+        assert np.abs(r.logprobs - trainer.logprobs(prompt, r.token_ids.tolist())).max() < 2e-3
+
+
+async def test_a_trainer_checkpoints_adapter_loads_in_vllm_from_its_directory(base, served, tmp_path):
+    """PEFT's format, as vLLM's own loader reads it: the checkpoint's adapter
+    served from its folder is the trainer's policy."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    config = lora_config(base)
+    trainer = Trainer(config, served[1])
+    trainer.step()
+    trainer.engine.save(tmp_path / "step-000001", {"step": 1, "version": 1})
+    backend = served[0]
+    prompt = prompt_ids(base)
+    params = SamplingParams(n=4, max_tokens=16, ignore_eos=True, logprobs=0)
+    request = LoRARequest("checkpoint", 77, str(tmp_path / "step-000001" / "adapter"))
+
+    async def run():
+        final = None
+        async for out in backend.llm.generate({"prompt_token_ids": prompt}, params, "checkpoint",
+                                              lora_request=request):
+            final = out
+        await backend.llm.remove_lora(77)
+        return final
+
+    with trio.fail_after(120):
+        output = await backend.call(run)
+    for ids, lps, _ in sampled(output):
+        assert np.abs(lps - trainer.logprobs(prompt, ids)).max() < 2e-3
+
+
+async def test_per_request_a_group_still_on_a_version_that_falls_out_is_started_again_on_the_newest(base, served):
+    """Its slots full (requests of the base that run long), the engine holds a
+    group that started on v1 when v2 and v3 arrive: v1 falls out of the last
+    max_staleness + 1 versions, so the group starts again, and all of it is v3."""
+    from rlflow.protocol import PromptGroup
+
+    config = lora_config(base, "per_request")
+    trainer = Trainer(config, served[1])
+    engine = rollout(config, served, trainer)
+    backend = engine.backend
+    prompt = prompt_ids(base)
+    with trio.fail_after(300):
+        await start(engine, trainer)
+        trainer.step()
+        await update(engine, trainer, 1)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(engine.run)
+            full = trio.Event()
+            for _ in range(2):  # 2 x 8 sequences: every slot (max_num_seqs = 16)
+                nursery.start_soon(lambda: backend.generate(prompt, 8, 1.0, max_tokens=300, ignore_eos=True,
+                                                            first_token=full))
+            await full.wait()
+            engine.submit(PromptGroup(group_id=5, prompt_ids=prompt, n=2), 0.0)
+            await trio.sleep(0.1)
+            assert engine.running[5].submitted_version == 1
+            for version in (2, 3):
+                trainer.step()
+                await update(engine, trainer, version)
+            (done,) = await engine.finished.receive()
+            nursery.cancel_scope.cancel()
+    assert engine.ctx.counters["restarted_groups"] == 1
+    group, responses = done
+    assert group.group_id == 5
+    for r in responses:
+        assert (r.versions == 3).all()
+        assert np.abs(r.logprobs - trainer.logprobs(prompt, r.token_ids.tolist())).max() < 2e-3

@@ -550,6 +550,8 @@ class VllmEngine:
         finally:
             self._updating = False
         self.version = version
+        if self.per_request:
+            await self._keep_window()
         if self.strict:
             self._evict_stale()
         self._wake.set()
@@ -592,8 +594,7 @@ class VllmEngine:
     async def _load_adapter(self, version: int) -> None:
         """Take adapter `version` from the weight group. In place: it replaces
         the one served between two steps. Per request: it is loaded beside the
-        others; the version that falls out of the last max_staleness + 1 is let
-        go of, and the groups still running on it start again on this one."""
+        others (and `_keep_window` lets go of the oldest)."""
         lora_id = version + 1 if self.per_request else IN_PLACE_ID
         info = self._adapter_info("group", lora_id)
         if not self.per_request:
@@ -602,8 +603,12 @@ class VllmEngine:
             return
         self.checksum = await self.backend.load_adapter(info)
         self._lora_ids[version] = lora_id
-        keep = self.adapter.versions
-        old = [v for v in self._lora_ids if version - v >= keep]
+
+    async def _keep_window(self) -> None:
+        """Per request, with the newest version held: let go of the versions
+        before the last `Adapter.versions`, starting the groups still running
+        on them again (on the newest)."""
+        old = [v for v in self._lora_ids if self.version - v >= self.adapter.versions]
         for item in list(self.running.values()):
             if item.submitted_version in old and item.scope is not None and not item.scope.cancel_called:
                 self.ctx.counters["restarted_groups"] += 1
