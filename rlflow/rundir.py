@@ -266,6 +266,9 @@ class Summary(Record):
     roles: dict[str, Shares] = {}
     """Each role's time over the whole run."""
     controller: ControllerStats = ControllerStats()
+    weights_checked: int = 0
+    """Weight updates a replica reported with the checksum the trainer sent (adapters, and weights over
+    ZeroMQ; a checksum that differs fails the run)."""
 
 
 class JoinInfo(Record):

@@ -365,3 +365,71 @@ async def test_per_request_a_group_still_on_a_version_that_falls_out_is_started_
     for r in responses:
         assert (r.versions == 3).all()
         assert np.abs(r.logprobs - trainer.logprobs(prompt, r.token_ids.tolist())).max() < 2e-3
+
+
+E2E = """
+[pools.generate]
+cpus_per_bundle = 1.0
+[pools.train]
+cpus_per_bundle = 1.0
+
+[roles.rollout]
+pool = "generate"
+model = "{model}"
+engine = {{ kind = "vllm", max_num_seqs = 32, max_tokens = 24, kv_cache_bytes = 33554432 }}
+
+[roles.reward]
+pool = "generate"
+engine = {{ kind = "task" }}
+
+[roles.trainer]
+pool = "train"
+engine = {{ kind = "torch", lr = 1e-2, checkpoint_every = 2, kl_coef = 0.05, lora = {{ rank = 8, alpha = 16 }} }}
+
+[task]
+kind = "arith"
+heldout_size = 24
+
+[eval]
+every_steps = 2
+
+[run]
+mode = "async"
+batch_size = 4
+samples_per_prompt = 4
+steps = 3
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_lora_run_end_to_end_and_its_resume_per_request(ray_cluster, tmp_path):
+    """A few steps with an adapter in place and a KL penalty to the base (no
+    teacher role), every update's checksum checked; then the run resumes from
+    its checkpoint (base from the model, adapter and optimizer from the
+    checkpoint) with one adapter version per request."""
+    from rlflow.control.launch import run
+    from rlflow.rundir import RunDir
+
+    model = tiny_model(tmp_path / "model", tied=False, seed=11)
+    run_dir = tmp_path / "run"
+    summary = run(C.load(text=E2E.format(model=model)), run_dir)
+    assert summary.state == "stopped", summary.error
+    folder = RunDir(run_dir)
+    assert [r.step for r in folder.read_metrics()] == [0, 1, 2]
+    # Every version moved to the rollout was the trainer's, checksum for checksum.
+    assert summary.weights_checked >= 2
+    evals = folder.read_evals()
+    assert evals[0].version == 0 and evals[-1].version == 3
+    for name in ("step-000002", "step-000003"):
+        checkpoint = run_dir / "checkpoints" / name
+        assert (checkpoint / "adapter" / "adapter_model.safetensors").exists()
+        assert not (checkpoint / "model.safetensors").exists()  # the adapter alone: no merged model asked for
+
+    resumed = C.load(folder.config, [f'run.resume="{run_dir / "checkpoints" / "step-000003"}"', "run.steps=5",
+                                     'roles.trainer.engine.lora.adapter_update="per_request"'])
+    summary = run(resumed, run_dir)
+    assert summary.state == "stopped", summary.error
+    steps = folder.read_metrics()
+    assert [r.step for r in steps][-2:] == [3, 4] and steps[-1].version == 5
+    assert summary.weights_checked >= 1
