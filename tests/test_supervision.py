@@ -18,8 +18,8 @@ from rlflow.control.rounds import Weights
 from rlflow.control.status import add_counters, add_loads, role_status
 from rlflow.control.topology import Topology
 from rlflow.protocol import (
-    REPLACED, Adapter, SCHEMA_VERSION, UNAUTHENTICATED, UNEXPECTED_HELLO, WRONG_VERSION, Counters, EngineLoad, Heartbeat,
-    Hello, Role, SendWeights, UpdateWeights, WeightsGloo, WeightsZmq,
+    REPLACED, SCHEMA_VERSION, UNAUTHENTICATED, UNEXPECTED_HELLO, WRONG_VERSION, Adapter, Counters, EngineLoad,
+    Heartbeat, Hello, Role, SendWeights, UpdateWeights, WeightsGloo, WeightsZmq,
 )
 from rlflow.rundir import Shares
 

@@ -303,7 +303,8 @@ class Lora(Table):
     dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
     """Dropout on the adapter's input while training (PEFT's lora_dropout); it makes the trainer's
     log-probabilities noisy against the rollout's, so 0 is the default."""
-    targets: Annotated[tuple[str, ...], Meta(min_length=1)] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    targets: Annotated[tuple[str, ...], Meta(min_length=1)] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     """Names of the linear modules to adapt (PEFT's target_modules; vLLM serves adapters of linear layers)."""
     adapter_update: Literal["in_place", "per_request"] = "in_place"
     """How the rollout takes each new adapter. in_place: it replaces the adapter served between two decode

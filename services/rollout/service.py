@@ -179,7 +179,8 @@ class RolloutService(Service):
             if msg.version <= self.engine.version and msg.transfer is None:
                 # Held already (a weight server gave a newer version than the
                 # one asked for): say so, or the controller's round waits.
-                await control.send(WeightsLoaded(version=self.engine.version, seconds=0.0, checksum=self.engine.checksum))
+                await control.send(WeightsLoaded(version=self.engine.version, seconds=0.0,
+                                                 checksum=self.engine.checksum))
                 continue
             started = time.monotonic()
             try:

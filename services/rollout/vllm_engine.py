@@ -458,9 +458,9 @@ class VllmEngine:
         self.staleness = run.staleness
         self.strict = run.staleness_check == "strict"
         lora = ctx.config.lora
+        slots = adapter_slots(lora.adapter_update, run.staleness) if lora else 1
         self.backend = backend or VllmBackend(cfg, ctx.config.policy_path, run.seed + ctx.rank,
-                                              lora_rank=lora.rank if lora else 0,
-                                              lora_slots=adapter_slots(lora.adapter_update, run.staleness) if lora else 1)
+                                              lora_rank=lora.rank if lora else 0, lora_slots=slots)
         self._owns_backend = backend is None
         self.version = 0
         self.pending: deque[_Group] = deque()
