@@ -27,6 +27,13 @@ backend). Checkpoints are Hugging Face
 directories (the full weights, written by rank 0) plus the optimizer's state
 as a torch distributed checkpoint (every rank writes its shards; any number
 of ranks reads it), RNG and run state.
+
+With LoRA (`TorchTrainer.lora`, see `lora`) the base is frozen: the
+optimizer holds only the adapter, a version's snapshot is the adapter whole
+(gathered when it is published: it is small), so that its checksum goes
+with `WeightsReady` and rank 0 sends it without the other ranks; a KL
+penalty may take the base itself as its reference (the adapter turned off
+for one more forward pass); checkpoints hold the adapter in PEFT's format.
 """
 
 from __future__ import annotations
