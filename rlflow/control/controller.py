@@ -202,7 +202,7 @@ class Controller:
         self._welcomed = True
         for replica in self.roster:
             if replica.registered:
-                self.outboxes.post(replica, self._welcome(replica))
+                self.outboxes.post(replica, welcome(self, replica))
         await _within(self._all_ready, timeout,
                       lambda: ", ".join(sorted(r.name for r in self.roster if not r.live)) + " not ready")
         log.info("[controller] all %d services ready", len(self.roster.replicas))
@@ -221,16 +221,6 @@ class Controller:
             while any(r.version < self.weights.rounds.published for r in self.roster.role("rollout") if r.live):
                 await self._wait_change()
             await self._evaluated()
-
-    def _welcome(self, replica: Replica) -> Welcome:
-        """Who it streams to, the clock, and how weights reach it (a replacement
-        loads the version it starts with, then catches up)."""
-        first = replica.restarts == 0
-        transfer, layout = self.weights.welcome(replica.role, replica.rank, first=first,
-                                                receivers=len(self.roster.role("rollout")))
-        return Welcome(schema_version=SCHEMA_VERSION, run_id=self.run_id, version=self.version if first else
-                       self.start_version, peers=self.topology.peers(replica.role, replica.rank, self.roster),
-                       heartbeat_s=self.config.cluster.heartbeat_s, weights=transfer, layout=layout)
 
     async def _wait_change(self) -> None:
         await self._changed.wait()
@@ -322,7 +312,7 @@ class Controller:
             self._all_hello.set()
         self.outboxes.open(replica)
         if self._welcomed:  # a new incarnation: welcomed at once
-            self.outboxes.post(replica, self._welcome(replica))
+            self.outboxes.post(replica, welcome(self, replica))
 
     def _on_ready(self, replica: Replica, msg: Ready) -> None:
         replica.state, replica.version = State.READY, msg.version
@@ -380,10 +370,14 @@ class Controller:
         return self.version
 
     async def _evaluated(self) -> None:
-        """Evaluate, and wait for this evaluation (an earlier one may still be running)."""
-        version = self._evaluate()
+        """Evaluate, and wait for this evaluation (an earlier one may still be running); asked again of
+        rollout 0's replacement, once it holds the current weights, if rollout 0 is lost meanwhile."""
+        version, evaluator = self._evaluate(), self.roster.replicas[("rollout", 0)]
+        asked = evaluator.incarnation
         while version is not None and not any(e.version >= version for e in self.stats.evals):
             await self._wait_change()
+            if evaluator.incarnation != asked and evaluator.live and 0 not in self.weights.catching_up:
+                version, asked = self._evaluate(), evaluator.incarnation
 
     def _send_peers_upstream(self, role: str) -> None:
         """The role before `role` streams to its replicas' current endpoints."""
@@ -497,6 +491,18 @@ class Controller:
 
     def summary(self) -> Summary:
         return build.run_summary(self)
+
+
+def welcome(controller: Controller, replica: Replica) -> Welcome:
+    """What `replica` is welcomed with: who it streams to, the clock, and how
+    weights reach it (a replacement loads the version it starts with, then catches up)."""
+    first = replica.restarts == 0
+    transfer, layout = controller.weights.welcome(replica.role, replica.rank, first=first,
+                                                  receivers=len(controller.roster.role("rollout")))
+    return Welcome(schema_version=SCHEMA_VERSION, run_id=controller.run_id,
+                   version=controller.version if first else controller.start_version,
+                   peers=controller.topology.peers(replica.role, replica.rank, controller.roster),
+                   heartbeat_s=controller.config.cluster.heartbeat_s, weights=transfer, layout=layout)
 
 
 async def _within(event: trio.Event, timeout: float, what: Callable[[], str]) -> None:
