@@ -288,7 +288,7 @@ def test_a_dead_vllm_engine_ends_its_replica_which_is_restarted_and_nothing_is_l
 
     model = tiny_model(tmp_path / "model", tied=False, seed=11)
     config = C.load(text=CONFIG.format(model=model), overrides=[
-        "run.steps=30", "eval.every_steps=0", "eval.before=false", "cluster.restart_backoff_s=0.1",
+        "run.steps=120", "eval.every_steps=0", "eval.before=false", "cluster.restart_backoff_s=0.1",
         "cluster.handshake_timeout_s=900"])
     run_dir = tmp_path / "run"
     killed: list[int] = []
@@ -296,9 +296,9 @@ def test_a_dead_vllm_engine_ends_its_replica_which_is_restarted_and_nothing_is_l
     def kill_engine_core() -> None:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not killed:
-            time.sleep(0.5)
+            time.sleep(0.1)
             status = RunDir(run_dir).read_status()
-            if status is None or status.step < 3:
+            if status is None or status.state != "running" or status.step < 2:
                 continue
             rollout = psutil.Process(status.roles["rollout"].placed[0].pid)
             cores = [p for p in rollout.children(recursive=True) if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
@@ -311,9 +311,9 @@ def test_a_dead_vllm_engine_ends_its_replica_which_is_restarted_and_nothing_is_l
     summary = run(config, run_dir)
     killer.join(timeout=10)
     assert killed, "found no vLLM engine-core process to kill"
-    assert summary.state == "stopped" and summary.steps == 30, summary.error
+    assert summary.state == "stopped" and summary.steps == 120, summary.error
     status = RunDir(run_dir).read_status()
     assert status.roles["rollout"].restarts >= 1 and status.roles["rollout"].placed[0].incarnation >= 1
     assert any("rollout-0 died" in w and "EngineDead" in w for w in status.warnings), status.warnings
     result = audit(run_dir)
-    assert (result.lost, result.duplicated, result.trained) == (0, 0, 30 * 4), result
+    assert (result.lost, result.duplicated, result.trained) == (0, 0, 120 * 4), result
