@@ -308,6 +308,9 @@ class Hello(Message, tag=10):
     """The trainer (rank 0): how it sends weights."""
     layout: list[ParamSpec] = []
     """The trainer (rank 0): where each parameter lies in the flat buffer of a collective transfer."""
+    shm: str = ""
+    """Which processes' shared memory it can map, as ``<boot id>/<PID namespace>/<user id>`` (see SPEC.md,
+    *Tensors in shared memory*); empty: it neither sends nor takes tensors in shared memory."""
 
 
 class Welcome(Message, tag=11):
@@ -330,6 +333,9 @@ class Welcome(Message, tag=11):
     trainer: the group it hosts (its world size)."""
     layout: list[ParamSpec] = []
     """To a replica that loads weights over a collective transfer: the trainer's layout."""
+    shm_peers: list[str] = []
+    """The addresses in `peers` whose replicas take tensors in shared memory from this one (their `Hello.shm`
+    is its own)."""
 
 
 class Ready(Message, tag=12):
@@ -535,6 +541,8 @@ class Peers(Message, tag=30):
 
     peers: dict[str, list[str]]
     """As `Welcome.peers`."""
+    shm_peers: list[str] = []
+    """As `Welcome.shm_peers`."""
 
 
 class WeightsGroup(Message, tag=31):
