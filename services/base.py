@@ -28,6 +28,7 @@ from rlflow.config import Config
 from rlflow.control.spec import ServiceSpec
 from rlflow.data import transport
 from rlflow.data import net
+from rlflow.data.shm import ShmSettings, host_token
 from rlflow.data.tasks import Task, load_tokenizer, make_task, needs_tokenizer
 from rlflow.errors import leaves
 from rlflow.protocol import (
@@ -155,6 +156,7 @@ class Control:
             incarnation=self.spec.incarnation,
             info={**_placement_info(), **(info or {})},
             secret=self.spec.secret,
+            shm=host_token() if takes_shm(self.spec.config) else "",
             **fields,
         )
         welcome = await self._dealer.request(
@@ -224,12 +226,26 @@ async def open_control(spec: ServiceSpec) -> AsyncIterator[Control]:
         yield Control(dealer, spec)
 
 
-def follow(push: transport.Push, current: list[str], peers: list[str]) -> list[str]:
+def takes_shm(config: Config) -> bool:
+    """Whether the run's services send and take tensors in shared memory (`cluster.shm`)."""
+    return config.cluster.shm != "off"
+
+
+def shm_settings(spec: ServiceSpec) -> ShmSettings | None:
+    """How the service's sending sockets use shared memory (None: not at all)."""
+    cluster = spec.config.cluster
+    if not takes_shm(spec.config):
+        return None
+    return ShmSettings(min_bytes=cluster.shm_min_bytes, max_bytes=cluster.shm_max_bytes, label=spec.run_id)
+
+
+def follow(push: transport.Push, current: list[str], peers: list[str], shm_peers: list[str] = ()) -> list[str]:
     """Point `push` at `peers` (after a replica of the next role was replaced):
-    connect the new addresses, let go of the old; the addresses now."""
+    connect the new addresses (those in `shm_peers` take shared memory), let
+    go of the old; the addresses now."""
     for address in peers:
         if address not in current:
-            transport.connect(push, address)
+            transport.connect(push, address, shm=address in shm_peers)
     for address in current:
         if address not in peers:
             transport.disconnect(push, address)
@@ -409,13 +425,19 @@ class StageService(Service):
         self.control = control
         bind = transport.tcp_address(bind_host(self.config))
         await self.prepare()
-        async with transport.open_pull(bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/in") as inbox:
+        async with transport.open_pull(
+            bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/in", shm=takes_shm(self.config)
+        ) as inbox:
             self.sockets.append(inbox)
             welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)}, info=self.hello_info())
             self.say("up, sending to %s", ", ".join(welcome.peers["out"]))
             async with (
                 transport.open_push(
-                    connect=welcome.peers["out"], curve=self.spec.curve, name=f"{self.spec.name}/out"
+                    connect=welcome.peers["out"],
+                    curve=self.spec.curve,
+                    name=f"{self.spec.name}/out",
+                    shm=shm_settings(self.spec),
+                    shm_peers=welcome.shm_peers,
                 ) as out,
                 trio.open_nursery() as nursery,
             ):
@@ -453,6 +475,7 @@ class StageService(Service):
                         self._waiting_out -= 1
                         self.counters["groups"] += len(result.groups)
                         self.counters["samples"] += result.n_samples
+                        self.counters["bytes_shared"] = out.bytes_shared
                         self._retime()
 
                 nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
@@ -463,7 +486,7 @@ class StageService(Service):
                 async for msg in control:
                     match msg:
                         case Peers():
-                            peers = follow(out, peers, msg.peers.get("out", []))
+                            peers = follow(out, peers, msg.peers.get("out", []), msg.shm_peers)
                         case Shutdown(reason=reason):
                             self.say("shutting down (%s)", reason)
                             break

@@ -360,10 +360,12 @@ class Controller:
                 layout = trainer.layout
         elif replica.role == "rollout":
             weights = offer
+        peers = self._peers(replica.role, replica.rank)
         return Welcome(
             schema_version=SCHEMA_VERSION,
             run_id=self.run_id,
-            peers=self._peers(replica.role, replica.rank),
+            peers=peers,
+            shm_peers=self._shm_peers(replica, peers),
             # What it loads at start: a replacement catches up after its welcome.
             version=self.version if replica.incarnation == 0 else self.start_version,
             heartbeat_s=self.config.cluster.heartbeat_s,
@@ -382,6 +384,16 @@ class Controller:
             return {"shares": others} if rank == 0 and others else {}
         return {"out": [r.hello.endpoints["in"] for r in self._role(order[i + 1])
                         if r.state in ("hello", "ready") and "in" in r.hello.endpoints]}
+
+    def _shm_peers(self, replica: Replica, peers: dict[str, list[str]]) -> list[str]:
+        """The addresses in `peers` bound by replicas that can map the shared
+        memory of `replica` and take it (the same non-empty `Hello.shm`)."""
+        token = replica.hello.shm
+        if not token:
+            return []
+        takers = {address for r in self.replicas.values() if r.hello.shm == token
+                  for address in r.hello.endpoints.values()}
+        return sorted({address for addresses in peers.values() for address in addresses if address in takers})
 
     def _role(self, role: str) -> list[Replica]:
         return sorted((r for r in self.replicas.values() if r.role == role), key=lambda r: r.rank)
@@ -600,7 +612,8 @@ class Controller:
             return
         for upstream in self._role(order[i - 1]):
             if upstream.live:
-                await self._send(upstream, Peers(peers=self._peers(upstream.role)))
+                peers = self._peers(upstream.role)
+                await self._send(upstream, Peers(peers=peers, shm_peers=self._shm_peers(upstream, peers)))
 
     async def _lose(self, replica: Replica, why: str, *, kill: bool = False, incarnation: int | None = None) -> None:
         """A replica died or hangs: give its work back, restart it (within its
