@@ -183,7 +183,8 @@ class SegmentPool:
     def __init__(self, settings: ShmSettings, name: str):
         self.min_bytes = settings.min_bytes
         self.max_bytes = settings.max_bytes
-        label = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(filter(None, (settings.label, name))))
+        # memfd names are at most 249 bytes.
+        label = re.sub(r"[^A-Za-z0-9_.-]+", "_", "-".join(filter(None, (settings.label, name))))[:160]
         self._prefix = f"rlflow-{label}-{os.getpid()}-"
         self._segments: list[_Segment] = []
         self._numbers = itertools.count()
@@ -376,10 +377,11 @@ class _Mapped:
 
     def _unmap(self) -> None:
         # The views of the mapping are the claims' and this: once all are
-        # gone the mapping is unmapped.
-        self.words = None
-        os.close(self.fd)
-        self.fd = -1
+        # gone the mapping is unmapped. A claim released on another thread
+        # may get here as a sweep does.
+        fd, self.fd, self.words = self.fd, -1, None
+        if fd >= 0:
+            os.close(fd)
 
 
 def _check_file(path: str, info: os.stat_result, size: int) -> None:
@@ -406,7 +408,8 @@ class _Claim:
     def __del__(self) -> None:
         mapped = self.mapped
         # Unlocking is a system call, so the release below is seen only
-        # after every read of the tensors' bytes.
+        # after every read of the tensors' bytes. (The mapping stays until
+        # the last claim ends: its descriptor is open here.)
         _lock(mapped.fd, fcntl.F_UNLCK)
         mapped.words[_RELEASED] = self.seq
         mapped.claims -= 1
@@ -447,8 +450,12 @@ class SegmentMap:
     def claim(self, segment: ShmSegment) -> _Claim:
         mapped = self._mapped.get(segment.id)
         if mapped is None or mapped.size != segment.size or mapped.pid != segment.pid:
-            self._sweep(force=True)
-            mapped = self._mapped[segment.id] = _Mapped(segment)
+            self._sweep(adding=True)
+            new = _Mapped(segment)
+            if mapped is not None:  # not the segment it said it was
+                self._mapped.pop(segment.id, None)
+                mapped.close()
+            mapped = self._mapped[segment.id] = new
         else:
             self._mapped.move_to_end(segment.id)
             self._sweep()
@@ -456,13 +463,15 @@ class SegmentMap:
         self.taken += 1
         return claim
 
-    def _sweep(self, *, force: bool = False) -> None:
+    def _sweep(self, *, adding: bool = False) -> None:
+        """Drop unused mappings that are stale, and (before adding one) the
+        least recently used beyond `max_segments`."""
         now = time.monotonic()
-        if not force and now < self._next_sweep:
+        if not adding and now < self._next_sweep:
             return
         self._next_sweep = now + 1.0
         unused = [key for key, m in self._mapped.items() if m.claims == 0]
-        excess = len(self._mapped) - self.max_segments + 1
+        excess = len(self._mapped) + 1 - self.max_segments if adding else 0
         for key in unused:
             mapped = self._mapped[key]
             if excess > 0 or mapped.stale():
