@@ -489,6 +489,9 @@ class WeightsRequest(Message, tag=40):
 
     version: NonNegInt
     """The version wanted."""
+    shm: str = ""
+    """The requester's `Hello.shm`: a server whose own is the same may send the payload's tensors in shared
+    memory (empty: in frames)."""
 
 
 class WeightsPayload(Message, tag=41):

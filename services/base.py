@@ -111,6 +111,8 @@ class EngineContext:
     log: logging.Logger
     curve: net.CurveKeys | None = None
     """The run's CURVE keys, for the sockets the engine opens (None: the run stays on loopback)."""
+    run_id: str = ""
+    """The run's name (e.g. in the names of its shared-memory segments)."""
 
     def say(self, text: str, *args: Any) -> None:
         self.log.info(f"[{self.name}] " + text, *args)
@@ -156,7 +158,7 @@ class Control:
             incarnation=self.spec.incarnation,
             info={**_placement_info(), **(info or {})},
             secret=self.spec.secret,
-            shm=host_token() if takes_shm(self.spec.config) else "",
+            shm=shm_token(self.spec.config),
             **fields,
         )
         welcome = await self._dealer.request(
@@ -231,12 +233,17 @@ def takes_shm(config: Config) -> bool:
     return config.cluster.shm != "off"
 
 
-def shm_settings(spec: ServiceSpec) -> ShmSettings | None:
-    """How the service's sending sockets use shared memory (None: not at all)."""
-    cluster = spec.config.cluster
-    if not takes_shm(spec.config):
+def shm_settings(config: Config, run_id: str) -> ShmSettings | None:
+    """How a service's sending sockets use shared memory (None: not at all)."""
+    cluster = config.cluster
+    if not takes_shm(config):
         return None
-    return ShmSettings(min_bytes=cluster.shm_min_bytes, max_bytes=cluster.shm_max_bytes, label=spec.run_id)
+    return ShmSettings(min_bytes=cluster.shm_min_bytes, max_bytes=cluster.shm_max_bytes, label=run_id)
+
+
+def shm_token(config: Config) -> str:
+    """What this process says in `Hello.shm` (and `WeightsRequest.shm`)."""
+    return host_token() if takes_shm(config) else ""
 
 
 def follow(push: transport.Push, current: list[str], peers: list[str], shm_peers: list[str] = ()) -> list[str]:
@@ -290,6 +297,7 @@ class Service:
             watch=self.sockets.append,
             log=self.log,
             curve=self.spec.curve,
+            run_id=self.spec.run_id,
         )
 
     def load_task(self) -> Task:
@@ -436,7 +444,7 @@ class StageService(Service):
                     connect=welcome.peers["out"],
                     curve=self.spec.curve,
                     name=f"{self.spec.name}/out",
-                    shm=shm_settings(self.spec),
+                    shm=shm_settings(self.config, self.spec.run_id),
                     shm_peers=welcome.shm_peers,
                 ) as out,
                 trio.open_nursery() as nursery,

@@ -385,7 +385,8 @@ async def test_a_run_in_process_trains_every_group_once_within_the_bound(tmp_pat
 async def test_services_of_one_machine_pass_large_tensors_through_shared_memory_unless_told_not_to(tmp_path, shm):
     """Every service here can map every other's memory (one process), so with
     a threshold that a batch's token columns pass, they go through shared
-    memory from each stage to the next; the run trains the same either way."""
+    memory from each stage to the next, and the weights from the trainer's
+    server; the run trains the same either way."""
     overrides = ["run.steps=3", "run.samples_per_prompt=8", "roles.rollout.engine.response_len.median=256",
                  "cluster.shm_min_bytes=4096", f"cluster.shm={shm}"]
     with trio.fail_after(120):
@@ -393,7 +394,9 @@ async def test_services_of_one_machine_pass_large_tensors_through_shared_memory_
     assert summary.state == "stopped" and summary.steps == 3
     assert summary.groups.trained == 12 and summary.groups.reissued == 0
     status = RunDir(tmp_path).read_status()
-    shared = {role: status.roles[role].counters.get("bytes_shared", 0) for role in ("rollout", "reward", "teacher")}
+    # The trainer's: the weights it served (64 KiB per update here).
+    shared = {role: status.roles[role].counters.get("bytes_shared", 0)
+              for role in ("rollout", "reward", "teacher", "trainer")}
     if shm == "auto":
         assert all(n > 0 for n in shared.values()), shared
     else:

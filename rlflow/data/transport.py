@@ -404,8 +404,8 @@ class Socket:
 
     # -- messages -----------------------------------------------------------
 
-    async def _send_message(self, msg: Message, identity: bytes | None = None) -> None:
-        pool = self.pool if self._shm_now else None
+    async def _send_message(self, msg: Message, identity: bytes | None = None, shm: bool = True) -> None:
+        pool = self.pool if shm and self._shm_now else None
         frames = self._codec.encode(msg, shm=pool)
         placed = pool.take_reserved() if pool is not None else None
         if placed is None:
@@ -492,8 +492,11 @@ class Router(Socket):
     #: rejected (e.g. to answer a peer of another schema version).
     on_reject: Callable[[bytes, ProtocolError], None] | None = None
 
-    async def send(self, identity: bytes, msg: Message) -> None:
-        await self.send_frames(self._codec.encode(msg), identity=identity)
+    async def send(self, identity: bytes, msg: Message, *, shm: bool = False) -> None:
+        """Send `msg` to the peer `identity`; `shm`: that peer takes tensors in
+        shared memory (it has said so, e.g. in its request), so a socket opened
+        with `ShmSettings` on this host sends them that way."""
+        await self._send_message(msg, identity, shm)
 
     async def recv(self) -> tuple[bytes, Any]:
         """The next well-formed message and the identity of its sender."""
@@ -732,8 +735,11 @@ def open_router(
     codec: Codec | None = None,
     curve: CurveKeys | None = None,
     name: str = "router",
+    shm: ShmSettings | None = None,
 ) -> Any:
-    """The controller's control socket."""
+    """The controller's control socket, or a server's (e.g. the trainer's
+    weights). With `shm`, `Router.send(..., shm=True)` puts large tensors in
+    shared memory (a ROUTER bound on this host; the peer vouches for itself)."""
     return _open(
         Router,
         zmq.ROUTER,
@@ -745,6 +751,7 @@ def open_router(
         max_frame_bytes=max_frame_bytes,
         curve=curve,
         name=name,
+        shm=shm,
     )
 
 

@@ -92,7 +92,7 @@ class RolloutService(Service):
                     connect=welcome.peers["out"],
                     curve=self.spec.curve,
                     name=f"{self.spec.name}/out",
-                    shm=shm_settings(self.spec),
+                    shm=shm_settings(self.config, self.spec.run_id),
                     shm_peers=welcome.shm_peers,
                 ) as out,
                 trio.open_nursery() as nursery,

@@ -143,7 +143,7 @@ class TrainerService(Service):
                         connect=address,
                         curve=self.spec.curve,
                         name=f"{self.spec.name}/share-{r}",
-                        shm=shm_settings(self.spec),
+                        shm=shm_settings(self.config, self.spec.run_id),
                         shm_peers=shm_peers,
                     )
                 )
