@@ -101,7 +101,10 @@ class Codec:
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, Tensor):
             writer = self._writer
-            if writer is not None and obj.nbytes >= writer.min_bytes:
+            # An array knows its size; anything else is asked through a memoryview.
+            if writer is not None and (
+                obj.data.nbytes if type(obj.data) is np.ndarray else obj.nbytes
+            ) >= writer.min_bytes:
                 if not self._segment_frame:
                     self._out.append(b"")  # the segment's description, once it has one
                     self._segment_frame = len(self._out) - 1
