@@ -106,7 +106,7 @@ def hold(address: str, count: int, holding: mp.Event) -> None:
 
     async def main() -> None:
         async with transport.open_pull(connect=address, codec=Codec(WeightsMessage)) as pull:
-            held = [(await pull.recv()).tensors[0].torch() for _ in range(count)]
+            held = [(await pull.recv()).tensors[0].numpy() for _ in range(count)]
             assert len(held) == count
             holding.set()
             await trio.sleep_forever()
