@@ -28,6 +28,7 @@ import trio
 from rlflow.config import Config
 from rlflow.data import transport
 from rlflow.data import net
+from rlflow.data.shm import ShmSettings, host_token
 from rlflow.data.tasks import Task, load_tokenizer, make_task, needs_tokenizer
 from rlflow.errors import leaves
 from rlflow.protocol import (
@@ -113,6 +114,8 @@ class EngineContext:
     log: logging.Logger
     curve: net.CurveKeys | None = None
     """The run's CURVE keys, for the sockets the engine opens (None: the run stays on loopback)."""
+    run_id: str = ""
+    """The run's name (e.g. in the names of its shared-memory segments)."""
 
     def say(self, text: str, *args: Any) -> None:
         self.log.info(f"[{self.name}] " + text, *args)
@@ -160,6 +163,7 @@ class Control:
             incarnation=self.spec.incarnation,
             secret=self.spec.secret,
             **_placement(),
+            shm=shm_token(self.spec.config),
             **fields,
         )
         welcome = await self._dealer.request(
@@ -259,12 +263,31 @@ async def open_control(spec: ServiceSpec) -> AsyncIterator[Control]:
         yield Control(dealer, spec)
 
 
-def follow(push: transport.Push, current: list[str], peers: list[str]) -> list[str]:
+def takes_shm(config: Config) -> bool:
+    """Whether the run's services send and take tensors in shared memory (`cluster.shm`)."""
+    return config.cluster.shm != "off"
+
+
+def shm_settings(config: Config, run_id: str) -> ShmSettings | None:
+    """How a service's sending sockets use shared memory (None: not at all)."""
+    cluster = config.cluster
+    if not takes_shm(config):
+        return None
+    return ShmSettings(min_bytes=cluster.shm_min_bytes, max_bytes=cluster.shm_max_bytes, label=run_id)
+
+
+def shm_token(config: Config) -> str:
+    """What this process says in `Hello.shm` (and `WeightsRequest.shm`)."""
+    return host_token() if takes_shm(config) else ""
+
+
+def follow(push: transport.Push, current: list[str], peers: list[str], shm_peers: list[str] = ()) -> list[str]:
     """Point `push` at `peers` (after a replica of the next role was replaced):
-    connect the new addresses, let go of the old; the addresses now."""
+    connect the new addresses (those in `shm_peers` take shared memory), let
+    go of the old; the addresses now."""
     for address in peers:
         if address not in current:
-            transport.connect(push, address)
+            transport.connect(push, address, shm=address in shm_peers)
     for address in current:
         if address not in peers:
             transport.disconnect(push, address)
@@ -309,6 +332,7 @@ class Service:
             watch=self.sockets.append,
             log=self.log,
             curve=self.spec.curve,
+            run_id=self.spec.run_id,
         )
 
     def load_task(self) -> Task:
@@ -450,13 +474,19 @@ class StageService(Service):
         self.control = control
         bind = transport.tcp_address(bind_host(self.config))
         await self.prepare()
-        async with transport.open_pull(bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/in") as inbox:
+        async with transport.open_pull(
+            bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/in", shm=takes_shm(self.config)
+        ) as inbox:
             self.sockets.append(inbox)
             welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)}, **self.hello_fields())
             self.say("up, sending to %s", ", ".join(welcome.peers["out"]))
             async with (
                 transport.open_push(
-                    connect=welcome.peers["out"], curve=self.spec.curve, name=f"{self.spec.name}/out"
+                    connect=welcome.peers["out"],
+                    curve=self.spec.curve,
+                    name=f"{self.spec.name}/out",
+                    shm=shm_settings(self.config, self.spec.run_id),
+                    shm_peers=welcome.shm_peers,
                 ) as out,
                 trio.open_nursery() as nursery,
             ):
@@ -494,6 +524,7 @@ class StageService(Service):
                         self._waiting_out -= 1
                         self.counters["groups"] += len(result.groups)
                         self.counters["samples"] += result.n_samples
+                        self.counters["bytes_shared"] = out.bytes_shared
                         self._retime()
 
                 nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
@@ -504,7 +535,7 @@ class StageService(Service):
                 async for msg in control:
                     match msg:
                         case Peers():
-                            peers = follow(out, peers, msg.peers.get("out", []))
+                            peers = follow(out, peers, msg.peers.get("out", []), msg.shm_peers)
                         case Shutdown(reason=reason):
                             self.say("shutting down (%s)", reason)
                             break

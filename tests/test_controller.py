@@ -385,6 +385,30 @@ async def test_a_run_in_process_trains_every_group_once_within_the_bound(tmp_pat
     assert status.roles["rollout"].behind is not None
 
 
+@pytest.mark.parametrize("shm", ["auto", "off"])
+async def test_services_of_one_machine_pass_large_tensors_through_shared_memory_unless_told_not_to(tmp_path, shm):
+    """Every service here can map every other's memory (one process), so with
+    a threshold that a batch's token columns pass, they go through shared
+    memory from each stage to the next, and the weights from the trainer's
+    server; the run trains the same either way."""
+    overrides = ["run.steps=3", "run.samples_per_prompt=8", "roles.rollout.engine.response_len.median=256",
+                 "cluster.shm_min_bytes=4096", f"cluster.shm={shm}"]
+    with trio.fail_after(120):
+        controller, summary = await run_in_process(sim(*overrides), tmp_path)
+    assert summary.state == "stopped" and summary.steps == 3
+    assert summary.groups.trained == 12 and summary.groups.reissued == 0
+    status = RunDir(tmp_path).read_status()
+    # The trainer's: the weights it served (64 KiB per update here).
+    shared = {role: status.roles[role].counters.bytes_shared
+              for role in ("rollout", "reward", "teacher", "trainer")}
+    if shm == "auto":
+        assert all(n > 0 for n in shared.values()), shared
+    else:
+        assert shared == dict.fromkeys(shared, 0)
+    rejected = {role: s.counters.rejected for role, s in status.roles.items()}
+    assert rejected == dict.fromkeys(status.roles, {})
+
+
 async def test_a_resumed_ledger_grants_the_untrained_groups_first(tmp_path):
     """The controller's part of a resume: the groups granted before the
     checkpoint and not trained on are granted again, none skipped."""

@@ -120,6 +120,16 @@ class ClusterConfig(Table):
     "auto": whenever `host` is not a loopback address (empty included), i.e. whenever other hosts can reach
     the sockets (there, a socket without CURVE is refused); "on": also on loopback (a machine shared with
     others). CURVE costs throughput: ~0.25 GB/s per stream here against ~2.4 GB/s without."""
+    shm: Literal["auto", "off"] = "auto"
+    """Large tensors between services of one machine through shared memory rather than the socket (which
+    still carries each message's header). "auto": from each sender to the receivers that can map its memory
+    (same kernel, PID namespace and user, as each says at registration; never across hosts); "off": every
+    tensor over the socket. Segments are private to the run's user (mode 0600), CURVE or not."""
+    shm_min_bytes: Annotated[int, Meta(ge=4096)] = 1 << 20
+    """Tensors of at least this many bytes go through shared memory; smaller ones stay in the message."""
+    shm_max_bytes: Annotated[int, Meta(ge=1 << 20)] = 1 << 30
+    """Most shared memory each sending socket holds at once (segments are reused; when none is free and no
+    new one fits, tensors go over the socket, whose high-water marks then hold the sender back)."""
 
     @property
     def uses_curve(self) -> bool:

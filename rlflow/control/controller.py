@@ -384,7 +384,9 @@ class Controller:
         before = self.topology.previous(role)
         for upstream in self.roster.role(before) if before else ():
             if upstream.live:
-                self.outboxes.post(upstream, Peers(peers=self.topology.peers(before, upstream.rank, self.roster)))
+                peers = self.topology.peers(before, upstream.rank, self.roster)
+                self.outboxes.post(upstream, Peers(peers=peers, shm_peers=Topology.shm_peers(upstream, peers,
+                                                                                           self.roster)))
 
     def _warn(self, text: str) -> None:
         """Something a person should look at: logged, and the latest few in the status."""
@@ -499,9 +501,10 @@ def welcome(controller: Controller, replica: Replica) -> Welcome:
     first = replica.restarts == 0
     transfer, layout = controller.weights.welcome(replica.role, replica.rank, first=first,
                                                   receivers=len(controller.roster.role("rollout")))
+    peers = controller.topology.peers(replica.role, replica.rank, controller.roster)
     return Welcome(schema_version=SCHEMA_VERSION, run_id=controller.run_id,
-                   version=controller.version if first else controller.start_version,
-                   peers=controller.topology.peers(replica.role, replica.rank, controller.roster),
+                   version=controller.version if first else controller.start_version, peers=peers,
+                   shm_peers=Topology.shm_peers(replica, peers, controller.roster),
                    heartbeat_s=controller.config.cluster.heartbeat_s, weights=transfer, layout=layout)
 
 

@@ -47,7 +47,7 @@ from rlflow.protocol import (
     stamp,
     take,
 )
-from rlflow.services.base import Control, Service, bind_host
+from rlflow.services.base import Control, Service, bind_host, shm_settings, takes_shm
 from rlflow.services.trainer.engine import TrainerEngine, make_engine
 
 from rlflow.algo.staleness import too_stale
@@ -85,7 +85,9 @@ class TrainerService(Service):
         inbox_name = "in" if self.lead else "share"
         try:
             async with (
-                transport.open_pull(bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/{inbox_name}") as inbox,
+                transport.open_pull(
+                    bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/{inbox_name}", shm=takes_shm(self.config)
+                ) as inbox,
                 trio.open_nursery() as nursery,
             ):
                 self.sockets.append(inbox)
@@ -108,7 +110,7 @@ class TrainerService(Service):
                 nursery.start_soon(self.send_weights, to_send, control)
                 if self.lead:
                     nursery.start_soon(self.receive, inbox, control)
-                    nursery.start_soon(self.train, inbox, welcome.peers.get("shares", []), control)
+                    nursery.start_soon(self.train, inbox, welcome.peers.get("shares", []), welcome.shm_peers, control)
                 else:
                     nursery.start_soon(self.follow, inbox)
                 await control.ready(self.version)
@@ -131,13 +133,19 @@ class TrainerService(Service):
                 scope.shield = True
                 await engine.close()
 
-    async def train(self, inbox: transport.Pull, shares: list[str], control: Control) -> None:
+    async def train(self, inbox: transport.Pull, shares: list[str], shm_peers: list[str], control: Control) -> None:
         run = self.config.run
         async with contextlib.AsyncExitStack() as stack:
             # One PUSH per other rank, in rank order: rank r's share goes to shares[r - 1].
             outs = [
                 await stack.enter_async_context(
-                    transport.open_push(connect=address, curve=self.spec.curve, name=f"{self.spec.name}/share-{r}")
+                    transport.open_push(
+                        connect=address,
+                        curve=self.spec.curve,
+                        name=f"{self.spec.name}/share-{r}",
+                        shm=shm_settings(self.config, self.spec.run_id),
+                        shm_peers=shm_peers,
+                    )
                 )
                 for r, address in enumerate(shares, start=1)
             ]
