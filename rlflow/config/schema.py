@@ -108,6 +108,10 @@ class ClusterConfig(Table):
     up to 25% jitter either way), up to `restart_backoff_max_s`."""
     restart_backoff_max_s: NonNegFloat = 60.0
     """The longest wait before a restart."""
+    weight_timeout_s: PosFloat = 120.0
+    """How long a new generation of a collective weight group waits for its members to join, and a
+    broadcast for its peers: a member that died leaves the group broken after this long (and it is made
+    anew), not stuck. The first group, made while the services start, waits `handshake_timeout_s`."""
     max_weight_rebuilds: NonNegInt = 5
     """A collective weight group that breaks (a member died mid-broadcast) is made anew and the newest
     version moved again; after this many breaks in a row with no round completed, the run fails."""

@@ -422,6 +422,7 @@ class TorchTrainerEngine:
             ranks=self.ranks,
         )
         self.checkpoint_every = cfg.checkpoint_every
+        self.cluster = config.cluster
         self.host = ctx.host
         self.port = free_port(self.host)
         self.ranks_per_receiver = getattr(rollout, "tensor_parallel_size", 1)
@@ -440,9 +441,10 @@ class TorchTrainerEngine:
         """Weights are pushed when the controller says so: nothing to serve."""
         task_status.started()
 
-    async def connect(self, transfer: WeightTransfer | None) -> None:
+    async def connect(self, transfer: WeightTransfer | None, *, first: bool = True) -> None:
         """Host the weight group and wait until every receiver has joined (rank
-        0; the other ranks only help gather)."""
+        0; the other ranks only help gather): the first group as long as the
+        services may take to start, a later generation `cluster.weight_timeout_s`."""
         if transfer is None and not self.ranks.lead:
             return
         offered = type(self.offer()[0])
@@ -452,7 +454,10 @@ class TorchTrainerEngine:
         if isinstance(transfer, WeightsNccl):
             self.group = await trio.to_thread.run_sync(NcclGroup, transfer, self.ranks.device)
         else:
-            self.group = await trio.to_thread.run_sync(GlooGroup, transfer.host, transfer.port, 0, transfer.world_size)
+            timeout_s = max(self.cluster.handshake_timeout_s, self.cluster.weight_timeout_s) if first \
+                else self.cluster.weight_timeout_s
+            self.group = await trio.to_thread.run_sync(GlooGroup, transfer.host, transfer.port, 0, transfer.world_size,
+                                                       timeout_s)
 
     async def deal(self, batch: SampleBatch) -> tuple[dict[str, float], list[SampleBatch]]:
         return await trio.to_thread.run_sync(self.engine.prepare, batch, self.replicas)
@@ -479,7 +484,7 @@ class TorchTrainerEngine:
         generation of the group, first)."""
         if transfer is not None:
             self._let_go()
-            await self.connect(transfer)
+            await self.connect(transfer, first=False)
         await self._event(version).wait()  # this rank's own step may end a moment after rank 0's
         snapshot = self.snapshots[version]
         for old in [v for v in self.snapshots if v <= version]:
