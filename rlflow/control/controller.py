@@ -291,7 +291,7 @@ class Controller:
                     self.error = f"{replica.name} failed: {kind}: {message}"
                     raise RunFailed(self.error)
                 if fatal:  # it is exiting: its death, when the launcher sees it, restarts it
-                    replica.last_error = f"{kind}: {message}"[:500]
+                    replica.fatal = f"{kind}: {message}"[:500]
                 log.warning("[controller] %s failed: %s: %s", replica.name, kind, message)
                 if kind == WEIGHT_GROUP_BROKEN:
                     self.outboxes.order(self.weights.broken(receivers), self.roster)
@@ -445,6 +445,7 @@ class Controller:
         go on without it, and restart it after its back-off (or give up)."""
         if replica.state in (State.LOST, State.GIVEN_UP, State.GONE):
             return
+        why += f" (it said: {replica.fatal})" if replica.fatal else ""
         text = f"{replica.name} {why}"
         if replica.role == "trainer":
             self.error = f"{text}; the run stops (continue it with rlflow up --resume {self.run_dir.path})"
