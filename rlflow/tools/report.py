@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from rlflow import timeline
 from rlflow.control.stats import TREND_STEPS
 from rlflow.rundir import EvalRow, RunDir, Status, StepRow, Summary
 
@@ -61,7 +62,7 @@ def load(run_dir: str | pathlib.Path) -> Run:
     folder = RunDir(run_dir)
     if not folder.path.is_dir():
         raise FileNotFoundError(f"{folder.path} is not a run directory")
-    traces = [json.loads(p.read_text()) for p in sorted(folder.traces.glob("*-*.json"))]
+    traces = [trace for name in timeline.names(folder) if (trace := timeline.read(folder, name)) is not None]
     return Run(
         folder=folder,
         metrics=folder.read_metrics(),
@@ -138,7 +139,8 @@ def text(run: Run) -> str:
 def _spans(run: Run) -> list[tuple[str, list[tuple[float, float, str]]]]:
     """Per lane, (start, duration, state) spans from time zero."""
     # Time zero: when the first service got to work (start-up is left out).
-    starts = [next((t for t, state in trace["events"] if state != "idle"), None) for trace in run.traces]
+    starts = [next((t for t, state in trace["events"] if state not in ("idle", timeline.DOWN)), None)
+              for trace in run.traces]
     starts = [t for t in starts if t is not None]
     if not starts:
         return []
@@ -190,6 +192,8 @@ def write_timeline(run: Run, png: pathlib.Path | None = None, trace: pathlib.Pat
     for pid, (name, spans) in enumerate(lanes):
         events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
         for start, duration, state in spans:
+            if state == timeline.DOWN:  # not running: a gap in its lane
+                continue
             role = name.rsplit("-", 1)[0]
             label = BUSY.get(role, "busy") if state == "busy" else state
             events.append({"name": label, "ph": "X", "pid": pid, "tid": 0, "ts": start * 1e6, "dur": duration * 1e6})
