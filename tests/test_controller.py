@@ -401,7 +401,8 @@ async def test_a_resumed_ledger_grants_the_untrained_groups_first(tmp_path):
         _, summary = await run_in_process(config, tmp_path / "run")
     assert summary.state == "stopped" and summary.steps == 4
     assert [r.step for r in RunDir(tmp_path / "run").read_metrics()] == [2, 3]
-    assert summary.groups.trained == 8 and summary.groups.reissued == 0
+    # The whole run's groups (the two steps before the checkpoint, then these two), and this session's.
+    assert summary.groups.trained == 16 and summary.session.groups_trained == 8 and summary.groups.reissued == 0
 
 
 class BrokenLauncher:

@@ -31,6 +31,7 @@ import trio
 from rlflow.config import Config, kind_of
 from rlflow.control.ledger import GroupLedger, LedgerState
 from rlflow.control.metrics import Sink, open_sinks
+from rlflow.control.record import resume as resume_record
 from rlflow.control.rounds import WeightRounds
 from rlflow.control.stats import RunStats, process_cpu
 from rlflow.data import transport
@@ -201,6 +202,8 @@ class Controller:
         self.start_version = self.version
         self.rounds = WeightRounds(self.version)
         self.stats = RunStats([name for name, _ in config.role_items()])
+        if run.resume:  # the sessions before wrote past the checkpoint: cut that, carry on (control.record)
+            self.stats.carry(resume_record(self.run_dir, self.ledger.steps_done, self.ledger.trained_count))
         self.has_heldout = kind_of(config.task) != "sim"
         self.state = "starting"
         self.error: str | None = None
@@ -235,7 +238,7 @@ class Controller:
         """Start the services, run every step, shut them down; the summary."""
         bind = transport.tcp_address(bind_host(self.config.cluster.host))
         self.run_dir.path.mkdir(parents=True, exist_ok=True)
-        self._sinks = open_sinks(self.run_dir)
+        self._sinks = open_sinks(self.run_dir, first_step=self.ledger.steps_done)
         try:
             async with transport.open_router(bind=bind, curve=self.curve, name="controller") as router:
                 self._router = router
@@ -295,7 +298,7 @@ class Controller:
 
     async def _train(self) -> None:
         """Evaluate, grant until the last step is trained, evaluate again."""
-        if self.config.eval.before:
+        if self.config.eval.before and not self.stats.evaluated_at(self.ledger.steps_done):  # kept on resume
             self.state = "evaluating"
             await self._evaluate(wait=True)
         self.state = "running"

@@ -95,6 +95,10 @@ class LedgerState(msgspec.Struct, frozen=True, kw_only=True):
     """Groups granted more than once so far."""
     dropped: dict[str, int] = {}
     """Groups dropped for good, by reason."""
+    trained: int | None = None
+    """Groups trained on so far (None, in a checkpoint that did not say: a batch per step)."""
+    granted: int | None = None
+    """Grants so far (None, in a checkpoint that did not say: one per group trained)."""
 
 
 def min_version(group_id: int, batch_size: int, max_staleness: int) -> int:
@@ -292,6 +296,8 @@ class GroupLedger:
             untrained=sorted(self.groups),
             reissued=self.reissued,
             dropped=dict(self.dropped),
+            trained=self.trained_count,
+            granted=self.granted,
         )
 
     @classmethod
@@ -300,6 +306,9 @@ class GroupLedger:
         ledger = cls(batch_size, max_staleness, steps)
         ledger.steps_done, ledger.next_group, ledger.reissued = state.steps_done, state.next_group, state.reissued
         ledger.dropped.update(state.dropped)
+        # A step trains a batch of groups, so a checkpoint that kept no counts says them anyway.
+        ledger.trained_count = state.trained if state.trained is not None else batch_size * state.steps_done
+        ledger.granted = state.granted if state.granted is not None else ledger.trained_count
         for group_id in state.untrained:
             ledger._add(group_id)
         ledger.journal.append(Event(event="resumed", step=state.steps_done, groups=list(state.untrained)))
