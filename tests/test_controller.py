@@ -8,6 +8,7 @@ import json
 import math
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 
@@ -27,7 +28,7 @@ from rlflow.control.stats import RunStats
 from rlflow.errors import RunFailed
 from rlflow.protocol import Heartbeat, StepDone
 from rlflow.rundir import RunDir
-from rlflow.tools import cli
+from rlflow.runstate import run_state
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIM = ROOT / "examples" / "sim.toml"
@@ -430,9 +431,9 @@ async def test_a_controller_that_fails_says_so_in_status_and_summary(tmp_path):
 def test_status_of_a_run_whose_controller_is_gone_says_dead(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    status = {"run_id": "r", "state": "running", "pid": gone.pid, "host": cli.socket.gethostname()}
+    status = {"run_id": "r", "state": "running", "pid": gone.pid, "host": socket.gethostname()}
     (tmp_path / "status.json").write_text(json.dumps(status))
-    read = cli._read_status(RunDir(tmp_path))
+    read = run_state(RunDir(tmp_path)).status
     assert read.state == "dead"
     assert f"pid {gone.pid}" in read.error
     done = subprocess.run(

@@ -6,9 +6,13 @@ it), dropped with a reason (a role gave up on it, or the run ended before it
 was needed), or lost (neither): issued = trained + dropped + lost. A group trained by two steps is duplicated. When a run
 resumes from a checkpoint at step s, the steps from s on that it trained
 before it stopped never reached the weights it goes on with: they do not
-count. The last line:
+count. A group is lost only once the run has ended (`rlflow.runstate`:
+stopped, or no status to say): of a run still going, or one that did not
+finish (failed, interrupted, dead), the groups neither trained nor dropped
+are *pending*: in flight, or granted again when the run is resumed. The
+last line (``pending=N`` only for a run that has not ended):
 
-    RESULT audit issued=N trained=N lost=N duplicated=N dropped=N
+    RESULT audit issued=N trained=N lost=N duplicated=N dropped=N [pending=N]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import msgspec
 
 from rlflow.control.ledger import Event
 from rlflow.rundir import RunDir
+from rlflow.runstate import run_state
 
 
 @dataclass
@@ -35,10 +40,20 @@ class Audit:
     lost_groups: list[int] = field(default_factory=list)
     torn_lines: int = 0
     """Lines cut short by a crash while being written (skipped)."""
+    pending: int = 0
+    """Of a run that has not ended: groups neither trained nor dropped (yet)."""
+    state: str = ""
+    """The run's state (see `rlflow.runstate`; empty: it has no status)."""
+    reason: str = ""
+
+    @property
+    def ended(self) -> bool:
+        return self.state in ("", "stopped")
 
     def result(self) -> str:
         return (f"RESULT audit issued={self.issued} trained={self.trained} lost={self.lost} "
-                f"duplicated={self.duplicated} dropped={self.dropped}")
+                f"duplicated={self.duplicated} dropped={self.dropped}"
+                + ("" if self.ended else f" pending={self.pending}"))
 
 
 def audit(run_dir: str | pathlib.Path) -> Audit:
@@ -84,13 +99,23 @@ def audit(run_dir: str | pathlib.Path) -> Audit:
     gone = {g: r for g, r in dropped.items() if g in issued and g not in trained}
     out.dropped = len(gone)
     out.reasons = Counter(gone.values())
-    out.lost_groups = sorted(issued - trained - set(gone))
-    out.lost = len(out.lost_groups)
+    state = run_state(folder)
+    if state is not None:
+        out.state, out.reason = state.state, state.reason
+    left = sorted(issued - trained - set(gone))
+    if out.ended:
+        out.lost_groups, out.lost = left, len(left)
+    else:
+        out.pending = len(left)
     return out
 
 
 def text(result: Audit) -> str:
     lines = []
+    if not result.ended:
+        why = f" ({result.reason})" if result.reason else ""
+        lines.append(f"the run is {result.state}{why}: {result.pending} groups neither trained nor dropped are "
+                     "pending (in flight, or granted again when it is resumed), not lost")
     for reason, count in result.reasons.most_common():
         lines.append(f"dropped {count}: {reason}")
     if result.lost_groups:

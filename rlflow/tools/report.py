@@ -26,6 +26,7 @@ import msgspec
 from rlflow import timeline
 from rlflow.control.stats import TREND_STEPS
 from rlflow.rundir import EvalRow, RunDir, Status, StepRow, Summary
+from rlflow.runstate import RunState, run_state
 
 ORDER = ("rollout", "reward", "teacher", "trainer")
 STATES = ("busy", "starved", "blocked", "loading")
@@ -42,6 +43,7 @@ class Run:
     summary: Summary | None = None
     status: Status | None = None
     traces: list[dict[str, Any]] = field(default_factory=list)
+    state: RunState | None = None
 
     @property
     def path(self) -> pathlib.Path:
@@ -63,13 +65,15 @@ def load(run_dir: str | pathlib.Path) -> Run:
     if not folder.path.is_dir():
         raise FileNotFoundError(f"{folder.path} is not a run directory")
     traces = [trace for name in timeline.names(folder) if (trace := timeline.read(folder, name)) is not None]
+    state = run_state(folder)
     return Run(
         folder=folder,
         metrics=folder.read_metrics(),
         evals=folder.read_evals(),
         summary=folder.read_summary(),
-        status=folder.read_status(),
+        status=state.status if state is not None else None,
         traces=[t for t in traces if "events" in t],
+        state=state,
     )
 
 
@@ -111,14 +115,24 @@ def bottleneck(fractions: dict[str, dict[str, float]], max_staleness: int | None
 
 def text(run: Run) -> str:
     """The per-role table and the bottleneck sentence."""
-    lines = [f"run {run.path}"]
+    state = run.state
+    lines = [f"run {run.path}" + (f": {state.state}" if state is not None else "")
+             + (f" ({state.reason})" if state is not None and state.reason else "")]
     summary = run.summary
+    if state is not None and state.state not in ("stopped", "failed", "interrupted") and summary is not None:
+        lines.append(f"  (its summary is of an earlier session, which ended {summary.state})")
     if summary is not None:
         lines.append(
             f"  {summary.steps} steps, {summary.samples} samples, "
             f"{summary.wall_time_s:.1f} s ({summary.samples_per_s:.1f} samples/s); "
             f"staleness mean {summary.staleness_mean:.2f}, max {summary.staleness_max:g}"
         )
+        session = summary.session
+        if summary.sessions > 1 and session is not None:
+            lines.append(
+                f"  over {summary.sessions} sessions; the last, from step {session.first_step}: {session.steps} steps, "
+                f"{session.samples} samples in {session.wall_time_s:.1f} s ({session.samples_per_s:.1f} samples/s)"
+            )
         if summary.accuracy_before is not None:
             lines.append(
                 f"  held-out accuracy {summary.accuracy_before:.1%} -> {summary.accuracy_after:.1%} "
