@@ -430,7 +430,7 @@ async def test_a_controller_that_fails_says_so_in_status_and_summary(tmp_path):
 
 def test_status_of_a_run_whose_controller_is_gone_says_dead(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
+    gone.wait(timeout=30)
     status = {"run_id": "r", "state": "running", "pid": gone.pid, "host": socket.gethostname()}
     (tmp_path / "status.json").write_text(json.dumps(status))
     read = run_state(RunDir(tmp_path)).status

@@ -125,6 +125,13 @@ def test_a_run_resumes_from_its_last_checkpoint_detached(real_run, ray_cluster):
     assert C.load(folder.config).roles == C.load(text=config_before).roles
     state = json.loads((folder.checkpoint(4) / "controller_state.json").read_text())
     assert state["step"] == 4
+    # One record: the evaluation of the checkpoint it resumed from is kept (not made again), each once.
+    evals = folder.read_evals()
+    assert [e.step for e in evals].count(3) == 1 and evals[-1].version == 4
+    assert [e.version for e in evals] == sorted({e.version for e in evals})
+    summary = folder.read_summary()
+    assert (summary.steps, summary.sessions, summary.session.first_step, summary.session.steps) == (4, 2, 3, 1)
+    assert summary.samples == sum(r.samples for r in steps)
 
 
 OWN_TASK = """

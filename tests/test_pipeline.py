@@ -190,7 +190,8 @@ def test_with_no_restarts_allowed_a_dead_replica_fails_the_run_and_leaves_nothin
     killer.start()
     with pytest.raises(RunFailed, match="every reward replica is given up on; the last, reward-0: died"):
         run(sim_config("run.steps=100000", "cluster.max_restarts=0"), run_dir)
-    killer.join()
+    killer.join(timeout=120)
+    assert not killer.is_alive()
     assert killed
     assert leftovers(killed[0]) == ([], [])
     status = RunDir(run_dir).read_status()
@@ -418,6 +419,7 @@ def test_hostile_messages_to_every_live_socket_are_counted_and_the_run_goes_on(c
             for name, (kind, address) in targets.items():
                 sock = ctx.socket(kind)
                 sock.setsockopt(zmq.LINGER, 5000)
+                sock.setsockopt(zmq.SNDTIMEO, 10_000)
                 sock.connect(address)
                 for _, frames in stream:
                     sock.send_multipart(frames)
@@ -434,7 +436,8 @@ def test_hostile_messages_to_every_live_socket_are_counted_and_the_run_goes_on(c
     attacker = threading.Thread(target=attack, daemon=True)
     attacker.start()
     summary = run(sim_config("run.steps=40"), run_dir)
-    attacker.join()
+    attacker.join(timeout=120)
+    assert not attacker.is_alive(), "the attacker did not finish within 120 s of the run"
     assert attacked, "the run never reached step 2"
     assert summary.state == "stopped", summary.error
     assert summary.steps == 40 and summary.stop_reason == "40 steps done"
