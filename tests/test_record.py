@@ -150,3 +150,11 @@ async def test_a_run_resumed_three_times_reads_as_one_run(tmp_path, caplog):
     assert rows[-1].time_s <= whole.wall_time_s
     assert whole.wall_time_s - last.wall_time_s == pytest.approx(rows[resume_at[-1] - 1].time_s, abs=1e-3)
     assert math.isclose(whole.samples_per_s, whole.samples / whole.wall_time_s, rel_tol=1e-3)
+
+
+def test_a_summary_written_before_sessions_were_told_apart_still_reads():
+    from rlflow.rundir import Summary
+
+    old = b'{"run_id": "r", "state": "stopped", "steps": 20, "samples": 1280, "wall_time_s": 12.5}'
+    summary = msgspec.json.decode(old, type=Summary)
+    assert (summary.steps, summary.samples, summary.sessions, summary.session) == (20, 1280, 1, None)

@@ -78,6 +78,8 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """requeued / dropped: why."""
     min_versions: list[int] = []
     """issued: the oldest version each group may start on."""
+    next_group: int = -1
+    """resumed: the first group id the checkpoint had not created (those from there on are made anew)."""
     t: float = 0.0
     """Seconds since the Unix epoch (set by the controller when it writes the event)."""
 
@@ -311,5 +313,6 @@ class GroupLedger:
         ledger.granted = state.granted if state.granted is not None else ledger.trained_count
         for group_id in state.untrained:
             ledger._add(group_id)
-        ledger.journal.append(Event(event="resumed", step=state.steps_done, groups=list(state.untrained)))
+        ledger.journal.append(Event(event="resumed", step=state.steps_done, groups=list(state.untrained),
+                                    next_group=state.next_group))
         return ledger

@@ -6,7 +6,8 @@ it), dropped with a reason (a role gave up on it, or the run ended before it
 was needed), or lost (neither): issued = trained + dropped + lost. A group trained by two steps is duplicated. When a run
 resumes from a checkpoint at step s, the steps from s on that it trained
 before it stopped never reached the weights it goes on with: they do not
-count. A group is lost only once the run has ended (`rlflow.runstate`:
+count, nor do the groups issued that the checkpoint had not yet created
+(the run creates them anew if it needs them). A group is lost only once the run has ended (`rlflow.runstate`:
 stopped, or no status to say): of a run still going, or one that did not
 finish (failed, interrupted, dead), the groups neither trained nor dropped
 are *pending*: in flight, or granted again when the run is resumed. The
@@ -92,6 +93,11 @@ def audit(run_dir: str | pathlib.Path) -> Audit:
                         del trained_at[group]
                 for group in event.groups:  # queued again: whatever ended them before is undone
                     dropped.pop(group, None)
+                if event.next_group >= 0:  # made after the checkpoint: made anew if the run needs them
+                    later = {g for g in issued if g >= event.next_group}
+                    issued -= later
+                    for group in later:
+                        dropped.pop(group, None)
     trained = set(trained_at)
     out.issued = len(issued)
     out.trained = len(trained)
