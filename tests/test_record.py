@@ -31,7 +31,10 @@ def test_a_resume_cuts_what_the_sessions_before_wrote_past_the_checkpoint(tmp_pa
     ended later), the trainer's lengths of those steps and a line cut short
     by a crash go; what is kept is carried on, and the cut is logged."""
     folder = RunDir(tmp_path)
-    rows = [StepRow(step=s, version=s + 1, time_s=1.0 + s, samples=8) for s in [*range(12), *range(8, 10)]]
+    # Steps 3-4 twice (written before resumes cut the record: the later is the one kept), then a session
+    # that went past the checkpoint at 8 and one that resumed from it and was stopped again.
+    rows = [StepRow(step=s, version=s + 1, time_s=1.0 + s, samples=8) for s in [*range(5), *range(3, 12), 8, 9]]
+    rows[3:5] = [msgspec.structs.replace(r, samples=1) for r in rows[3:5]]
     write_lines(folder.metrics, rows, torn='{"step": 10, "vers')
     evals = [EvalRow(step=s, version=v, version_end=e, seconds=1.0, metrics={"accuracy": 0.1 * s})
              for s, v, e in [(0, 0, 0), (4, 4, 4), (8, 8, 8), (9, 8, 9), (11, 10, 11)]]
@@ -40,11 +43,12 @@ def test_a_resume_cuts_what_the_sessions_before_wrote_past_the_checkpoint(tmp_pa
     with caplog.at_level(logging.INFO, logger="rlflow.controller"):
         carried = resume(folder, 8, groups_trained=32)
     assert [r.step for r in folder.read_metrics()] == list(range(8)) == [r.step for r in carried.rows]
+    assert {r.samples for r in carried.rows} == {8}
     assert [(e.step, e.version_end) for e in folder.read_evals()] == [(0, 0), (4, 4), (8, 8)]
     assert [json.loads(line)["step"] for line in folder.lengths(0).read_text().splitlines()] == list(range(8))
     assert (carried.step, carried.time_s, carried.groups_trained, carried.sessions) == (8, 8.0, 32, 1)
     said = caplog.text
-    assert "record cut to step 8, the checkpoint resumed from: 6 steps (8, 8, 9, 9, 10, 11) of metrics.jsonl and 1 line cut short by a crash" in said
+    assert "record cut to step 8, the checkpoint resumed from: 8 steps (3, 4, 8, 8, 9, 9, 10, 11) of metrics.jsonl and 1 line cut short by a crash" in said
     assert "2 evaluations of evals.jsonl" in said and "4 lines of lengths-0.jsonl" in said
     # Once cut, a second look finds nothing more to cut.
     caplog.clear()

@@ -85,14 +85,14 @@ class Cut:
 def resume(folder: RunDir, step: int, groups_trained: int = 0) -> Carried:
     """Cut the record of the sessions before to checkpoint `step` (see the
     module); what the new session carries on with."""
-    rows, lost, cut = _cut(folder.metrics, StepRow, lambda r: r.step < step)
+    rows, lost, cut = _cut(folder.metrics, StepRow, lambda r: r.step < step, once=lambda r: r.step)
     cut.what, cut.detail = "step", f" ({_span(sorted(r.step for r in lost))})" if lost else ""
     # Weights up to the checkpoint's version are the ones the run goes on with.
     evals, _, evals_cut = _cut(folder.evals, EvalRow, lambda e: e.step <= step and e.version_end <= step)
     evals_cut.what = "evaluation"
     cuts = [cut, evals_cut]
     for lengths in sorted(folder.traces.glob("lengths-*.jsonl")):
-        cuts.append(_cut(lengths, _Step, lambda r: r.step < step)[2])
+        cuts.append(_cut(lengths, _Step, lambda r: r.step < step, once=lambda r: r.step)[2])
     gone = [c for c in cuts if c.cut or c.torn]
     if gone:
         log.info("[controller] record cut to step %d, the checkpoint resumed from: %s", step, "; ".join(map(str, gone)))
@@ -111,15 +111,18 @@ def resume(folder: RunDir, step: int, groups_trained: int = 0) -> Carried:
     )
 
 
-def _cut(path: pathlib.Path, kind: type[T], keep: Callable[[T], bool]) -> tuple[list[T], list[T], Cut]:
+def _cut(path: pathlib.Path, kind: type[T], keep: Callable[[T], bool],
+         once: Callable[[T], object] | None = None) -> tuple[list[T], list[T], Cut]:
     """Keep the whole lines of JSON-lines file `path` whose record `keep`
-    accepts; the records kept, those cut, and what was cut."""
+    accepts and, with `once`, only the last of those with the same key (a
+    step written twice before resumes cut the record was trained again by
+    the later session); the records kept, those cut, and what was cut."""
     try:
         lines = path.read_bytes().splitlines()
     except FileNotFoundError:
         return [], [], Cut(path, 0, 0, 0)
     decoder = msgspec.json.Decoder(kind)
-    kept_lines, kept, dropped, torn = [], [], [], 0
+    records, dropped, torn = [], [], 0
     for line in lines:
         if not line.strip():
             continue
@@ -128,11 +131,13 @@ def _cut(path: pathlib.Path, kind: type[T], keep: Callable[[T], bool]) -> tuple[
         except msgspec.DecodeError:
             torn += 1
             continue
-        if keep(record):
-            kept_lines.append(line)
-            kept.append(record)
-        else:
-            dropped.append(record)
+        (records if keep(record) else dropped).append((line, record))
+    if once is not None:
+        last = {once(record): i for i, (_, record) in enumerate(records)}
+        dropped += [item for i, item in enumerate(records) if last[once(item[1])] != i]
+        records = [item for i, item in enumerate(records) if last[once(item[1])] == i]
+    kept_lines, kept = [line for line, _ in records], [record for _, record in records]
+    dropped = [record for _, record in dropped]
     if dropped or torn:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(b"".join(line + b"\n" for line in kept_lines))
