@@ -109,22 +109,26 @@ def alive(pid: int, since: float | None = None) -> bool:
 
 
 def leftovers(folder: RunDir, state: RunState) -> list[int]:
-    """Processes of the run still on this host (this process and those it
-    descends from aside): those its status records (each replica's process,
-    if it began before the status was written) and what they started, and
-    every process that carries its run id (see the module)."""
+    """Processes of the run still on this host (this process, those it
+    descends from and its own children aside): those its status records
+    (each replica's process, if it began before the status was written) and
+    what they started, and every process that carries its run id (see the
+    module)."""
     import psutil
 
     status = state.status
     if status is None:
         return []
-    mine = {os.getpid(), *(p.pid for p in psutil.Process().parents())}
+    # Never this process, those it descends from, nor its own children: a
+    # run whose services ran in this very process records its pid.
+    me = psutil.Process()
+    mine = {me.pid, *(p.pid for p in me.parents()), *(p.pid for p in me.children(recursive=True))}
     found: set[int] = set()
     if not status.host or status.host == socket.gethostname():
         since = _mtime(folder.status)
         for role in status.roles.values():
             for placed in role.placed:
-                if placed.pid and alive(placed.pid, since):
+                if placed.pid and placed.pid not in mine and alive(placed.pid, since):
                     found.add(placed.pid)
                     found.update(_descendants(placed.pid))
     for process in psutil.process_iter():
@@ -155,13 +159,13 @@ def end(pids: list[int], grace_s: float = 5.0) -> list[int]:
             process = psutil.Process(pid)
             process.send_signal(signal.SIGTERM)
             processes.append(process)
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # gone, or not ours to end
             continue
     _, left = psutil.wait_procs(processes, timeout=grace_s)
     for process in left:
         try:
             process.kill()
-        except psutil.NoSuchProcess:
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     psutil.wait_procs(left, timeout=grace_s)
     return [p.pid for p in processes]

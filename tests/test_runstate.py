@@ -118,11 +118,18 @@ async def test_status_down_report_and_audit_of_a_dead_run_say_dead_and_down_clea
     assert code == 0
     assert out.splitlines()[-1] == "RESULT audit issued=14 trained=12 lost=0 duplicated=0 dropped=0 pending=2"
     assert json.loads(folder.status.read_text())["state"] == "running"  # the file alone still says so
-    code, _, err = run("down", str(folder.path))
-    assert code == 0
-    assert f"run {folder.path} is dead: its controller (pid {killed.pid}) is gone" in err
-    assert f"stopped 1 process of the run: {stray.pid}" in err
+
+    def down() -> subprocess.CompletedProcess:
+        # As a person would: from a process of its own (the status names this one, which it must spare).
+        return subprocess.run([sys.executable, "-m", "rlflow", "down", str(folder.path)], capture_output=True,
+                              text=True, timeout=120)
+
+    done = down()
+    assert done.returncode == 0, done.stderr
+    assert f"run {folder.path} is dead: its controller (pid {killed.pid}) is gone" in done.stderr
+    assert f"stopped 1 process of the run: {stray.pid}" in done.stderr
     assert stray.wait(timeout=30) is not None
     assert msgspec.json.decode(folder.status.read_bytes(), type=Status).state == "dead"
-    code, _, err = run("down", str(folder.path))
-    assert code == 0 and "is dead" in err and "no process of the run is left on this host" in err
+    done = down()
+    assert done.returncode == 0 and "is dead" in done.stderr
+    assert "no process of the run is left on this host" in done.stderr
