@@ -159,6 +159,7 @@ def running_at(step: int):
     return lambda s: s.get("state") == "running" and s.get("step", 0) >= step
 
 
+@pytest.mark.timeout(600)  # 104 s on a loaded 2-core machine
 def test_chaos_kills_a_hang_and_a_trainer_resume_lose_nothing(clean, tmp_path, monkeypatch):
     """The chaos bench, shorter: SIGKILL three random rollout, reward or
     teacher replicas, SIGSTOP one until it is presumed dead, SIGKILL the
