@@ -98,8 +98,15 @@ class Readings:
         self.marks = [(fraction, max(1, round(steps * fraction))) for fraction in MARKS]
         self.rows: list[dict] = []
         self.started = time.monotonic()
+        #: "role.queue" -> its deepest so far: a buffer's high-water mark is where its memory stays.
+        self.peaks: dict[str, int] = {}
 
     def __call__(self, status: Status) -> None:
+        if status.state == "running":
+            for role, info in status.roles.items():
+                for queue, depth in info.queues.items():
+                    key = f"{role}.{queue}"
+                    self.peaks[key] = max(self.peaks.get(key, 0), depth)
         if not self.marks or status.state != "running" or status.step < self.marks[0][1]:
             return
         fraction = 0.0
@@ -113,11 +120,12 @@ class Readings:
                 except psutil.NoSuchProcess:
                     pass
         row = {"fraction": fraction, "step": status.step, "samples": status.samples,
-               "elapsed_s": time.monotonic() - self.started, "rss": rss}
+               "elapsed_s": time.monotonic() - self.started, "rss": rss, "queue_peaks": dict(self.peaks)}
         self.rows.append(row)
         shown = "  ".join(f"{name} {value / 2**20:.0f}" for name, value in sorted(rss.items()))
+        deepest = " ".join(f"{k}={v}" for k, v in sorted(self.peaks.items()) if k.startswith("rollout."))
         print(f"[soak] {fraction:4.0%} step {status.step:6d}  {status.samples:9,d} samples  {row['elapsed_s']:6.0f} s  "
-              f"RSS MiB: {shown}", flush=True)
+              f"RSS MiB: {shown}  (deepest so far: {deepest})", flush=True)
 
     def at(self, fraction: float) -> dict | None:
         """The first reading at `fraction` of the run or later."""

@@ -180,8 +180,8 @@ class Status(Record):
 
     run_id: str
     state: str
-    """starting, evaluating, running, stopped, failed, interrupted (and, said by
-    `rlflow status` of a run whose controller is gone, dead)."""
+    """starting, evaluating, running, stopped, failed, interrupted; or dead: its controller is gone
+    without saying so (what `rlflow.runstate` finds and every command says; `rlflow down` writes it here)."""
     error: str | None = None
     pid: int = 0
     host: str = ""
