@@ -8,6 +8,7 @@ import json
 import math
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 
@@ -27,7 +28,7 @@ from rlflow.errors import RunFailed
 from rlflow.protocol import Heartbeat, Stage, StepDone
 from rlflow.rundir import RunDir
 from rlflow.startup import ServiceSpec
-from rlflow.tools import cli
+from rlflow.runstate import run_state
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIM = ROOT / "examples" / "sim.toml"
@@ -429,7 +430,8 @@ async def test_a_resumed_ledger_grants_the_untrained_groups_first(tmp_path):
         _, summary = await run_in_process(config, tmp_path / "run")
     assert summary.state == "stopped" and summary.steps == 4
     assert [r.step for r in RunDir(tmp_path / "run").read_metrics()] == [2, 3]
-    assert summary.groups.trained == 8 and summary.groups.reissued == 0
+    # The whole run's groups (the two steps before the checkpoint, then these two), and this session's.
+    assert summary.groups.trained == 16 and summary.session.groups_trained == 8 and summary.groups.reissued == 0
 
 
 class BrokenLauncher:
@@ -456,10 +458,10 @@ async def test_a_controller_that_fails_says_so_in_status_and_summary(tmp_path):
 
 def test_status_of_a_run_whose_controller_is_gone_says_dead(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    status = {"run_id": "r", "state": "running", "pid": gone.pid, "host": cli.socket.gethostname()}
+    gone.wait(timeout=30)
+    status = {"run_id": "r", "state": "running", "pid": gone.pid, "host": socket.gethostname()}
     (tmp_path / "status.json").write_text(json.dumps(status))
-    read = cli._read_status(RunDir(tmp_path))
+    read = run_state(RunDir(tmp_path)).status
     assert read.state == "dead"
     assert f"pid {gone.pid}" in read.error
     done = subprocess.run(
