@@ -80,6 +80,22 @@ def test_groups_without_signal_are_left_out(model_path):
     assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
 
 
+def test_the_loss_normaliser_counts_the_tokens_of_groups_without_signal(model_path):
+    """One group with signal, one without, each 4 samples of 6 tokens: over
+    the batch's tokens (or its samples) the gradient is half what it is over
+    the tokens trained on."""
+    batch = fixed_batch(TorchEngine(TorchTrainer(), str(model_path)))
+    half = msgspec.structs.replace(batch, rewards=Tensor.of([0.0, 1.0, 0.0, 1.0] + [1.0] * 4, "float32"))
+    out = {}
+    for norm in ("trained_tokens", "batch_tokens", "sequences"):
+        engine = TorchEngine(TorchTrainer(loss_norm=norm, grad_clip=1e6), str(model_path))
+        out[norm] = engine.train(half)
+        assert out[norm]["trained_tokens"] == 24 and out[norm]["mixed_sample_share"] == 0.5
+    assert out["trained_tokens"]["grad_norm"] > 1.0
+    for norm in ("batch_tokens", "sequences"):
+        assert out[norm]["grad_norm"] == pytest.approx(0.5 * out["trained_tokens"]["grad_norm"], rel=1e-4)
+
+
 def test_a_sample_without_a_reward_is_refused(model_path):
     engine = TorchEngine(TorchTrainer(), str(model_path))
     batch = fixed_batch(engine)

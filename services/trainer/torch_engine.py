@@ -57,6 +57,7 @@ from rlflow.algo.losses import (
     group_advantages,
     kl_to_reference,
     logprobs_at,
+    normaliser_weights,
     policy_loss,
     token_logprobs,
     topk_reverse_kl,
@@ -132,11 +133,14 @@ class TorchEngine:
         advantages = group_advantages(rewards, group, kind=cfg.advantage, normalize_std=cfg.normalize_std)
         # Distillation has a signal at every token: only pure RL leaves out groups without one.
         uniform = uniform_groups(rewards, group) if cfg.skip_uniform_groups and w == 0 else torch.zeros(len(rows), dtype=torch.bool)
-        keep = ~uniform
-        chosen = [i for i in range(len(rows)) if keep[i] and len(rows[i].response_ids) > 0]
-        stats["mixed_sample_share"] = float(keep.float().mean()) if len(rows) else 0.0
-        stats["trained_tokens"] = float(sum(len(rows[i].response_ids) for i in chosen))
-        trained = msgspec.structs.replace(take(batch, chosen), advantages=Tensor.from_numpy(advantages.numpy()[chosen]))
+        responses = torch.tensor([len(r.response_ids) for r in rows], dtype=torch.long)
+        trained_mask = ~uniform & (responses > 0)
+        chosen = trained_mask.nonzero().flatten().tolist()
+        stats["mixed_sample_share"] = float((~uniform).float().mean()) if len(rows) else 0.0
+        stats["trained_tokens"] = float(responses[trained_mask].sum())
+        # The loss normaliser as a factor on each advantage (the surrogate is linear in it).
+        scaled = advantages[trained_mask] * normaliser_weights(responses, trained_mask, cfg.loss_norm)
+        trained = msgspec.structs.replace(take(batch, chosen), advantages=Tensor.from_numpy(scaled.numpy()))
         lengths = [len(rows[i].prompt_ids) + len(rows[i].response_ids) for i in chosen]
         return stats, [take(trained, part) for part in deal(lengths, ranks)]
 
