@@ -315,6 +315,11 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """AdamW weight decay."""
     warmup_steps: NonNegInt = 0
     """Linear learning-rate warm-up."""
+    lr_decay: Literal["none", "linear", "cosine"] = "none"
+    """After the warm-up, hold the learning rate (none) or bring it down, linearly or along a cosine,
+    to lr_final x lr at the run's last step (run.steps)."""
+    lr_final: Fraction = 0.0
+    """With lr_decay: the learning rate at the last step, as a fraction of lr."""
     grad_clip: PosFloat = 1.0
     """Clip the gradient's global norm to this."""
     advantage: Literal["grpo", "rloo"] = "grpo"

@@ -75,8 +75,13 @@ class TorchEngine:
     """Holds the policy (this rank's shards of it) and its optimizer."""
 
     def __init__(self, cfg: TorchTrainer, model_path: str, *, temperature: float = 1.0, seed: int = 0,
-                 ranks: Solo | None = None):
+                 ranks: Solo | None = None, total_steps: int = 0):
+        """`total_steps`: the run's steps, which a decaying learning rate needs."""
         from transformers import AutoModelForCausalLM
+
+        if cfg.lr_decay != "none" and total_steps < 1:
+            raise ValueError(f"lr_decay = {cfg.lr_decay!r} needs the run's step count")
+        self.total_steps = total_steps
 
         torch.manual_seed(seed)
         threads = int(os.environ.get("RLFLOW_NUM_THREADS", "0") or 0)
@@ -259,9 +264,7 @@ class TorchEngine:
         return ids, mask, torch.cat(targets), (torch.cat(rows_idx), torch.cat(cols_idx))
 
     def _lr(self) -> float:
-        if self.cfg.warmup_steps and self.steps < self.cfg.warmup_steps:
-            return self.cfg.lr * (self.steps + 1) / self.cfg.warmup_steps
-        return self.cfg.lr
+        return learning_rate(self.cfg, self.steps, self.total_steps)
 
     def _set_lr(self) -> None:
         for group in self.optimizer.param_groups:
@@ -385,6 +388,20 @@ class TorchEngine:
         return json.loads((folder / RUN_STATE).read_text())
 
 
+def learning_rate(cfg: TorchTrainer, step: int, total_steps: int) -> float:
+    """The learning rate of step `step` (from 0) of `total_steps`: a linear
+    warm-up over `warmup_steps`, then `lr`, held or brought down (`lr_decay`)
+    to ``lr_final * lr`` at the last step."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_decay == "none":
+        return cfg.lr
+    span = max(total_steps - 1 - cfg.warmup_steps, 1)
+    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    shape = 1.0 - progress if cfg.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.lr_final + (1.0 - cfg.lr_final) * shape)
+
+
 def _by_name(state: dict[str, Any], specs: list[ParamSpec]) -> dict[str, Any]:
     """A torch optimizer state dict keyed by parameter index, keyed by
     parameter name instead (the indices count the model's parameters in order)."""
@@ -424,6 +441,7 @@ class TorchTrainerEngine:
             temperature=getattr(rollout, "temperature", 1.0),
             seed=config.run.seed,
             ranks=self.ranks,
+            total_steps=config.run.steps,
         )
         self.checkpoint_every = cfg.checkpoint_every
         self.host = ctx.host
