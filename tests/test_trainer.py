@@ -93,6 +93,7 @@ def test_the_loss_normaliser_counts_the_tokens_of_groups_without_signal(model_pa
         engine = TorchEngine(TorchTrainer(loss_norm=norm, grad_clip=1e6), str(model_path))
         out[norm] = engine.train(half)
         assert out[norm]["trained_tokens"] == 24 and out[norm]["mixed_sample_share"] == 0.5
+        assert out[norm]["uniform_high_share"] == 0.5 and out[norm]["uniform_low_share"] == 0.0
     assert out["trained_tokens"]["grad_norm"] > 1.0
     for norm in ("batch_tokens", "sequences"):
         assert out[norm]["grad_norm"] == pytest.approx(0.5 * out["trained_tokens"]["grad_norm"], rel=1e-4)

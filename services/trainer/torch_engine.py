@@ -142,6 +142,11 @@ class TorchEngine:
         trained_mask = ~uniform & (responses > 0)
         chosen = trained_mask.nonzero().flatten().tolist()
         stats["mixed_sample_share"] = float((~uniform).float().mean()) if len(rows) else 0.0
+        if uniform.any():
+            # Groups without signal split by cause (with 0/1 rewards: all right, all wrong): a filter
+            # of such groups saves what is too easy and what is too hard now in different measure.
+            stats["uniform_high_share"] = float((uniform & (rewards == rewards.max())).float().mean())
+            stats["uniform_low_share"] = float((uniform & (rewards < rewards.max())).float().mean())
         stats["trained_tokens"] = float(responses[trained_mask].sum())
         # The loss normaliser as a factor on each advantage (the surrogate is linear in it).
         scaled = advantages[trained_mask] * normaliser_weights(responses, trained_mask, cfg.loss_norm)
