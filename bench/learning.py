@@ -325,6 +325,9 @@ def table(summary: dict[str, dict], results: dict[str, dict[int, dict]]) -> str:
         ("behaviour weight mean", lambda s: fmt(s["behaviour_weight_mean"], ".3f")),
         ("trainer loading: publishes + checkpoints (s)", lambda s: fmt(s["checkpoint_s"], ".1f")),
     ]
+    sync = summary.get(SYNC_VARIANT)
+    if sync is not None:
+        rows.append(("minus sync: mean over steps / worst step (points)", lambda s: _versus(s["mean"], sync["mean"])))
     for name, cell in rows:
         lines.append(f"| {name} | " + " | ".join(cell(s) for s in summary.values()) + " |")
     lines += ["", "Per seed, held-out accuracy (%) at the last step:", ""]
@@ -332,6 +335,14 @@ def table(summary: dict[str, dict], results: dict[str, dict[int, dict]]) -> str:
         finals = ", ".join(f"seed {seed}: {100 * r['curve'][-1]['accuracy']:.1f}" for seed, r in sorted(by_seed.items()))
         lines.append(f"- {variant}: {finals}")
     return "\n".join(lines) + "\n"
+
+
+def _versus(curve: list[dict], sync: list[dict]) -> str:
+    """The gap in points to sync's mean curve, averaged over the evaluated
+    steps after the first, and at its worst."""
+    at = {p["step"]: p["accuracy"] for p in sync}
+    gaps = [100 * (p["accuracy"] - at[p["step"]]) for p in curve if p["step"] and p["step"] in at]
+    return f"{statistics.fmean(gaps):+.1f} / {min(gaps):+.1f}" if gaps else "-"
 
 
 def plot(results: dict[str, dict[int, dict]], summary: dict[str, dict], path: pathlib.Path, title: str) -> None:
