@@ -147,6 +147,7 @@ def test_resume_restores_the_adapter_and_its_optimizer(model_path, tmp_path):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kl_coef", [0.0, 0.5], ids=["rl", "kl-to-base"])
 def test_a_lora_step_on_two_ranks_is_the_step_on_one(model_path, tmp_path, kl_coef):
     """FSDP2 over a frozen base: the same adapter after a step, rank 0's
