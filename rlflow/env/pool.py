@@ -212,7 +212,6 @@ class EnvPool:
                 pending.settle(Outcome(reply.status, reply.value, reply.message))
 
     async def _stop(self) -> None:
-        self.closed = True
         with trio.move_on_after(_REAP_S) as cleanup:
             cleanup.shield = True
             for worker in self._every:
@@ -237,6 +236,7 @@ async def open_env_pool(
     check_tools(tools)
     sys_path, env = worker_env(import_dir)
     hello = Hello(environment, list(tools), sys_path, os.getpid())
+    pool: EnvPool | None = None
     try:
         async with trio.open_nursery() as nursery:
             pool = EnvPool(hello, env, workers=workers, concurrency=concurrency, start_timeout_s=start_timeout_s,
@@ -247,13 +247,16 @@ async def open_env_pool(
                         starting.start_soon(pool._add)
                 yield pool
             finally:
-                await pool._stop()
+                pool.closed = True
                 nursery.cancel_scope.cancel()
     except BaseExceptionGroup as group:
         errors = [error for error in leaves(group) if not isinstance(error, trio.Cancelled)]
         if len(errors) == 1:
             raise errors[0] from None
         raise
+    finally:
+        if pool is not None:  # every task has ended: every worker any of them started is listed
+            await pool._stop()
 
 
 def plain(value: Any) -> Any:

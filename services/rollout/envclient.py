@@ -123,13 +123,12 @@ class EnvClient:
 
 
 class InlineEnv:
-    """The env's answers worked out in this process (`roles.env.inline`), one
-    request at a time, with the engine held meanwhile (`hold`)."""
+    """The env's answers worked out in this process (`roles.env.inline`), with
+    the engine held while any of them runs (`hold`)."""
 
     def __init__(self, handler: Any, hold: Callable[[], Any]):
         self.handler = handler
         self.hold = hold
-        self._lock = trio.Lock()
         self._ids = itertools.count()
 
     def follow(self, addresses: list[str]) -> None:
@@ -137,5 +136,5 @@ class InlineEnv:
 
     async def request(self, make: Callable[[int], EnvReset | EnvStep]) -> EnvReply:
         msg = msgspec.msgpack.decode(msgspec.msgpack.encode(make(next(self._ids))), type=EnvMessage)
-        async with self._lock, self.hold():
+        async with self.hold():
             return await self.handler.answer(msg)

@@ -501,6 +501,7 @@ class SimEngine:
         #: An episode's turns in the batcher, by their own ids (beyond any group's): [done, response].
         self._turns: dict[int, list] = {}
         self._turn_ids = itertools.count(_TURNS_FROM)
+        self._held = 0
 
     eval_concurrency = 1
 
@@ -556,14 +557,19 @@ class SimEngine:
 
     @contextlib.asynccontextmanager
     async def hold(self):
-        """No decode step runs in the block (an environment run in line, `roles.env.inline`)."""
-        self.batcher.advance(trio.current_time())
-        self.batcher.pause()
+        """No decode step runs while any task is in this block (an environment run in line,
+        `roles.env.inline`: the engine waits while a call runs)."""
+        if not self._held:
+            self.batcher.advance(trio.current_time())
+            self.batcher.pause()
+        self._held += 1
         try:
             yield
         finally:
-            self.batcher.resume()
-            self._wake.set()
+            self._held -= 1
+            if not self._held:
+                self.batcher.resume()
+                self._wake.set()
 
     async def update_weights(self, version: int, transfer: WeightTransfer | None) -> int:
         """Fetch the weights over the wire, then apply them between two steps."""
@@ -651,6 +657,8 @@ class SimEngine:
             if self.cfg.apply_weights_s:
                 await trio.sleep(self.cfg.apply_weights_s)
         self.batcher.apply(version, time.time())
+        if self._held:  # an environment run in line holds the engine still
+            self.batcher.pause()
         self._applied.set()
 
     async def _fetch(self, version: int) -> WeightsPayload:
