@@ -50,6 +50,13 @@ class Failing:
         return Step("more", 0.0, False)
 
 
+class ScriptedFailing(Failing):
+    """`Failing`, with scripted turns for `rlflow check`."""
+
+    def reference_turns(self, row):
+        return ["a", "b"]
+
+
 class BadReturn:
     """Its step returns what a step may not."""
 

@@ -17,12 +17,13 @@ import trio
 
 from rlflow import config as C
 from rlflow.env import EnvironmentSpec, EnvHandler, ToolSpec, open_env_pool
+from rlflow.env.render import ByteTokenizer, EpisodeText
 from rlflow.protocol import EnvReset, EnvStep, FinishReason, PromptGroup, SampleBatch, ToolCall
 from rlflow.services.base import standalone_context
 from rlflow.services.rollout.envclient import InlineEnv
 from rlflow.services.rollout.episodes import EpisodeRunner, episode_metrics
-from rlflow.services.rollout.render import ByteTokenizer, EpisodeText
 from rlflow.services.rollout.sim import SimEngine
+from rlflow.tools.check import CheckError
 
 COUNT = EnvironmentSpec(path="envs:Count", kwargs={"turns": 3})
 TOOLS = [ToolSpec(path="envs:add"), ToolSpec(path="envs:stall", timeout_s=0.5), ToolSpec(path="envs:nap"),
@@ -58,6 +59,17 @@ async def test_the_pool_runs_each_call_and_says_how_it_ended():
                 await trio.sleep(0.05)
         pids = {(await pool.call("tool", {"name": "pid", "arguments": {}}, 5)).value for _ in range(6)}
         assert len(pids) <= 2 and (before not in pids or pool.restarts >= 2)
+
+
+async def test_the_guessing_environment_of_the_readme_plays():
+    import pathlib
+
+    examples = str(pathlib.Path(__file__).resolve().parent.parent / "examples")
+    async with open_env_pool(EnvironmentSpec(path="guess:Guess"), workers=1, import_dir=examples) as pool:
+        episode = {"row": {"secret": 42}, "turn": 1}
+        answers = [(await pool.call("step", {"episode": episode, "turn": said}, 5)).value for said in ("50", "x", " 42")]
+    assert [(a["text"], a["reward"], a["done"]) for a in answers] == [
+        ("Lower. ", 0.0, False), ("Say a number. ", 0.0, False), ("", 1.0, True)]
 
 
 async def test_async_calls_overlap_in_one_worker():
@@ -140,6 +152,32 @@ environment = { path = "envs:Count", kwargs = { turns = 3 } }
 """, overrides=list(overrides))
 
 
+def test_check_plays_the_environments_scripted_turns_as_the_model_will_see_them():
+    from rlflow.tools.check import check
+
+    lines: list[str] = []
+    figures = check(sim_config(), say=lines.append)
+    assert figures["episodes"] == 2 and figures["episode_reward_mean"] == pytest.approx(0.1 + 0.2 + 0.3)
+    shown = "\n".join(lines)
+    assert "[model turn 2] two\n[reward 0.2]\n<2:2>" in shown and "[reward 0.3, done]" in shown
+    with pytest.raises(CheckError, match="environment: the step of turn 2 of group 0 failed: .*the environment broke"):
+        check(sim_config('roles.env.environment={path="envs:ScriptedFailing"}'), say=lines.append)
+
+
+def test_env_configs_that_cannot_run_get_one_clear_line():
+    with pytest.raises(C.ConfigError, match=r"roles.env.tools.*two tools are named 'add'"):
+        sim_config('roles.env.tools=[{path="envs:add"}, {path="other:add"}]')
+    with pytest.raises(C.ConfigError, match=r"roles.env.inline.*simulated rollout"):
+        sim_config("roles.env.inline=true", 'roles.env.pool=""', 'roles.rollout.engine={kind="vllm"}')
+    with pytest.raises(C.ConfigError, match=r"roles.reward.inline.*scored by the reward role"):
+        sim_config("roles.reward.inline=true")
+    with pytest.raises(C.ConfigError, match=r"environment path 'nope' must look like 'package.module:Class'"):
+        sim_config('roles.env.environment.path="nope"')
+    assert [name for name, _ in sim_config().role_items()] == ["rollout", "env", "reward", "trainer"]
+    inline = sim_config("roles.env.inline=true", 'roles.env.pool=""')
+    assert [name for name, _ in inline.role_items()] == ["rollout", "reward", "trainer"]
+
+
 class Recording:
     """The engine, with every turn it generated and the sequence it was given."""
 
@@ -168,7 +206,7 @@ async def play(config: C.Config, *, n: int = 2, during=None, environment: Enviro
         recording = Recording(engine)
         handler = EnvHandler(pool, tools=list(tools), timeout_s=5, counters=ctx.counters)
         runner = EpisodeRunner(recording, InlineEnv(handler, engine.hold), _Rows(), env_cfg, turn_tokens=64,
-                               text=EpisodeText(None, "hermes"), counters=ctx.counters)
+                               text=EpisodeText(None), counters=ctx.counters)
         if during is not None:
             nursery.start_soon(during, engine)
         with trio.fail_after(60):
@@ -294,7 +332,7 @@ def test_observations_are_rendered_once_after_the_model_turn_with_the_template_g
     from rlflow.protocol import ChatMessage, EnvReply
 
     tokenizer = chat_tokenizer()
-    text = EpisodeText(tokenizer, "hermes")
+    text = EpisodeText(tokenizer)
     tools = [json.dumps({"type": "function", "function": {"name": "add"}})]
     prompt = text.first(EnvReply(request_id=0, messages=[ChatMessage(role="user", content="hi")], tools=tools))
     assert tokenizer.decode(prompt, skip_special_tokens=False).startswith("<|im_start|>system\nTools: {")
@@ -316,8 +354,10 @@ def test_observations_are_rendered_once_after_the_model_turn_with_the_template_g
 
 @pytest.mark.slow  # imports vLLM (tens of seconds here)
 def test_tool_calls_are_read_by_vllms_parser_and_a_broken_one_is_said_unparsed():
-    text = EpisodeText(chat_tokenizer(), "hermes")
-    tokenizer = text.tokenizer
+    from rlflow.services import compat
+
+    tokenizer = chat_tokenizer()
+    text = EpisodeText(tokenizer, lambda tools: compat.tool_parser("hermes", tokenizer, tools), "hermes")
     turn = 'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
     calls, unparsed = text.calls(tokenizer.encode(turn, add_special_tokens=False), [])
     assert unparsed == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2, "b": 3})]
@@ -432,7 +472,8 @@ async def test_a_run_with_an_env_role_trains_on_episodes(tmp_path):
     assert all(1 <= r.train["episode_turns_mean"] <= 4 for r in rows)
     status = RunDir(tmp_path).read_status()
     env, rollout = status.roles["env"].counters, status.roles["rollout"].counters
-    assert env.env_calls["reset.ok"] >= 24 and env.env_calls["step.ok"] >= rollout.episode_turns
+    # (each episode has a step at least; the two counts are as of each role's last heartbeat)
+    assert env.env_calls["reset.ok"] >= 24 and env.env_calls["step.ok"] >= rollout.episodes
     assert rollout.episode_turns >= rollout.episodes > 0  # (heartbeats: as of the last before the end)
 
 

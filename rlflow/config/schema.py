@@ -439,7 +439,16 @@ class EnvRole(Table):
     step of each episode (request and reply) and serves other episodes meanwhile.
     Each sample is then one episode: one token sequence of the model's turns (as
     generated) and the observations between them (as the chat template renders
-    them, not trained on)."""
+    them, not trained on).
+
+    Staleness and the ledger, for episodes: a group (its episodes) is what the
+    ledger grants, acknowledges and grants again. `run.max_staleness` bounds the
+    version its episodes start on; their later turns run on the newest weights
+    (a weight update applies between two decode steps, mid-episode too), and no
+    finished turn or tool call is run again. With `run.staleness_check =
+    "strict"`, an episode is one sample: a group whose oldest token passes the
+    bound before its next turn is played again from its start, tool calls
+    included. A group whose env replica is lost mid-episode is granted again."""
 
     environment: EnvironmentSpec
     """The environment: {path = "package.module:Class", kwargs = {...}} (see `rlflow.env`; e.g.

@@ -6,22 +6,23 @@ An environment is a class named by import path; its `reset` gives an
 episode's first observation of a dataset row, its `step` answers each model
 turn with an observation, a reward and whether the episode is over::
 
-    # guess.py: guess a number from 1 to 100 in at most 7 turns
+    # guess.py: guess a number from 1 to 100; the dataset row holds it
     from rlflow.env import Step
 
     class Guess:
         def reset(self, row):
-            return f"Guess my number from 1 to 100 (row {row['id']})."
+            return "Guess my number, from 1 to 100. "
 
         def step(self, episode, turn):
-            secret, said = episode.row["secret"], turn.strip()
+            said, secret = turn.strip(), episode.row["secret"]
             if not said.isdigit():
-                return Step("Say a number.", 0.0, False)
+                return Step("Say a number. ", 0.0, False)
             if int(said) == secret:
                 return Step(None, 1.0, True)
-            return Step("Higher." if int(said) < secret else "Lower.", 0.0, False)
+            return Step("Higher. " if int(said) < secret else "Lower. ", 0.0, False)
 
-A run names it in ``[roles.env] environment = {path = "guess:Guess"}``. The
+(examples/guess.py). A run names it in ``[roles.env] environment = {path =
+"guess:Guess"}``. The
 env role's replicas run it in worker processes on a pool of their own; the
 rollout asks them for every step over the env channel (SPEC.md) and serves
 other episodes meanwhile. Tools are functions named by import path,

@@ -34,7 +34,13 @@ class SecondTry:
         return Step(hint(a, b, turn), 0.0, False)
 
     def reference_turns(self, row: dict[str, Any]) -> list[str]:
-        return [Arith.solution(row["a"], row["b"])]
+        """A play that shows both turns: a first answer whose first column is wrong, then the rest of
+        the solution after the hint (it earns `second_reward`)."""
+        a, b = row["a"], row["b"]
+        columns = Arith.solution(a, b).split(",")
+        x, _, total = columns[0].partition("=")
+        wrong = ",".join([f"{x}={(int(total) + 1) % 19}", *columns[1:-1], f"#{a + b + 1}"])
+        return [wrong, ",".join(columns[len(hint(a, b, wrong).split(",")) - 1:])]
 
 
 def hint(a: int, b: int, answer: str) -> str:

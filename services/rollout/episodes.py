@@ -11,7 +11,7 @@ each turn is a request of its own, and a turn is generated once.
 One episode is one sample: one token sequence from the start, kept as token
 ids and never re-tokenized. The model's tokens are exactly as generated,
 with their log-probabilities and the policy version of each; an
-observation's tokens are rendered once (`render.EpisodeText`) and carry
+observation's tokens are rendered once (`rlflow.env.render.EpisodeText`) and carry
 log-probability 0, the version of the token before them, and loss mask 0,
 so the trainer never trains on them. An episode ends when the environment
 says so, or is cut off: at `max_turns` (finish reason TURNS), or when its
@@ -49,7 +49,7 @@ from rlflow.env.pool import plain
 from rlflow.protocol import EnvReply, EnvReset, EnvStep, FinishReason, PromptGroup, Response, Stage
 from rlflow.protocol.batch import N_STAGES
 from rlflow.services.rollout.envclient import EnvLost
-from rlflow.services.rollout.render import EpisodeText, RenderError
+from rlflow.env.render import EpisodeText, RenderError
 
 
 class _Doomed(Exception):

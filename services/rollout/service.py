@@ -156,8 +156,8 @@ class RolloutService(Service):
         env = self.config.roles.env
         if env is None:
             return None
+        from rlflow.env.render import EpisodeText
         from rlflow.services.rollout.envclient import EnvClient, InlineEnv
-        from rlflow.services.rollout.render import EpisodeText
 
         if env.inline:
             from rlflow.env import EnvHandler, open_env_pool
@@ -172,8 +172,14 @@ class RolloutService(Service):
                                watch=self.sockets.append, counters=self.counters)
             await nursery.start(client.run, welcome.peers.get("env", []))
         run = self.config.run
-        runner = EpisodeRunner(engine, client, task, env, text=EpisodeText(getattr(task, "tokenizer", None),
-                                                                             env.tool_parser),
+        tokenizer = getattr(task, "tokenizer", None)
+
+        def make_parser(tools):  # vLLM's, only once a turn is to be read for tool calls
+            from rlflow.services import compat
+
+            return compat.tool_parser(env.tool_parser, tokenizer, tools)
+
+        runner = EpisodeRunner(engine, client, task, env, text=EpisodeText(tokenizer, make_parser, env.tool_parser),
                                turn_tokens=getattr(self.config.roles.rollout.engine, "max_tokens", env.max_tokens),
                                counters=self.counters, strict=run.staleness_check == "strict",
                                staleness=run.staleness)

@@ -11,8 +11,9 @@ as the model will see them, and each model turn read back as text and tool calls
   the end of an assistant turn and the next message (its glue, where the
   model's own end-of-turn token is not part of it). So a model turn's tokens
   stay exactly as generated, and no text is ever tokenized again.
-* Tool calls are read out of a model turn by vLLM's tool-call parser named in
-  the config (`services.compat.tool_parser`), never by a pattern of rlflow's.
+* Tool calls are read out of a model turn by the parser the rollout gives
+  (vLLM's tool-call parser named in the config, `services.compat.tool_parser`),
+  never by a pattern of rlflow's.
 
 A run without a tokenizer (the simulated task) reads and writes text as
 UTF-8 bytes, one token each.
@@ -21,6 +22,7 @@ UTF-8 bytes, one token each.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from rlflow.protocol import ChatMessage, EnvReply, ToolCall
@@ -48,12 +50,18 @@ class ByteTokenizer:
         return bytes(i % 256 for i in ids).decode(errors="replace")
 
 
-class EpisodeText:
-    """Rendering and reading for one run (its tokenizer, its tool-call parser)."""
+#: Makes a tool-call parser from the tools' schemas: a function of a model turn's text ->
+#: ((name, arguments as JSON text, id) of each call; whether the turn holds the parser's start marker).
+ParserMaker = Callable[[list[dict[str, Any]]], Callable[[str], tuple[list[tuple[str, str, str]], bool]]]
 
-    def __init__(self, tokenizer: Any, tool_parser: str):
+
+class EpisodeText:
+    """Rendering and reading for one run: its tokenizer (None: UTF-8 bytes), and what
+    makes its tool-call parser (`parser_name` names it in messages)."""
+
+    def __init__(self, tokenizer: Any, make_parser: ParserMaker | None = None, parser_name: str = ""):
         self.tokenizer = tokenizer or ByteTokenizer()
-        self.tool_parser = tool_parser
+        self.make_parser, self.parser_name = make_parser, parser_name
         self._parse = None
         self._glue: str | None = None
 
@@ -94,13 +102,13 @@ class EpisodeText:
         """The tool calls of a model turn, and why they could not be parsed (empty: they could,
         or there are none)."""
         if self._parse is None:
-            from rlflow.services import compat
-
-            self._parse = compat.tool_parser(self.tool_parser, self.tokenizer, [json.loads(t) for t in tools])
+            if self.make_parser is None:
+                raise RenderError("the model's turns cannot be read for tool calls here: no tool-call parser")
+            self._parse = self.make_parser([json.loads(t) for t in tools])
         text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
         found, marked = self._parse(text)
         if not found and marked:
-            return [], f"the {self.tool_parser} parser found no well-formed tool call in the turn"
+            return [], f"the {self.parser_name} parser found no well-formed tool call in the turn"
         return [ToolCall(name=name, arguments=arguments, id=call_id) for name, arguments, call_id in found], ""
 
     def _render(self, messages: list[dict[str, str]], tools: list[str], *, generation: bool) -> str:
