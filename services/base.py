@@ -46,6 +46,7 @@ from rlflow.protocol import (
     Shutdown,
     Welcome,
 )
+from rlflow import timeline
 from rlflow.rundir import RunDir
 from rlflow.startup import ServiceSpec
 
@@ -317,6 +318,9 @@ class Service:
         self.run_dir = RunDir(spec.run_dir) if spec.run_dir else None
         #: Sockets whose rejected messages the heartbeats report.
         self.sockets: list[transport.Socket] = []
+        #: This life of the replica in its timeline, once its first events are saved.
+        self._life: dict[str, Any] | None = None
+        self._started = time.time()
 
     def say(self, text: str, *args: Any) -> None:
         """Log a line that starts with the role, as every rlflow log line does."""
@@ -386,33 +390,30 @@ class Service:
         """Move the state changes recorded so far out of memory (at every
         heartbeat): appended to the run directory's events file, or dropped
         when there is none, so that a long run's timeline does not grow the
-        process."""
+        process. The first save starts this life of the replica there, and
+        each says it was alive then (`rlflow.timeline`)."""
         events = self.clock.drain()
-        if self.run_dir is None or not events:
+        if self.run_dir is None:
             return
-        path = self.run_dir.service_events(self.spec.name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.writelines(json.dumps(event) + "\n" for event in events)
+        lines = [] if self._life is not None else [self._start_life()]
+        lines += [json.dumps(event) for event in events]
+        lines.append(json.dumps({"seen": time.time()}))
+        timeline.append(self.run_dir, self.spec.name, lines)
+
+    def _start_life(self) -> str:
+        self._life = {"run_id": self.spec.run_id, "incarnation": self.spec.incarnation, "pid": os.getpid(),
+                      "start": self._started}
+        return timeline.life_line(**self._life)
 
     def write_trace(self) -> None:
         """The state timeline into the run directory (read by `rlflow report`):
-        the events file, streamed into the trace, which then replaces it."""
+        this life's, after those of the replica's lives before it."""
         if self.run_dir is None:
             return
         self.clock.set("idle")
         self.save_timeline()
-        events = self.run_dir.service_events(self.spec.name)
-        self.run_dir.traces.mkdir(parents=True, exist_ok=True)
-        head = json.dumps({"role": self.spec.role, "rank": self.spec.rank, "counters": dict(self.counters)})
-        with open(self.run_dir.service_trace(self.spec.name), "w") as out:
-            out.write(head[:-1] + ', "events": [')
-            if events.exists():
-                with open(events) as lines:
-                    for i, line in enumerate(lines):
-                        out.write(("," if i else "") + line.rstrip("\n"))
-            out.write("]}")
-        events.unlink(missing_ok=True)
+        timeline.fold(self.run_dir, self.spec.name, self._life, {k: float(v) for k, v in self.counters.items()},
+                      time.time())
 
     async def run(self) -> None:
         async with open_control(self.spec) as control:

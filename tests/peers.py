@@ -39,7 +39,8 @@ def late_consumer(address: str, go: mp.Event, result: mp.Queue) -> None:
 
     async def main() -> None:
         async with transport.open_pull(connect=address, hwm=4, codec=Codec(WeightsMessage)) as pull:
-            await trio.to_thread.run_sync(go.wait)
+            if not await trio.to_thread.run_sync(go.wait, 120, abandon_on_cancel=True):
+                raise TimeoutError("the test never said go (120 s)")
             got = []
             while True:
                 with trio.move_on_after(2.0) as idle:
@@ -60,12 +61,12 @@ def spawned(target, *args) -> Iterator[mp.Process]:
         yield proc
     except BaseException:
         proc.kill()
-        proc.join()
+        proc.join(timeout=30)
         raise
     proc.join(timeout=30)
     if proc.is_alive():
         proc.kill()
-        proc.join()
+        proc.join(timeout=30)
         raise AssertionError(f"{target.__name__} did not exit within 30 s")
 
 

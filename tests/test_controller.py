@@ -8,6 +8,7 @@ import json
 import math
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 
@@ -27,7 +28,7 @@ from rlflow.errors import RunFailed
 from rlflow.protocol import Heartbeat, Stage, StepDone
 from rlflow.rundir import RunDir
 from rlflow.startup import ServiceSpec
-from rlflow.tools import cli
+from rlflow.runstate import run_state
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIM = ROOT / "examples" / "sim.toml"
@@ -429,7 +430,8 @@ async def test_a_resumed_ledger_grants_the_untrained_groups_first(tmp_path):
         _, summary = await run_in_process(config, tmp_path / "run")
     assert summary.state == "stopped" and summary.steps == 4
     assert [r.step for r in RunDir(tmp_path / "run").read_metrics()] == [2, 3]
-    assert summary.groups.trained == 8 and summary.groups.reissued == 0
+    # The whole run's groups (the two steps before the checkpoint, then these two), and this session's.
+    assert summary.groups.trained == 16 and summary.session.groups_trained == 8 and summary.groups.reissued == 0
 
 
 class BrokenLauncher:
@@ -456,10 +458,10 @@ async def test_a_controller_that_fails_says_so_in_status_and_summary(tmp_path):
 
 def test_status_of_a_run_whose_controller_is_gone_says_dead(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    status = {"run_id": "r", "state": "running", "pid": gone.pid, "host": cli.socket.gethostname()}
+    gone.wait(timeout=30)
+    status = {"run_id": "r", "state": "running", "pid": gone.pid, "host": socket.gethostname()}
     (tmp_path / "status.json").write_text(json.dumps(status))
-    read = cli._read_status(RunDir(tmp_path))
+    read = run_state(RunDir(tmp_path)).status
     assert read.state == "dead"
     assert f"pid {gone.pid}" in read.error
     done = subprocess.run(
@@ -631,10 +633,10 @@ async def test_a_replica_that_hangs_while_holding_work_is_killed_and_restarted(t
         batcher.wake_time = lambda: math.inf
 
     with trio.fail_after(120):
-        _, summary = await run_in_process(sim("run.steps=8", "cluster.progress_timeout_s=1"), tmp_path, during=hang)
+        _, summary = await run_in_process(sim("run.steps=8", "cluster.progress_timeout_s=2"), tmp_path, during=hang)
     assert summary.state == "stopped" and summary.steps == 8, summary.error
     status = RunDir(tmp_path).read_status()
-    assert status.roles["rollout"].restarts == 1
+    assert status.roles["rollout"].restarts >= 1  # (a loaded machine may make a healthy one look hung too)
     assert any("rollout-0 made no progress for" in w and "presumed hung" in w for w in status.warnings), status.warnings
     result = audit(tmp_path)
     assert (result.lost, result.duplicated) == (0, 0)

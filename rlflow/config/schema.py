@@ -109,6 +109,10 @@ class ClusterConfig(Table):
     up to 25% jitter either way), up to `restart_backoff_max_s`."""
     restart_backoff_max_s: NonNegFloat = 60.0
     """The longest wait before a restart."""
+    weight_timeout_s: PosFloat = 120.0
+    """How long a new generation of a collective weight group waits for its members to join, and a
+    broadcast for its peers: a member that died leaves the group broken after this long (and it is made
+    anew), not stuck. The first group, made while the services start, waits `handshake_timeout_s`."""
     max_weight_rebuilds: NonNegInt = 5
     """A collective weight group that breaks (a member died mid-broadcast) is made anew and the newest
     version moved again; after this many breaks in a row with no round completed, the run fails."""
@@ -320,6 +324,11 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """AdamW weight decay."""
     warmup_steps: NonNegInt = 0
     """Linear learning-rate warm-up."""
+    lr_decay: Literal["none", "linear", "cosine"] = "none"
+    """After the warm-up, hold the learning rate (none) or bring it down, linearly or along a cosine,
+    to lr_final x lr at the run's last step (run.steps)."""
+    lr_final: Fraction = 0.0
+    """With lr_decay: the learning rate at the last step, as a fraction of lr."""
     grad_clip: PosFloat = 1.0
     """Clip the gradient's global norm to this."""
     advantage: Literal["grpo", "rloo"] = "grpo"
@@ -328,6 +337,11 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """GRPO: divide by the group's reward standard deviation."""
     skip_uniform_groups: bool = True
     """Leave out groups whose rewards are all equal (no signal, only noise)."""
+    loss_norm: Literal["trained_tokens", "batch_tokens", "sequences"] = "trained_tokens"
+    """What the policy loss's sum over tokens is divided by. trained_tokens: the tokens trained on
+    (groups without signal left out); batch_tokens: every response token of the batch, groups without
+    signal included (DAPO's token mean: a batch with less signal moves the policy less); sequences:
+    each sample's token mean, averaged over the batch's samples (GRPO's)."""
     clip_low: Fraction = 0.2
     """PPO clip range below 1."""
     clip_high: NonNegFloat = 0.28

@@ -32,6 +32,7 @@ import trio
 from rlflow.config import Config, kind_of
 from rlflow.control import status as build
 from rlflow.control.ledger import GroupLedger, LedgerState
+from rlflow.control.record import resume as resume_record
 from rlflow.control.metrics import Sink, open_sinks
 from rlflow.control.outbox import Door, Outboxes, farewell
 from rlflow.control.replicas import GiveUp, Policy, Refusal, Replica, Roster, State, Supervisor, probes_disagree
@@ -125,6 +126,8 @@ class Controller:
         self.topology = Topology([name for name, _ in config.role_items()])
         self.supervisor = Supervisor(Policy.of(cluster), trio.current_time)
         self.stats = RunStats([name for name, _ in config.role_items()])
+        if run.resume:  # the record goes on from the checkpoint: one run, one record
+            self.stats.carry(resume_record(self.run_dir, self.ledger.steps_done, self.ledger.trained_count))
         self.state, self.error, self.stop_reason = "starting", None, ""
         self.door = Door()  # peers turned away, and messages not acted on
         self.warnings: list[str] = []
@@ -143,7 +146,7 @@ class Controller:
         """Start the services, run every step, shut them down; the summary."""
         bind = transport.tcp_address(bind_host(self.config.cluster.host))
         self.run_dir.path.mkdir(parents=True, exist_ok=True)
-        self._sinks = open_sinks(self.run_dir, self.config)
+        self._sinks = open_sinks(self.run_dir, self.config, first_step=self.ledger.steps_done)
         try:
             async with transport.open_router(bind=bind, curve=self.curve, name="controller") as router:
                 self.router = self.outboxes.router = router
@@ -209,7 +212,7 @@ class Controller:
 
     async def _train(self) -> None:
         """Evaluate, grant until the last step is trained, evaluate again, shut down."""
-        if self.config.eval.before:
+        if self.config.eval.before and not self.stats.evaluated_at(self.ledger.steps_done):  # kept on resume
             self.state = "evaluating"
             await self._evaluated()
         self.state = "running"
@@ -291,7 +294,7 @@ class Controller:
                     self.error = f"{replica.name} failed: {kind}: {message}"
                     raise RunFailed(self.error)
                 if fatal:  # it is exiting: its death, when the launcher sees it, restarts it
-                    replica.last_error = f"{kind}: {message}"[:500]
+                    replica.fatal = f"{kind}: {message}"[:500]
                 log.warning("[controller] %s failed: %s: %s", replica.name, kind, message)
                 if kind == WEIGHT_GROUP_BROKEN:
                     self.outboxes.order(self.weights.broken(receivers), self.roster)
@@ -445,6 +448,7 @@ class Controller:
         go on without it, and restart it after its back-off (or give up)."""
         if replica.state in (State.LOST, State.GIVEN_UP, State.GONE):
             return
+        why += f" (it said: {replica.fatal})" if replica.fatal else ""
         text = f"{replica.name} {why}"
         if replica.role == "trainer":
             self.error = f"{text}; the run stops (continue it with rlflow up --resume {self.run_dir.path})"

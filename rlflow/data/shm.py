@@ -49,7 +49,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 

@@ -101,9 +101,8 @@ class TrainerService(Service):
                         endpoints["weights"] = weights.address
                     hello = {"weights": weights, "layout": layout}
                 welcome = await control.hello(endpoints=endpoints, **hello)
-                self.step = self.version = welcome.version  # above 0 when resuming
-                if self.lead:
-                    self._forget_lengths_from(self.step)
+                # Above 0 when resuming (the controller has cut the record of later steps: control.record).
+                self.step = self.version = welcome.version
                 await engine.connect(welcome.weights)
                 self.say("up, engine %s, rank %d of %d", type(engine).__name__, self.spec.rank, self.spec.replicas)
                 sends, to_send = trio.open_memory_channel(2)
@@ -232,15 +231,6 @@ class TrainerService(Service):
                 if self.lead:
                     await control.send(ErrorReport(fatal=False, kind=WEIGHT_GROUP_BROKEN,
                                                    message=f"sending v{version}: {type(exc).__name__}: {exc}"[:500]))
-
-    def _forget_lengths_from(self, step: int) -> None:
-        """On resume: the records of steps from the checkpoint on went with the
-        weights that took them."""
-        if self.run_dir is None or not self.run_dir.lengths(self.spec.rank).exists():
-            return
-        path = self.run_dir.lengths(self.spec.rank)
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
-        path.write_text("".join(line + "\n" for line in kept))
 
     def _record_lengths(self, batch: SampleBatch, oldest: list[int]) -> None:
         """Per step: the response lengths (for `rlflow plan` to replay) and,
