@@ -1,5 +1,5 @@
 """rlflow's long-lived services, grouped by process: ``rollout/``, ``reward/``,
-``teacher/`` and ``trainer/``, each with its service and its engines, and
+``teacher/``, ``trainer/`` and ``env/``, each with its service and its engines, and
 ``base`` that they share.
 
 Each service is a trio program that runs one loop under a nursery and speaks
@@ -20,6 +20,7 @@ SERVICES = {
     "reward": "rlflow.services.reward.service:RewardService",
     "teacher": "rlflow.services.teacher.service:TeacherService",
     "trainer": "rlflow.services.trainer.service:TrainerService",
+    "env": "rlflow.services.env.service:EnvService",
 }
 
 

@@ -25,11 +25,15 @@ from rlflow.protocol import (
     Adapter,
     AdapterUpdate,
     Bye,
+    ChatMessage,
     Codec,
     Counters,
     Credits,
     EngineLoad,
     Dropped,
+    EnvReply,
+    EnvReset,
+    EnvStep,
     ErrorReport,
     EvalDone,
     Evaluate,
@@ -48,6 +52,8 @@ from rlflow.protocol import (
     Stage,
     StepDone,
     Tensor,
+    ToolCall,
+    ToolResult,
     UpdateWeights,
     WeightsLoaded,
     WeightsGloo,
@@ -90,6 +96,22 @@ def _batch():
         reward_details={"correct": Tensor.of([1.0, 0.0], "float32")},
         teacher_logprobs=Tensor.of([-0.4, -0.3, -0.9, -1.5], "float32"),
     )
+
+
+def _episodes():
+    """A batch of two episodes: the model's turns and an observation between them (masked out)."""
+    group = PromptGroup(group_id=43, prompt_ids=[1, 2], n=2, reference="9", task="add")
+    stamps = np.full(len(Stage), np.nan)
+    responses = [
+        Response(token_ids=np.array([5, 6, 7, 8, 9], np.int32),
+                 logprobs=np.array([-0.5, -0.25, 0.0, 0.0, -1.0], np.float32),
+                 versions=np.array([3, 3, 3, 3, 4], np.int32), finish_reason=FinishReason.STOP, stamps=stamps,
+                 loss_mask=np.array([1, 1, 0, 0, 1], np.uint8), env_rewards=np.array([0.0, 0.5], np.float32)),
+        Response(token_ids=np.array([4], np.int32), logprobs=np.array([-2.0], np.float32),
+                 versions=np.array([4], np.int32), finish_reason=FinishReason.TURNS, stamps=stamps,
+                 loss_mask=np.array([1], np.uint8), env_rewards=np.array([0.0], np.float32)),
+    ]
+    return build_batch([(group, responses)])
 
 
 def examples() -> dict[str, object]:
@@ -171,6 +193,18 @@ def examples() -> dict[str, object]:
                                  bucket_bytes=1024, ranks_per_receiver=2),
         ),
         "WeightsRequest": WeightsRequest(version=5),
+        "SampleBatch.episodes": _episodes(),
+        "Heartbeat.env": Heartbeat(seq=3, version=0, counters=Counters(env_requests=12, env_calls={
+            "step.ok": 8, "tool.python.ok": 3, "tool.python.timeout": 1, "tool.unparsed": 1})),
+        "Hello.env": Hello(role=Role.ENV, rank=0, replicas=2, schema_version=SCHEMA_VERSION,
+                           endpoints={"env": "tcp://127.0.0.1:5010"}),
+        "EnvReset": EnvReset(request_id=7, group_id=41, row={"a": 57, "b": 68}, reference="125"),
+        "EnvStep": EnvStep(request_id=8, group_id=41, index=1, turn=2, text='<tool_call>{"name": "python"}',
+                           calls=[ToolCall(name="python", arguments='{"code": "print(1)"}', id="c1")],
+                           state={"tries": 1}, row={"a": 57, "b": 68}, reference="125", turns=["7+8=15"]),
+        "EnvReply": EnvReply(request_id=8, messages=[ChatMessage(role="tool", content="1\n", name="python",
+                                                                 tool_call_id="c1")],
+                             reward=0.5, state={"tries": 2}, results=[ToolResult(name="python", status="ok")]),
         "WeightsPayload": WeightsPayload(
             version=5,
             names=["a.weight", "b.bias"],

@@ -34,6 +34,7 @@ from rlflow.protocol import (
     Ack,
     ErrorReport,
     Expired,
+    FinishReason,
     SampleBatch,
     SendWeights,
     Shutdown,
@@ -70,6 +71,8 @@ class TrainerService(Service):
         self.engine: TrainerEngine | None = None
         self._nbytes = 0
         self._checksum = ""
+        #: The newest generation of the weight group the controller asked for (0: the first).
+        self._asked = 0
 
     def queues(self) -> dict[str, int]:
         return {"groups": len(self.buffer)}
@@ -117,13 +120,12 @@ class TrainerService(Service):
                 async for msg in control:
                     match msg:
                         case SendWeights(version=version, transfer=transfer):
+                            if transfer is not None:
+                                self._asked = max(self._asked, transfer.generation)
                             if not self.lead:  # the other ranks only gather: rank 0 hosts the group
                                 transfer = None
-                            if transfer is not None:  # host a new generation of the group: say where first
-                                transfer = engine.new_group(transfer)
-                                await control.send(WeightsGroup(transfer=transfer))
                             # One at a time, in the order asked: every rank gathers in that order.
-                            await sends.send((version, transfer))
+                            await sends.send((version, transfer, self._asked))
                         case Shutdown(reason=reason):
                             self.say("shutting down (%s)", reason)
                             break
@@ -181,6 +183,7 @@ class TrainerService(Service):
                     staleness_mean=float(staleness[0]),
                     staleness_max=float(staleness[1]),
                 )
+                metrics.update(episode_stats(batch))
                 self.counters["samples"] += batch.n_samples
                 self.counters["tokens"] += batch.n_tokens
                 await control.send(StepDone(step=self.step - 1, version=self.version, acked=ids, metrics=metrics))
@@ -219,15 +222,27 @@ class TrainerService(Service):
 
     async def send_weights(self, to_send: trio.MemoryReceiveChannel, control: Control) -> None:
         """Send each version asked for, in order; a send that fails (a receiver
-        died mid-way) is reported: the controller makes a new generation of the group."""
-        async for version, transfer in to_send:
+        died mid-way) is reported: the controller makes a new generation of the group.
+
+        Rank 0 hosts a new generation when its turn comes, and only then says
+        where (the receivers told of it find it listening). An order of a
+        generation the controller has since replaced is gathered (every rank
+        gathers every order, in order) but not broadcast: its receivers are
+        told to join the newer one, so hosting it would wait for nobody; and a
+        send that fails after a newer generation was asked for is not
+        reported: the rebuild it would ask for is under way."""
+        async for version, transfer, generation in to_send:
+            superseded = generation < self._asked
             try:
-                await self.engine.send(version, transfer)
+                if transfer is not None and not superseded:
+                    transfer = self.engine.new_group(transfer)
+                    await control.send(WeightsGroup(transfer=transfer))
+                await self.engine.send(version, None if superseded else transfer, broadcast=not superseded)
             except Exception as exc:
                 self.counters["failed_sends"] += 1
-                self.log.warning("[%s] sending weights v%d failed: %s: %s", self.spec.name, version,
-                                 type(exc).__name__, exc)
-                if self.lead:
+                self.log.warning("[%s] sending weights v%d (generation %d) failed: %s: %s", self.spec.name, version,
+                                 generation, type(exc).__name__, exc)
+                if self.lead and generation == self._asked:
                     await control.send(ErrorReport(fatal=False, kind=WEIGHT_GROUP_BROKEN,
                                                    message=f"sending v{version}: {type(exc).__name__}: {exc}"[:500]))
 
@@ -331,6 +346,24 @@ class TrainerService(Service):
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed", errors=errors))
         if received:
             await control.send(Ack(stage=Stage.TRAINER_RECEIVED, group_ids=received))
+
+
+def episode_stats(batch: SampleBatch) -> dict[str, float]:
+    """A step's episodes (a run with an environment; else nothing): their turns, the share cut
+    off (at the turn or token limit), and the environment's mean reward at each turn."""
+    if batch.env_rewards is None:
+        return {}
+    per_turn = batch.env_rewards.numpy()
+    played = (~np.isnan(per_turn)).sum(axis=1)
+    finish = batch.finish_reason.numpy()
+    out = {"episode_turns_mean": float(played.mean()) if len(played) else 0.0,
+           "episode_cut_share": float(np.isin(finish, (FinishReason.LENGTH, FinishReason.TURNS)).mean())
+           if len(finish) else 0.0}
+    for k in range(per_turn.shape[1]):
+        column = per_turn[:, k]
+        if (~np.isnan(column)).any():
+            out[f"env_reward_turn{k + 1}"] = float(np.nanmean(column))
+    return out
 
 
 class GroupIds:
