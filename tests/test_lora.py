@@ -221,6 +221,24 @@ async def test_the_served_policy_changes_at_the_first_update(base, served):
         assert np.abs(lps - trainer.logprobs(prompt, ids, adapter=False)).max() > 0.1, "still the base"
 
 
+async def test_an_episodes_turn_is_generated_under_the_adapter(base, served):
+    """A multi-turn episode asks the engine for each turn: a turn, like a
+    group, runs under the adapter served, not the bare base."""
+    config = lora_config(base)
+    trainer = Trainer(config, served[1])
+    engine = rollout(config, served, trainer)
+    prompt = prompt_ids(base)
+    with trio.fail_after(180):
+        await start(engine, trainer)
+        trainer.step()
+        await update(engine, trainer, 1)
+        turn = await engine.generate(prompt, max_tokens=16, temperature=1.0)
+    ids = [int(t) for t in turn.token_ids]
+    assert ids and list(turn.versions) == [1] * len(ids)
+    assert np.abs(turn.logprobs - trainer.logprobs(prompt, ids)).max() < 2e-3
+    assert np.abs(turn.logprobs - trainer.logprobs(prompt, ids, adapter=False)).max() > 0.1, "the bare base"
+
+
 async def test_in_place_the_adapter_changes_mid_generation_and_later_tokens_carry_the_new_version(base, served):
     config = lora_config(base, "in_place", kv="recompute")
     trainer = Trainer(config, served[1])

@@ -698,7 +698,8 @@ class VllmEngine:
         self._retime()
         started = time.time()
         try:
-            output = await self.backend.generate(prompt_ids, 1, temperature, max_tokens=max_tokens)
+            output = await self.backend.generate(prompt_ids, 1, temperature, max_tokens=max_tokens,
+                                                 lora_id=self._lora_id(item.submitted_version))
         except Exception as exc:
             if compat.engine_dead(exc):
                 raise EngineDead(f"vLLM's engine died while generating an episode's turn: {exc}") from exc
