@@ -524,6 +524,7 @@ def test_a_dropped_group_is_gone_for_good_and_makes_room_for_a_new_one():
     assert GroupLedger.restore(state, 2, 0, 10).dropped == {"reward function 'math': timeout": 1}
 
 
+@pytest.mark.slow  # a run with a death and a restart
 async def test_a_replica_that_dies_is_restarted_its_groups_reissued_and_nothing_is_lost(tmp_path):
     """Kill the rollout, reward and teacher replicas mid-run (their tasks end
     at once, as with SIGKILL): each is restarted as a new incarnation, the
@@ -620,6 +621,7 @@ async def test_ten_kill_and_resume_cycles_lose_nothing_and_train_what_an_uninter
     assert ks_distance(cut, whole) < 0.13
 
 
+@pytest.mark.slow  # waits out a heartbeat timeout
 async def test_a_replica_that_hangs_while_holding_work_is_killed_and_restarted(tmp_path):
     """Its heartbeats go on, its tokens do not: after
     `cluster.progress_timeout_s` it counts as dead."""
@@ -663,6 +665,7 @@ async def test_a_replica_that_keeps_dying_is_given_up_on_and_the_others_go_on(tm
                             r"(died: killed|closed its connection)", w) for w in status.warnings), status.warnings
 
 
+@pytest.mark.slow  # a run with three restarts
 async def test_a_role_whose_last_replica_is_given_up_on_stops_the_run_naming_it(tmp_path):
     """The reward replica dies; its replacement never comes up (within
     `cluster.handshake_timeout_s` of its restart); with no restarts left the

@@ -33,6 +33,7 @@ TOOLS = [ToolSpec(path="envs:add"), ToolSpec(path="envs:stall", timeout_s=0.5), 
 # -- the pool and the handler ----------------------------------------------------------------------
 
 
+@pytest.mark.slow  # worker processes killed and started again
 async def test_the_pool_runs_each_call_and_says_how_it_ended():
     async with open_env_pool(COUNT, TOOLS, workers=2, concurrency=4) as pool:
         assert [json.loads(t)["function"]["name"] for t in pool.tools] == ["add", "stall", "nap", "die", "pid"]
@@ -90,6 +91,7 @@ async def test_a_worker_that_cannot_load_the_environment_stops_the_pool_naming_i
             pass
 
 
+@pytest.mark.slow  # a run of episodes
 async def test_tool_calls_that_fail_become_observations_counted_by_kind():
     counters: Counter[str] = Counter()
     # Two workers of one call each: the call that stalls its worker takes no other down with it.
@@ -407,6 +409,7 @@ async def test_the_reward_adds_the_environments_and_functions_see_every_turn():
     assert (await env_only.score(batch))[0].rewards.numpy().tolist() == pytest.approx([1.0, 0.5])
 
 
+@pytest.mark.slow  # trains a model twice
 def test_the_trainer_trains_on_the_model_tokens_alone(tmp_path):
     """The loss mask: whatever an episode's observation tokens carry in the
     columns the loss reads (their behaviour log-probabilities), a step moves
