@@ -108,7 +108,7 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
     """One batch with the rows of all `batches`, in order.
 
     Optional per-token and per-sample columns (rewards, teacher log-probs,
-    reward details) are kept only if every batch has them.
+    reward details, the critic's columns) are kept only if every batch has them.
     """
     if len(batches) == 1:
         return batches[0]
@@ -155,6 +155,7 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
         failures=failures,
         **_topk(opt("teacher_topk_ids"), opt("teacher_topk_logprobs")),
         advantages=opt("advantages"),
+        **{name: opt(name) for name in _CRITIC_COLUMNS},
     )
 
 
@@ -210,6 +211,10 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
             msgspec.structs.replace(f, index=new_index[f.index]) for f in batch.failures if f.index in new_index
         ],
         advantages=per_row(batch.advantages),
+        values=tok(batch.values),
+        returns=tok(batch.returns),
+        token_advantages=tok(batch.token_advantages),
+        critic_versions=per_row(batch.critic_versions),
     )
 
 
@@ -251,8 +256,13 @@ _TOKEN_COLUMNS = (
     "ref_logprobs",
     "teacher_topk_ids",
     "teacher_topk_logprobs",
+    "values",
+    "returns",
+    "token_advantages",
 )
-_ROW_COLUMNS = ("sample_index", "finish_reason", "stamps", "rewards")
+_ROW_COLUMNS = ("sample_index", "finish_reason", "stamps", "rewards", "critic_versions")
+#: The columns the critic fills in (kept by `concat` only if every batch has them).
+_CRITIC_COLUMNS = ("values", "returns", "token_advantages", "critic_versions")
 
 
 def _array(t: Tensor | None) -> np.ndarray | None:
@@ -287,6 +297,10 @@ class SampleView:
     ref_logprobs: np.ndarray | None
     teacher_topk_ids: np.ndarray | None = None
     teacher_topk_logprobs: np.ndarray | None = None
+    values: np.ndarray | None = None
+    returns: np.ndarray | None = None
+    token_advantages: np.ndarray | None = None
+    critic_version: int | None = None
 
 
 def samples(batch: SampleBatch) -> Iterator[SampleView]:
@@ -302,6 +316,8 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
     ref = batch.ref_logprobs.numpy() if batch.ref_logprobs is not None else None
     topk_ids = batch.teacher_topk_ids.numpy() if batch.teacher_topk_ids is not None else None
     topk_lps = batch.teacher_topk_logprobs.numpy() if batch.teacher_topk_logprobs is not None else None
+    values, returns, token_adv = (_array(batch.values), _array(batch.returns), _array(batch.token_advantages))
+    critic = batch.critic_versions.numpy().tolist() if batch.critic_versions is not None else None
     row = 0
     for g, info in enumerate(batch.groups):
         prompt = prompt_ids[p_off[g] : p_off[g + 1]]
@@ -321,6 +337,10 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
                 ref_logprobs=None if ref is None else ref[a:b],
                 teacher_topk_ids=None if topk_ids is None else topk_ids[a:b],
                 teacher_topk_logprobs=None if topk_lps is None else topk_lps[a:b],
+                values=None if values is None else values[a:b],
+                returns=None if returns is None else returns[a:b],
+                token_advantages=None if token_adv is None else token_adv[a:b],
+                critic_version=None if critic is None else critic[row],
             )
             row += 1
 

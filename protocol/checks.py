@@ -57,7 +57,7 @@ def validate(batch: Any) -> None:
     for name in ("logprobs", "versions"):
         if getattr(batch, name).shape[0] != t:
             raise _disagree(f"{name} has {getattr(batch, name).numel} entries for {t} tokens")
-    for name in ("teacher_logprobs", "ref_logprobs"):
+    for name in ("teacher_logprobs", "ref_logprobs", "values", "returns", "token_advantages"):
         tensor = getattr(batch, name)
         if tensor is not None and (tensor.numel != t or tensor.dtype != "float32"):
             raise _disagree(f"{name} must be float32 [{t}]")
@@ -77,6 +77,9 @@ def validate(batch: Any) -> None:
         raise _disagree(f"rewards must be float32 [{n}]")
     if batch.advantages is not None and (batch.advantages.numel != n or batch.advantages.dtype != "float32"):
         raise _disagree(f"advantages must be float32 [{n}]")
+    if batch.critic_versions is not None and (batch.critic_versions.numel != n
+                                              or batch.critic_versions.dtype != "int32"):
+        raise _disagree(f"critic_versions must be int32 [{n}]")
     for key, tensor in batch.reward_details.items():
         if tensor.numel != n:
             raise _disagree(f"reward_details[{key!r}] must have {n} entries")
