@@ -157,26 +157,33 @@ def first_values(model, batch) -> np.ndarray:
     return values[batch.response_offsets.numpy()[:-1]]
 
 
-def test_the_critic_learns_that_more_digits_earn_less(model_path):
+@pytest.mark.slow
+def test_the_critic_learns_that_more_digits_earn_less():
     """On arithmetic whose chance of a right answer falls with the digits (as
-    the default task's does for the default model), the trained critic's value
-    at the first response token orders held-out prompts by their digits, near
-    the chance of each."""
+    the default task's does for the default model), a critic started from the
+    default model and trained on the returns comes to value held-out prompts
+    in the order of their digits, at the first response token."""
     from rlflow.data.tasks import load_tokenizer
+    from rlflow.models import resolve_model
     from rlflow.services.critic.torch_engine import CriticModel
 
-    tokenizer = load_tokenizer(model_path)
+    path = resolve_model("default")
+    tokenizer = load_tokenizer(path)
     chance = {1: 0.9, 2: 0.5, 3: 0.1}
-    model = CriticModel(C.TorchCritic(lr=3e-4, micro_batch_tokens=4096), str(model_path))
-    rng = np.random.default_rng(0)
-    for step in range(60):
-        batch, _ = arith_batch(tokenizer, rng, 64, chance, first=64 * step)
-        model.step(with_targets(batch, model.values(batch)))
+    model = CriticModel(C.TorchCritic(lr=3e-4, value_clip=0.0, micro_batch_tokens=4096), str(path))
     heldout, digits = arith_batch(tokenizer, np.random.default_rng(99), 300, chance)
+    before = first_values(model, heldout)
+    rng = np.random.default_rng(0)
+    for step in range(20):
+        batch, _ = arith_batch(tokenizer, rng, 32, chance, first=32 * step)
+        # gamma = lam = 1: every token's return is the sample's reward, whatever the values (unclipped).
+        model.step(with_targets(batch, np.zeros(batch.n_tokens)))
     values = first_values(model, heldout)
     means = [float(values[digits == d].mean()) for d in (1, 2, 3)]
     assert means[0] > means[1] > means[2], means
-    assert means == pytest.approx([0.9, 0.5, 0.1], abs=0.15), means
+    # A new head: the gap between one and three digits was learned, not there from the start.
+    gap_before = float(before[digits == 1].mean() - before[digits == 3].mean())
+    assert means[0] - means[2] > gap_before + 0.2, (means, gap_before)
 
 
 def critic_frames(model_path) -> list[bytes]:
