@@ -15,12 +15,12 @@ Each layout's steady throughput in tokens per second (after warm-up,
 before the drain), and the trainer's share of that time starved for input
 in the own-pool layout.
 
-Then the real default model: PPO (`examples/ppo.toml`: one sample per
-prompt, a torch critic on its own pool) against the default GRPO run (32
-prompts x 8 samples), both with the same number of samples. Their held-out
-accuracy is compared at equal wall time: the last evaluation each finished
-by the time the shorter run ended (the runs evaluate every 30 GRPO steps /
-60 PPO steps, at the same sample counts). Ends with
+Then the real default model: the default GRPO run (32 prompts x 8 samples,
+120 steps), then PPO (`examples/ppo.toml`: 128 prompts x 1 sample, a torch
+critic on its own pool, evaluated every 20 steps) for as long as the GRPO
+run trained, then stopped (`rlflow down`). Their held-out accuracy is
+compared at equal wall time: the last evaluation each asked for by then (the
+GRPO run's last, after its step 120). Ends with
 
     RESULT critic own_pool_vs_inline=R trainer_wait_share=W ppo_heldout=A grpo_heldout=G
 
@@ -133,6 +133,32 @@ def run_config(path: pathlib.Path, run_dir: pathlib.Path, overrides: list[str]) 
     return run_dir
 
 
+def run_for(path: pathlib.Path, run_dir: pathlib.Path, overrides: list[str], seconds: float) -> pathlib.Path:
+    """`rlflow up` of a config, stopped with `rlflow down` once it has trained
+    for `seconds` (or at its last step, if that comes first)."""
+    from rlflow.rundir import RunDir
+
+    if (run_dir / "summary.json").exists():
+        print(f"  {run_dir.name}: done before", file=sys.stderr)
+        return run_dir
+    started = time.monotonic()
+    command = [sys.executable, "-m", "rlflow"]
+    with subprocess.Popen([*command, "up", "--config", str(path), "--run-dir", str(run_dir), "--no-display",
+                           *[a for o in overrides for a in ("--set", o)]], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as up:
+        while up.poll() is None:
+            rows = RunDir(run_dir).read_metrics()
+            if rows and rows[-1].time_s >= seconds:
+                subprocess.run([*command, "down", str(run_dir)], cwd=ROOT, check=True, capture_output=True)
+                break
+            time.sleep(5)
+        _, err = up.communicate()
+    if up.returncode != 0:
+        raise RuntimeError(f"{path.name} failed:\n{err[-3000:]}")
+    print(f"  {run_dir.name}: {time.monotonic() - started:.0f} s", file=sys.stderr)
+    return run_dir
+
+
 def curve(run_dir: pathlib.Path) -> list[tuple[int, float, float]]:
     """(step, held-out accuracy, seconds since training started when it was asked for) of each evaluation."""
     from rlflow.rundir import RunDir
@@ -159,6 +185,8 @@ def main() -> None:
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="rlflow-critic-"))
     work.mkdir(parents=True, exist_ok=True)
 
+    from rlflow.rundir import RunDir
+
     print(f"simulated, the critic at {args.critic_cost:g}x the trainer's cost per token:", flush=True)
     sims = simulated(work, args.steps, args.critic_cost)
     ratio = sims["own_pool"]["tokens_per_s"] / sims["inline"]["tokens_per_s"]
@@ -173,7 +201,8 @@ def main() -> None:
         _build_default_model(force=False)
         print("runs:", file=sys.stderr)
         grpo = args.grpo or run_config(DEFAULT, work / "grpo", [])
-        ppo = args.ppo or run_config(PPO, work / "ppo", [])
+        trained = RunDir(grpo).read_metrics()[-1].time_s
+        ppo = args.ppo or run_for(PPO, work / "ppo", ["eval.every_steps=20"], trained)
         curves = {"GRPO": curve(grpo), "PPO": curve(ppo)}
         for name, points in curves.items():
             print(f"{name:>5}: " + ", ".join(f"step {s}: {100 * a:.1f}% ({t:.0f} s)" for s, a, t in points))
