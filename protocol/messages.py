@@ -346,13 +346,14 @@ class Counters(Record):
     """A reward replica: calls of each reward function by outcome, as ``<function>.<status>`` (status: ok,
     timeout, error, crashed)."""
     critic_steps: NonNegInt = 0
-    """A critic rank: optimizer steps taken (its version, less the steps it resumed from)."""
+    """The critic (rank 0, for all its ranks): optimizer steps taken (its version, less the steps it
+    resumed from)."""
     critic_tokens: NonNegInt = 0
-    """A critic rank: response tokens trained on."""
+    """The critic (rank 0): response tokens trained on."""
     value_s: NonNegFloat = 0.0
-    """A critic rank: seconds spent computing values (forward passes)."""
+    """The critic (rank 0): seconds spent computing values (forward passes)."""
     critic_step_s: NonNegFloat = 0.0
-    """A critic rank: seconds spent training (forward, backward and optimizer step)."""
+    """The critic (rank 0): seconds spent training (forward, backward and optimizer step)."""
 
     @property
     def progress(self) -> int:

@@ -298,7 +298,7 @@ def test_gae_needs_a_critic_and_a_critic_needs_gae():
         C.load(text=BASE.replace("[pools.v]\n", ""))
     with pytest.raises(C.ConfigError, match="would ignore the critic's advantages"):
         C.load(text=BASE + '[roles.critic]\npool = "v"\n', overrides=["roles.trainer.engine.advantage=grpo"])
-    config = C.load(text=BASE + '[roles.critic]\npool = "v"\n', overrides=["roles.critic.engine.kind=torch"])
+    config = C.load(text=BASE + '[roles.critic]\npool = "v"\nengine = {kind = "torch"}\n')
     assert [name for name, _ in config.role_items()] == ["rollout", "reward", "critic", "trainer"]
     with pytest.raises(C.ConfigError, match="roles.critic.lam"):
         C.load(text=BASE + '[roles.critic]\npool = "v"\nlam = 1.5\n')
@@ -344,3 +344,33 @@ def test_the_report_names_the_critic_when_it_holds_the_run_back():
     assert critic_line(rows) == ("critic over the last 3 steps: value loss 0.1000, explained variance 0.50; its "
                                  "values lagged the actor's step by 0.50 versions on average, 1 at most")
     assert critic_line([StepRow(step=0, version=1, time_s=0.0)]) == ""
+
+
+def test_the_advantages_of_a_batch_leave_failed_samples_out_and_take_a_penalty_at_every_token():
+    from rlflow.algo.values import batch_gae
+    from rlflow.protocol import SampleFailure, Stage
+
+    batch = _batch(lengths=((2, 3), (2,)), rewards=(1.0, float("nan"), 0.5))
+    batch = msgspec.structs.replace(batch, failures=[SampleFailure(index=2, stage=Stage.REWARD_END, kind="timeout")])
+    values = np.array([0.5, 0.25, 0.0, 0.0, 0.0, 0.1, 0.2], np.float32)
+    advantages, returns = batch_gae(batch, values, 1.0, 1.0, penalty=lambda row: np.full(len(row.response_ids), 0.1))
+    # Sample 0: rewards [-0.1, 0.9]; lam = gamma = 1: each return is the rewards that follow.
+    np.testing.assert_allclose(returns[:2], [0.8, 0.9], atol=1e-6)
+    np.testing.assert_allclose(advantages[:2], [0.8 - 0.5, 0.9 - 0.25], atol=1e-6)
+    assert np.isnan(returns[2:5]).all() and np.isnan(advantages[5:]).all()  # a NaN reward; a failed sample
+    with pytest.raises(ValueError, match="without rewards"):
+        batch_gae(msgspec.structs.replace(batch, rewards=None), values, 1.0, 1.0)
+
+
+def test_the_newest_checkpoint_is_one_the_critic_finished_too(tmp_path):
+    from rlflow.rundir import CONTROLLER_STATE, RUN_STATE, RunDir
+
+    folder = RunDir(tmp_path)
+    for step in (2, 4):
+        folder.checkpoint(step).mkdir(parents=True)
+        (folder.checkpoint(step) / CONTROLLER_STATE).write_text("{}")
+    assert folder.latest_checkpoint().name == "step-000004"  # a run without a critic
+    folder.critic_checkpoint(2).mkdir()
+    (folder.critic_checkpoint(2) / RUN_STATE).write_text("{}")
+    (folder.checkpoints / "critic-step-000004.tmp").mkdir()  # being written when the run died
+    assert folder.latest_checkpoint().name == "step-000002"

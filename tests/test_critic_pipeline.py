@@ -15,6 +15,7 @@ from models import tiny_model
 from rlflow import config as C
 from rlflow.control.launch import run
 from rlflow.rundir import RunDir
+from rlflow.tools.plan import plan, workload_from_run
 from rlflow.tools.report import report
 
 pytestmark = pytest.mark.ray
@@ -66,6 +67,11 @@ def test_a_run_with_a_critic_attaches_trains_reports_and_resumes(ray_cluster, tm
     assert {e[1] for e in traces["critic-1"]["events"]} >= {"busy", "starved"}
     text, _ = report(run_dir)
     assert "critic " in text and "critic over the last 4 steps" in text
+    # `rlflow plan` takes the critic's costs from the run, and ranks layouts with and without its own pool.
+    workload, _, _ = workload_from_run(run_dir)
+    assert workload.critic_forward_s_per_token > 0 and workload.critic_step_s_per_token > 0
+    ranked, section = plan(run_dir, devices=4)
+    assert any(p.critic_devices for p in ranked) and "[roles.critic]" in section
     # Checkpoints of the critic beside the trainer's, and a resume from the newest.
     for step in (2, 4):
         saved = folder.critic_checkpoint(step)

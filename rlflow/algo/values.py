@@ -23,9 +23,12 @@ the statistics of the critic's columns without torch).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from rlflow.protocol import samples
 
 
 def token_rewards(reward: float, length: int, penalty: np.ndarray | None = None) -> np.ndarray:
@@ -51,6 +54,27 @@ def gae(rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float) -> tu
         advantages[t] = running
         following = values[t]
     return advantages, advantages + values
+
+
+def batch_gae(batch: Any, values: np.ndarray, gamma: float, lam: float,
+              penalty: Callable[[Any], np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [T] advantages and returns of every sample of `batch` (a
+    `SampleBatch` with rewards) from `values` (float32 [T]); `penalty(row)`:
+    a sample's per-token penalty, already scaled (None: none). Failed samples
+    and those without a finite reward get NaN."""
+    if batch.rewards is None:
+        raise ValueError("a batch without rewards reached the critic: the reward role comes before it")
+    failed = {f.index for f in batch.failures}
+    advantages = np.full(batch.n_tokens, np.nan, np.float32)
+    returns = np.full(batch.n_tokens, np.nan, np.float32)
+    offsets = batch.response_offsets.numpy()
+    for row in samples(batch):
+        if row.row in failed or row.reward is None or not math.isfinite(row.reward):
+            continue
+        a, b = offsets[row.row], offsets[row.row + 1]
+        rewards = token_rewards(row.reward, b - a, None if penalty is None else penalty(row))
+        advantages[a:b], returns[a:b] = gae(rewards, values[a:b], gamma, lam)
+    return advantages, returns
 
 
 def whiten(x: np.ndarray, eps: float = 1e-8) -> np.ndarray:

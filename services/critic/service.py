@@ -31,10 +31,10 @@ import time
 import numpy as np
 import trio
 
-from rlflow.algo.values import gae, token_rewards
+from rlflow.algo.values import batch_gae
 from rlflow.config import TorchTrainer
 from rlflow.data import transport
-from rlflow.protocol import Peers, SampleBatch, Shutdown, Stage, Tensor, concat, samples, split, stamp, take
+from rlflow.protocol import Peers, SampleBatch, Shutdown, Stage, Tensor, concat, split, stamp, take
 from rlflow.services.base import Control, Service, bind_host, follow
 from rlflow.services.critic.engine import CriticEngine, make_engine
 
@@ -204,26 +204,19 @@ class CriticService(Service):
         )
 
     def advantages(self, batch: SampleBatch, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """float32 [T] advantages and returns by GAE (NaN for failed samples)."""
-        if batch.rewards is None:
-            raise ValueError("a batch without rewards reached the critic: the reward role comes before it")
+        """float32 [T] advantages and returns by GAE (NaN for failed samples),
+        the run's KL penalty on every token where it puts it in the reward."""
         trainer = self.config.roles.trainer.engine
-        kl = isinstance(trainer, TorchTrainer) and trainer.kl_coef > 0 and trainer.kl_in == "reward"
-        if kl and batch.teacher_logprobs is None:
-            raise ValueError("the run puts a KL penalty into the reward, and a batch without the teacher's "
-                             "log-probabilities reached the critic")
-        failed = {f.index for f in batch.failures}
-        advantages = np.full(batch.n_tokens, np.nan, np.float32)
-        returns = np.full(batch.n_tokens, np.nan, np.float32)
-        offsets = batch.response_offsets.numpy()
-        for row in samples(batch):
-            if row.row in failed or row.reward is None or not math.isfinite(row.reward):
-                continue
-            penalty = trainer.kl_coef * _kl(row.logprobs, row.teacher_logprobs, trainer.kl_estimator) if kl else None
-            a, b = offsets[row.row], offsets[row.row + 1]
-            rewards = token_rewards(row.reward, b - a, penalty)
-            advantages[a:b], returns[a:b] = gae(rewards, values[a:b], self.role.gamma, self.role.lam)
-        return advantages, returns
+        penalty = None
+        if isinstance(trainer, TorchTrainer) and trainer.kl_coef > 0 and trainer.kl_in == "reward":
+            if batch.teacher_logprobs is None:
+                raise ValueError("the run puts a KL penalty into the reward, and a batch without the teacher's "
+                                 "log-probabilities reached the critic")
+
+            def penalty(row) -> np.ndarray:
+                return trainer.kl_coef * _kl(row.logprobs, row.teacher_logprobs, trainer.kl_estimator)
+
+        return batch_gae(batch, values, self.role.gamma, self.role.lam, penalty)
 
     async def step(self) -> None:
         """One optimizer step on the oldest step's worth of groups sent on."""
