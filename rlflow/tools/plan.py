@@ -415,6 +415,8 @@ def pools_section(best: Prediction, w: Workload, gpus: bool) -> str:
             "run": {"mode": "sync"},  # colocated: generate with everything, then train with everything
             "roles": {"rollout": {"pool": "all", "replicas": best.rollout_devices}, "trainer": {"pool": "all"}},
         }
+        if w.critic:
+            table["roles"]["critic"] = {"pool": "all"}
     else:
         table = {
             "pools": {
