@@ -34,7 +34,7 @@ import trio
 from rlflow.algo.values import batch_gae
 from rlflow.config import TorchTrainer
 from rlflow.data import transport
-from rlflow.protocol import Peers, SampleBatch, Shutdown, Stage, Tensor, concat, split, stamp, take
+from rlflow.protocol import Heartbeat, Peers, SampleBatch, Shutdown, Stage, Tensor, concat, split, stamp, take
 from rlflow.services.base import Control, Service, bind_host, follow
 from rlflow.services.critic.engine import CriticEngine, make_engine
 
@@ -68,7 +68,7 @@ class CriticService(Service):
     def queues(self) -> dict[str, int]:
         return {"in": len(self.arrived), "owed": self.owed} if self.lead else {}
 
-    def heartbeat(self, seq: int):
+    def heartbeat(self, seq: int) -> Heartbeat:
         if self.engine is not None:  # a rank above 0 steps with rank 0, in its engine
             self.version = self.engine.version
         return super().heartbeat(seq)
