@@ -17,6 +17,16 @@ then replays the run's ledger (`rlflow audit`). Ends with
     RESULT chaos kills=K hangs=H trainer_resumes=R lost=L duplicated=D steps_completed=N
 
 Target: lost=0 and duplicated=0. `--quick` is the test suite's shorter run.
+
+`--real` runs the embedded default instead (vLLM on CPU, the torch
+trainer, the default model and task): once uninterrupted, then again from
+the same seed with two SIGKILLs of the rollout replica and one of its vLLM
+engine-core process, at moments spread over the run; it audits both and
+compares their held-out accuracy at the end:
+
+    RESULT chaos_real kills=K engine_kills=E lost=L duplicated=D heldout_whole=A heldout_chaos=B gap_points=G
+
+Targets: lost=0, duplicated=0, |gap_points| <= 3.
 """
 
 from __future__ import annotations
@@ -101,6 +111,7 @@ class Chaos:
     kills: int = 0
     hangs: int = 0
     trainer_kills: int = 0
+    engine_kills: int = 0
     status: Status | None = None
     error: str = ""
     log: list[str] = field(default_factory=list)
@@ -220,6 +231,63 @@ def chaos_run(work: pathlib.Path, *, kills: int, hang: bool, kill_trainer: bool,
     return chaos, audit(run_dir), summary.steps
 
 
+def real_saboteur(chaos: Chaos, run_dir: pathlib.Path, steps: int) -> None:
+    """Kill the rollout replica twice and its engine-core process once, at a
+    quarter, a half and three quarters of the run's steps."""
+    import psutil
+
+    plan = [(steps // 4, "kill"), (steps // 2, "engine"), (3 * steps // 4, "kill")]
+    for at, action in plan:
+        found = wait_for(chaos, lambda s: up(s, "rollout", 0) if s is not None and s.step >= at else None,
+                         timeout_s=3600)
+        if found is None:
+            return
+        pid, _ = found
+        if action == "engine":
+            cores = [p for p in psutil.Process(pid).children(recursive=True)
+                     if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
+            for core in cores:
+                core.kill()
+            chaos.note(f"SIGKILL rollout-0's vLLM engine core (pids {[c.pid for c in cores]}) at step {at}")
+            chaos.engine_kills += bool(cores)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            chaos.kills += 1
+            chaos.note(f"SIGKILL rollout-0 (pid {pid}) at step {at}")
+
+
+def real(args: argparse.Namespace) -> None:
+    """The default run, uninterrupted and under chaos, from one seed."""
+    from rlflow.tools.cli import default_config_path
+
+    overrides = [f"run.steps={args.real_steps}", f"run.seed={args.seed}", "cluster.handshake_timeout_s=900"]
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="rlflow-chaos-real-") as tmp:
+        work = args.work or pathlib.Path(tmp)
+        for name in ("whole", "chaos"):
+            config = C.load(default_config_path(), overrides)
+            run_dir = work / name
+            chaos = Chaos()
+            thread = None
+            if name == "chaos":
+                thread = threading.Thread(target=real_saboteur, args=(chaos, run_dir, args.real_steps), daemon=True)
+                thread.start()
+            started = time.monotonic()
+            summary = run(config, run_dir, on_status=chaos.on_status)
+            chaos.stop.set()
+            if thread is not None:
+                thread.join(timeout=10)
+            result = audit(run_dir)
+            print(f"[chaos] {name}: {summary.state}, {summary.steps} steps in {time.monotonic() - started:.0f} s, "
+                  f"held-out {summary.accuracy_after}, {summary.groups.reissued} groups granted again", file=sys.stderr)
+            results[name] = (chaos, result, summary)
+    (_, whole, whole_summary), (chaos, hit, chaos_summary) = results["whole"], results["chaos"]
+    a, b = whole_summary.accuracy_after or 0.0, chaos_summary.accuracy_after or 0.0
+    print(f"RESULT chaos_real kills={chaos.kills} engine_kills={chaos.engine_kills} lost={whole.lost + hit.lost} "
+          f"duplicated={whole.duplicated + hit.duplicated} heldout_whole={a:.4f} heldout_chaos={b:.4f} "
+          f"gap_points={100 * (b - a):.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=20)
@@ -227,7 +295,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="4 kills, 120 steps")
     parser.add_argument("--work", type=pathlib.Path, help="keep the run here (default: a temporary folder)")
+    parser.add_argument("--real", action="store_true", help="the embedded default (vLLM), whole and under chaos")
+    parser.add_argument("--real-steps", type=int, default=60, help="steps of each --real run")
     args = parser.parse_args()
+    if args.real:
+        return real(args)
     kills, steps = (4, 120) if args.quick else (args.kills, args.steps)
     with tempfile.TemporaryDirectory(prefix="rlflow-chaos-") as tmp:
         work = args.work or pathlib.Path(tmp)

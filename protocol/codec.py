@@ -3,12 +3,17 @@
 Frame 0 is the msgpack header ``[schema_version, message]``; frames 1..k
 are the raw bytes of the k tensors the message holds, in the order the
 header names them (each tensor is ``[dtype, shape, frame]``, see SPEC.md).
+Between peers that have agreed to it, a large tensor may instead lie in a
+segment of shared memory: it is ``[dtype, shape, frame, offset]`` and its
+frame describes the segment (`ShmSegment`); see `shm.py` and SPEC.md.
 
 Decoding treats every byte as hostile: the header's size, the version, the
 tag, every field's type and bounds, each tensor's dtype and shape are
 checked, each frame must be named by exactly one tensor, and each frame's
-length must equal what its tensor declares. Nothing is allocated from a
-declared size: tensors are views of the frames actually received, and the
+length must equal what its tensor declares (a tensor in shared memory
+must lie inside its segment). Nothing is allocated from a declared size:
+tensors are views of the frames actually received (or of the segment a
+`ShmReader` has checked and mapped), and the
 header is read with typed decoders only (never into generic objects a peer
 could make large), so memory is bounded by the bytes that arrived. Whatever
 the bytes, the only errors that come out are `ProtocolError` subclasses that
@@ -25,17 +30,21 @@ from typing import Any
 
 import msgspec
 
+import numpy as np
+
 from .errors import (
     FrameCountMismatch,
     FrameSizeMismatch,
     MalformedMessage,
     ProtocolError,
     SchemaVersionMismatch,
+    SharedMemoryError,
     TruncatedMessage,
     UnknownMessageType,
     UnsupportedDType,
 )
 from .messages import MESSAGE_TYPES, SCHEMA_VERSION, AnyMessage, Message
+from .shm import ALIGN, CONTROL_BYTES, ShmReader, ShmSegment, ShmWriter, aligned
 from .tensors import DTYPE_SIZES, MAX_NDIM, Tensor, expected_nbytes
 
 #: Largest header (frame 0) a codec accepts by default, in bytes.
@@ -65,33 +74,76 @@ class Codec:
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         self._decoder = msgspec.msgpack.Decoder(message_type, dec_hook=self._dec_hook)
         self._tags = _tags(message_type)
+        self._segment_decoder = msgspec.msgpack.Decoder(ShmSegment)
         self._out: list[Any] = []
         self._in: Sequence[Any] = ()
         self._used: list[bool] = []
+        self._writer: ShmWriter | None = None
+        self._placed: list[tuple[Tensor, int]] = []
+        self._segment_frame = 0
+        self._reader: ShmReader | None = None
+        self._claims: dict[int, tuple[Any, ShmSegment]] = {}
 
     # -- encode -------------------------------------------------------------
 
-    def encode(self, msg: Message) -> list[Any]:
-        """Frames for `msg`: the header, then one buffer per tensor (not copied)."""
-        self._out = [b""]
+    def encode(self, msg: Message, *, shm: ShmWriter | None = None) -> list[Any]:
+        """Frames for `msg`: the header, then one buffer per tensor (not copied).
+
+        With `shm`, tensors of at least ``shm.min_bytes`` bytes are copied
+        into one segment it reserves, described by one frame; if it has none
+        to give, every tensor travels in a frame of its own.
+        """
+        self._out, self._writer, self._placed, self._segment_frame = [b""], shm, [], 0
         try:
             self._out[0] = self._encoder.encode((self._schema_version, msg))
+            if self._placed and not self._place(shm):
+                return self.encode(msg)
             return self._out
         finally:
-            self._out = []
+            self._out, self._writer, self._placed, self._segment_frame = [], None, [], 0
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, Tensor):
+            writer = self._writer
+            # An array knows its size; anything else is asked through a memoryview.
+            if writer is not None and (
+                obj.data.nbytes if type(obj.data) is np.ndarray else obj.nbytes
+            ) >= writer.min_bytes:
+                if not self._segment_frame:
+                    self._out.append(b"")  # the segment's description, once it has one
+                    self._segment_frame = len(self._out) - 1
+                end = self._placed[-1][1] + aligned(self._placed[-1][0].nbytes) if self._placed else CONTROL_BYTES
+                self._placed.append((obj, end))
+                return (obj.dtype, obj.shape, self._segment_frame, end)
             self._out.append(obj.data)
             return (obj.dtype, obj.shape, len(self._out) - 1)
         raise TypeError(f"cannot encode {type(obj).__name__} in a message")
 
+    def _place(self, writer: ShmWriter) -> bool:
+        """Copy the tensors placed while encoding into a segment from
+        `writer`, and describe it in its frame; False if it has none."""
+        last, offset = self._placed[-1]
+        reserved = writer.reserve(offset + last.nbytes)
+        if reserved is None:
+            return False
+        segment, buffer = reserved
+        self._out[self._segment_frame] = msgspec.msgpack.encode(segment)
+        dest = np.frombuffer(buffer, np.uint8)
+        for tensor, offset in self._placed:
+            src = _as_bytes(tensor.data)
+            np.copyto(dest[offset : offset + src.size], src)
+        return True
+
     # -- decode -------------------------------------------------------------
 
-    def decode(self, frames: Sequence[Any]) -> Any:
+    def decode(self, frames: Sequence[Any], *, shm: ShmReader | None = None) -> Any:
         """The message in `frames` (bytes, memoryviews or zmq Frames).
 
-        Raises a `ProtocolError` subclass naming what is wrong, and nothing else.
+        Tensors in shared memory are taken with `shm` (without it, such a
+        message is a `SharedMemoryError`): each is a view of its segment that
+        keeps the segment taken for as long as it, or anything made from it,
+        lives. Raises a `ProtocolError` subclass naming what is wrong, and
+        nothing else.
         """
         if not frames:
             raise FrameCountMismatch("empty message: no header frame")
@@ -112,6 +164,7 @@ class Codec:
             body = head[start:]
         self._in = frames
         self._used = [False] * len(frames)
+        self._reader = shm
         try:
             msg = self._decoder.decode(body)
         except msgspec.ValidationError as exc:  # a DecodeError subclass: first
@@ -124,6 +177,7 @@ class Codec:
             raise MalformedMessage("header is nested deeper than this peer accepts") from None
         finally:
             used, self._used, self._in = self._used, [], ()
+            self._reader, self._claims = None, {}
         unused = used.count(False) - 1
         if unused and not _unknown_tail(body, type(msg), used):
             raise FrameCountMismatch(
@@ -134,17 +188,14 @@ class Codec:
     def _dec_hook(self, kind: type, obj: Any) -> Any:
         if kind is not Tensor:
             raise TypeError(f"unsupported type {kind!r}")
-        if not (isinstance(obj, list) and len(obj) == 3):
-            raise MalformedMessage(f"tensor must be [dtype, shape, frame], got {obj!r:.80}")
+        if not (isinstance(obj, list) and len(obj) in (3, 4)):
+            raise MalformedMessage(
+                f"tensor must be [dtype, shape, frame] or [dtype, shape, frame, offset], got {obj!r:.80}"
+            )
+        if len(obj) == 4:
+            return self._shared(obj)
         dtype, shape, index = obj
-        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-            raise UnsupportedDType(f"tensor dtype {dtype!r:.40} is not one of {', '.join(DTYPE_SIZES)}")
-        if not isinstance(shape, list):
-            raise MalformedMessage(f"tensor shape must be an array, got {shape!r:.40}")
-        if len(shape) > MAX_NDIM:
-            raise MalformedMessage(f"tensor has {len(shape)} dimensions; at most {MAX_NDIM} are allowed")
-        shape = tuple(shape)
-        want = expected_nbytes(dtype, shape)
+        shape, want = _checked(dtype, shape)
         if type(index) is not int or not 1 <= index < len(self._in):
             raise FrameCountMismatch(
                 f"tensor names frame {index!r:.20} but the message has frames 1..{len(self._in) - 1}"
@@ -159,6 +210,41 @@ class Codec:
             raise FrameSizeMismatch(f"tensor {dtype}{list(shape)} declares {want} bytes, frame {index} has {got}")
         return Tensor._trusted(dtype, shape, view)
 
+    def _shared(self, obj: list) -> Tensor:
+        """A tensor ``[dtype, shape, frame, offset]`` whose bytes lie in the
+        segment that frame describes (taken once per message, on first use)."""
+        dtype, shape, index, offset = obj
+        shape, want = _checked(dtype, shape)
+        if type(index) is not int or not 1 <= index < len(self._in):
+            raise FrameCountMismatch(
+                f"tensor names frame {index!r:.20} but the message has frames 1..{len(self._in) - 1}"
+            )
+        if type(offset) is not int:
+            raise MalformedMessage(f"tensor offset must be an integer, got {offset!r:.40}")
+        taken = self._claims.get(index)
+        if taken is None:
+            if self._used[index]:
+                raise FrameCountMismatch(f"frame {index} is named both as a tensor's bytes and as a segment")
+            if self._reader is None:
+                raise SharedMemoryError("a tensor lies in shared memory, and this socket takes none")
+            try:
+                segment = self._segment_decoder.decode(_bytes_view(self._in[index]))
+            except msgspec.DecodeError as exc:
+                raise SharedMemoryError(f"frame {index} is not a segment description: {exc}") from None
+            taken = (None, segment)
+        claim, segment = taken
+        if offset % ALIGN or offset < CONTROL_BYTES or offset + want > segment.size:
+            raise SharedMemoryError(
+                f"tensor {dtype}{list(shape)} at offset {offset} of a segment of {segment.size} bytes: its bytes must "
+                f"start at a multiple of {ALIGN} from {CONTROL_BYTES} on and end inside the segment"
+            )
+        if claim is None:  # taken only once its first tensor is known to lie inside it
+            claim = self._reader.claim(segment)
+            self._used[index] = True
+            self._claims[index] = (claim, segment)
+        return Tensor._trusted(dtype, shape, claim.view(offset, want))
+
+
     def _classify(self, body: memoryview, exc: msgspec.ValidationError) -> ProtocolError:
         """Say whether a body that failed validation had an unknown tag."""
         tag = _leading_tag(body)
@@ -172,6 +258,25 @@ class Codec:
                 f"{MESSAGE_TYPES[tag].__name__} (tag {tag}) is not accepted on this channel; accepted: {accepted}"
             )
         return MalformedMessage(f"invalid {MESSAGE_TYPES[tag].__name__}: {exc}")
+
+
+def _checked(dtype: Any, shape: Any) -> tuple[tuple[int, ...], int]:
+    """A tensor's shape as a tuple and its size in bytes, once its dtype and
+    shape have been checked."""
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise UnsupportedDType(f"tensor dtype {dtype!r:.40} is not one of {', '.join(DTYPE_SIZES)}")
+    if not isinstance(shape, list):
+        raise MalformedMessage(f"tensor shape must be an array, got {shape!r:.40}")
+    if len(shape) > MAX_NDIM:
+        raise MalformedMessage(f"tensor has {len(shape)} dimensions; at most {MAX_NDIM} are allowed")
+    shape = tuple(shape)
+    return shape, expected_nbytes(dtype, shape)
+
+
+def _as_bytes(data: Any) -> np.ndarray:
+    """The bytes of a tensor's buffer as a flat uint8 array (no copy)."""
+    view = data.buffer if hasattr(data, "buffer") else memoryview(data)
+    return np.frombuffer(view if view.format == "B" and view.ndim == 1 else view.cast("B"), np.uint8)
 
 
 def _bytes_view(frame: Any) -> memoryview:

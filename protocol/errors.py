@@ -53,3 +53,11 @@ class UnsupportedDType(ProtocolError):
     """A tensor names a dtype that is not on the wire's list."""
 
     kind = "dtype"
+
+
+class SharedMemoryError(ProtocolError):
+    """A tensor in shared memory cannot be taken: this receiver takes none,
+    its segment cannot be opened or is not the one described, or its bytes
+    lie outside the segment."""
+
+    kind = "shm"

@@ -345,6 +345,8 @@ class Counters(Record):
     reward_calls: dict[str, NonNegInt] = {}
     """A reward replica: calls of each reward function by outcome, as ``<function>.<status>`` (status: ok,
     timeout, error, crashed)."""
+    bytes_shared: NonNegInt = 0
+    """Bytes of tensors sent through shared memory instead of the socket (peers on one machine)."""
     critic_steps: NonNegInt = 0
     """The critic (rank 0, for all its ranks): optimizer steps taken (its version, less the steps it
     resumed from)."""
@@ -415,6 +417,9 @@ class Hello(Message, tag=10):
     """Threads it computes with (0: not said)."""
     cpus: str = ""
     """The CPUs it may run on, e.g. ``0-3,6`` (empty: not said)."""
+    shm: str = ""
+    """Which processes' shared memory it can map, as ``<boot id>/<PID namespace>/<user id>`` (see SPEC.md,
+    *Tensors in shared memory*); empty: it neither sends nor takes tensors in shared memory."""
 
 
 class Welcome(Message, tag=11):
@@ -435,6 +440,9 @@ class Welcome(Message, tag=11):
     trainer: the group it hosts (its world size)."""
     layout: list[ParamSpec] = []
     """To a replica that loads weights over a collective transfer: the trainer's layout."""
+    shm_peers: list[str] = []
+    """The addresses in `peers` whose replicas take tensors in shared memory from this one (their `Hello.shm`
+    is its own)."""
 
 
 class Ready(Message, tag=12):
@@ -600,6 +608,9 @@ class WeightsRequest(Message, tag=40):
 
     version: NonNegInt
     """The version wanted."""
+    shm: str = ""
+    """The requester's `Hello.shm`: a server whose own is the same may send the payload's tensors in shared
+    memory (empty: in frames)."""
 
 
 class WeightsPayload(Message, tag=41):
@@ -652,6 +663,8 @@ class Peers(Message, tag=30):
 
     peers: dict[str, list[str]]
     """As `Welcome.peers`."""
+    shm_peers: list[str] = []
+    """As `Welcome.shm_peers`."""
 
 
 class WeightsGroup(Message, tag=31):

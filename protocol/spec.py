@@ -17,6 +17,7 @@ import textwrap
 import msgspec
 
 from .messages import CONTROLLER_ERROR_KINDS, MESSAGE_TYPES, WEIGHT_GROUP_BROKEN, FinishReason, Record, Role, Stage
+from .shm import CONTROL_BYTES, CONTROL_FIELDS
 from .tensors import DTYPE_SIZES, Tensor
 
 BEGIN = "<!-- BEGIN GENERATED: python -m rlflow.protocol.spec -->"
@@ -122,6 +123,11 @@ def generate() -> str:
         out += [f"- `{enum_cls.__name__}`: {members}"]
     out += ["", "### Tensor dtypes", "", "| name | bytes per element |", "| --- | --- |"]
     out += [f"| `{name}` | {size} |" for name, size in DTYPE_SIZES.items()]
+    out += ["", "### Shared-memory control page", "",
+            f"The first {CONTROL_BYTES:,} bytes of every segment (the rest of the page is zero). Integers are "
+            "unsigned, 64 bits, little-endian, each written and read whole.", "",
+            "| offset | bytes | field | written by | holds |", "| --- | --- | --- | --- | --- |"]
+    out += [f"| {f.offset} | {f.size} | `{f.name}` | {f.writer} | {f.meaning} |" for f in CONTROL_FIELDS]
     out += ["", END]
     return "\n".join(out)
 

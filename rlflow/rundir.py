@@ -11,8 +11,8 @@ the typed records in the JSON files.
     summary.json         `Summary`, at the end
     run.log, run.pid     the detached run's output and process (`rlflow up --detach`)
     logs/ROLE-RANK.log   each service's log
-    trace/ROLE-RANK.json each service's state timeline (ROLE-RANK.events.jsonl while it runs);
-                         trace/lengths-RANK.jsonl the trained lengths
+    trace/ROLE-RANK.json each replica's state timeline over every life of it (`rlflow.timeline`;
+                         ROLE-RANK.events.jsonl while one runs); trace/lengths-RANK.jsonl the trained lengths
     checkpoints/step-NNNNNN/   a Hugging Face model directory plus trainer (optimizer/: a torch
                          distributed checkpoint) and controller state
     checkpoints/critic-step-NNNNNN/   the critic at its step NNNNNN (runs with a critic role): its
@@ -21,6 +21,15 @@ the typed records in the JSON files.
     timeline.png, trace.json, curves.png   written by `rlflow report`
 
 Nothing else in rlflow spells these names.
+
+A run may take several sessions: one that stopped short (its trainer or its
+controller killed) is continued by `rlflow up --resume` from its newest
+checkpoint. The files still read as one run: on resume, what the earlier
+sessions wrote past the checkpoint (their steps went with the weights that
+took them) is cut from metrics.jsonl, evals.jsonl and the trainer's lengths,
+TensorBoard is told to forget those steps, and `StepRow.time_s` goes on from
+the last step kept (`rlflow.control.record`). ledger.jsonl is the one file
+that keeps everything: `rlflow audit` replays the resume it records.
 """
 
 from __future__ import annotations
@@ -69,7 +78,9 @@ class StepRow(Record):
     step: int
     version: int
     time_s: float
-    """Seconds since training started."""
+    """Seconds of training since the run started: a resumed session goes on from the time of the
+    last step it kept (time spent on steps lost with a killed trainer, and between sessions, is not
+    counted)."""
     samples: int = 0
     tokens: int = 0
     reward_mean: float | None = None
@@ -200,8 +211,8 @@ class Status(Record):
 
     run_id: str
     state: str
-    """starting, evaluating, running, stopped, failed, interrupted (and, said by
-    `rlflow status` of a run whose controller is gone, dead)."""
+    """starting, evaluating, running, stopped, failed, interrupted; or dead: its controller is gone
+    without saying so (what `rlflow.runstate` finds and every command says; `rlflow down` writes it here)."""
     error: str | None = None
     pid: int = 0
     host: str = ""
@@ -210,7 +221,7 @@ class Status(Record):
     step: int = 0
     steps: int = 0
     samples: int = 0
-    """Samples trained on so far (this session of the run)."""
+    """Samples trained on so far (the whole run: a resumed run counts the steps it kept)."""
     version: int = 0
     mode: str = ""
     max_staleness: int = 0
@@ -230,8 +241,28 @@ class Status(Record):
     ``critic_value_loss`` and ``critic_explained_var``: how the critic fits the returns)."""
 
 
+class SessionTotals(Record):
+    """One session of a run: from its start, or its resume, to its end."""
+
+    first_step: int = 0
+    """The step it started from: 0, or the checkpoint it resumed from."""
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    groups_trained: int = 0
+    wall_time_s: float = 0.0
+    """Seconds from the start of its training to its end."""
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+
+
 class Summary(Record):
-    """A finished run (summary.json)."""
+    """A finished run, or the latest session of it (summary.json).
+
+    `steps`, `samples`, `tokens`, `wall_time_s`, their rates and `groups` are
+    the whole run's, over every session (what each kept: see `StepRow.time_s`);
+    `session` is the one that wrote it.
+    """
 
     run_id: str
     state: str
@@ -244,6 +275,8 @@ class Summary(Record):
     samples: int = 0
     tokens: int = 0
     wall_time_s: float = 0.0
+    """Seconds of training over the whole run (the time of its last step, plus what came after in
+    the last session)."""
     samples_per_s: float = 0.0
     tokens_per_s: float = 0.0
     staleness_max: float = 0.0
@@ -265,10 +298,15 @@ class Summary(Record):
     """accuracy_last3_mean - accuracy_before, in percentage points."""
     groups: GroupCounts = GroupCounts()
     data_bytes: int = 0
-    """Bytes the rollout sent downstream."""
+    """Bytes the rollout sent downstream (this session)."""
     roles: dict[str, Shares] = {}
-    """Each role's time over the whole run."""
+    """Each role's time over this session (from its services' heartbeats)."""
     controller: ControllerStats = ControllerStats()
+    """The controller's own load (this session)."""
+    sessions: int = 1
+    """Sessions the run took: one, and one more for each resume."""
+    session: SessionTotals | None = None
+    """This session alone (None in a summary written before sessions were told apart)."""
 
 
 class JoinInfo(Record):

@@ -28,6 +28,7 @@ import trio
 from rlflow.config import Config
 from rlflow.data import transport
 from rlflow.data import net
+from rlflow.data.shm import ShmSettings, host_token
 from rlflow.data.tasks import Task, load_tokenizer, make_task, needs_tokenizer
 from rlflow.errors import leaves
 from rlflow.protocol import (
@@ -45,6 +46,7 @@ from rlflow.protocol import (
     Shutdown,
     Welcome,
 )
+from rlflow import timeline
 from rlflow.rundir import RunDir
 from rlflow.startup import ServiceSpec
 
@@ -113,6 +115,8 @@ class EngineContext:
     log: logging.Logger
     curve: net.CurveKeys | None = None
     """The run's CURVE keys, for the sockets the engine opens (None: the run stays on loopback)."""
+    run_id: str = ""
+    """The run's name (e.g. in the names of its shared-memory segments)."""
 
     def say(self, text: str, *args: Any) -> None:
         self.log.info(f"[{self.name}] " + text, *args)
@@ -160,6 +164,7 @@ class Control:
             incarnation=self.spec.incarnation,
             secret=self.spec.secret,
             **_placement(),
+            shm=shm_token(self.spec.config),
             **fields,
         )
         welcome = await self._dealer.request(
@@ -259,12 +264,31 @@ async def open_control(spec: ServiceSpec) -> AsyncIterator[Control]:
         yield Control(dealer, spec)
 
 
-def follow(push: transport.Push, current: list[str], peers: list[str]) -> list[str]:
+def takes_shm(config: Config) -> bool:
+    """Whether the run's services send and take tensors in shared memory (`cluster.shm`)."""
+    return config.cluster.shm != "off"
+
+
+def shm_settings(config: Config, run_id: str) -> ShmSettings | None:
+    """How a service's sending sockets use shared memory (None: not at all)."""
+    cluster = config.cluster
+    if not takes_shm(config):
+        return None
+    return ShmSettings(min_bytes=cluster.shm_min_bytes, max_bytes=cluster.shm_max_bytes, label=run_id)
+
+
+def shm_token(config: Config) -> str:
+    """What this process says in `Hello.shm` (and `WeightsRequest.shm`)."""
+    return host_token() if takes_shm(config) else ""
+
+
+def follow(push: transport.Push, current: list[str], peers: list[str], shm_peers: list[str] = ()) -> list[str]:
     """Point `push` at `peers` (after a replica of the next role was replaced):
-    connect the new addresses, let go of the old; the addresses now."""
+    connect the new addresses (those in `shm_peers` take shared memory), let
+    go of the old; the addresses now."""
     for address in peers:
         if address not in current:
-            transport.connect(push, address)
+            transport.connect(push, address, shm=address in shm_peers)
     for address in current:
         if address not in peers:
             transport.disconnect(push, address)
@@ -290,6 +314,9 @@ class Service:
         self.run_dir = RunDir(spec.run_dir) if spec.run_dir else None
         #: Sockets whose rejected messages the heartbeats report.
         self.sockets: list[transport.Socket] = []
+        #: This life of the replica in its timeline, once its first events are saved.
+        self._life: dict[str, Any] | None = None
+        self._started = time.time()
 
     def say(self, text: str, *args: Any) -> None:
         """Log a line that starts with the role, as every rlflow log line does."""
@@ -309,6 +336,7 @@ class Service:
             watch=self.sockets.append,
             log=self.log,
             curve=self.spec.curve,
+            run_id=self.spec.run_id,
         )
 
     def load_task(self) -> Task:
@@ -358,33 +386,30 @@ class Service:
         """Move the state changes recorded so far out of memory (at every
         heartbeat): appended to the run directory's events file, or dropped
         when there is none, so that a long run's timeline does not grow the
-        process."""
+        process. The first save starts this life of the replica there, and
+        each says it was alive then (`rlflow.timeline`)."""
         events = self.clock.drain()
-        if self.run_dir is None or not events:
+        if self.run_dir is None:
             return
-        path = self.run_dir.service_events(self.spec.name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:
-            f.writelines(json.dumps(event) + "\n" for event in events)
+        lines = [] if self._life is not None else [self._start_life()]
+        lines += [json.dumps(event) for event in events]
+        lines.append(json.dumps({"seen": time.time()}))
+        timeline.append(self.run_dir, self.spec.name, lines)
+
+    def _start_life(self) -> str:
+        self._life = {"run_id": self.spec.run_id, "incarnation": self.spec.incarnation, "pid": os.getpid(),
+                      "start": self._started}
+        return timeline.life_line(**self._life)
 
     def write_trace(self) -> None:
         """The state timeline into the run directory (read by `rlflow report`):
-        the events file, streamed into the trace, which then replaces it."""
+        this life's, after those of the replica's lives before it."""
         if self.run_dir is None:
             return
         self.clock.set("idle")
         self.save_timeline()
-        events = self.run_dir.service_events(self.spec.name)
-        self.run_dir.traces.mkdir(parents=True, exist_ok=True)
-        head = json.dumps({"role": self.spec.role, "rank": self.spec.rank, "counters": dict(self.counters)})
-        with open(self.run_dir.service_trace(self.spec.name), "w") as out:
-            out.write(head[:-1] + ', "events": [')
-            if events.exists():
-                with open(events) as lines:
-                    for i, line in enumerate(lines):
-                        out.write(("," if i else "") + line.rstrip("\n"))
-            out.write("]}")
-        events.unlink(missing_ok=True)
+        timeline.fold(self.run_dir, self.spec.name, self._life, {k: float(v) for k, v in self.counters.items()},
+                      time.time())
 
     async def run(self) -> None:
         async with open_control(self.spec) as control:
@@ -450,13 +475,19 @@ class StageService(Service):
         self.control = control
         bind = transport.tcp_address(bind_host(self.config))
         await self.prepare()
-        async with transport.open_pull(bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/in") as inbox:
+        async with transport.open_pull(
+            bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/in", shm=takes_shm(self.config)
+        ) as inbox:
             self.sockets.append(inbox)
             welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)}, **self.hello_fields())
             self.say("up, sending to %s", ", ".join(welcome.peers["out"]))
             async with (
                 transport.open_push(
-                    connect=welcome.peers["out"], curve=self.spec.curve, name=f"{self.spec.name}/out"
+                    connect=welcome.peers["out"],
+                    curve=self.spec.curve,
+                    name=f"{self.spec.name}/out",
+                    shm=shm_settings(self.config, self.spec.run_id),
+                    shm_peers=welcome.shm_peers,
                 ) as out,
                 trio.open_nursery() as nursery,
             ):
@@ -494,6 +525,7 @@ class StageService(Service):
                         self._waiting_out -= 1
                         self.counters["groups"] += len(result.groups)
                         self.counters["samples"] += result.n_samples
+                        self.counters["bytes_shared"] = out.bytes_shared
                         self._retime()
 
                 nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
@@ -504,7 +536,7 @@ class StageService(Service):
                 async for msg in control:
                     match msg:
                         case Peers():
-                            peers = follow(out, peers, msg.peers.get("out", []))
+                            peers = follow(out, peers, msg.peers.get("out", []), msg.shm_peers)
                         case Shutdown(reason=reason):
                             self.say("shutting down (%s)", reason)
                             break

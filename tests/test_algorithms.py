@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
 
-from rlflow.algo.losses import LossConfig, group_advantages, policy_loss, token_logprobs, uniform_groups
+from rlflow.algo.losses import (
+    LossConfig,
+    group_advantages,
+    normaliser_weights,
+    policy_loss,
+    token_logprobs,
+    uniform_groups,
+)
 
 
 def test_grpo_advantages_are_group_normalised():
@@ -89,6 +96,56 @@ def test_with_one_step_the_gradient_is_the_weighted_policy_gradient():
     expected = -math.exp(0.3) * 2.0 * (torch.nn.functional.one_hot(targets, 3)[0] - probs)
     assert logits.grad[0].tolist() == pytest.approx(expected.tolist(), rel=1e-5)
     assert out.clipped.item() == 0
+
+
+def test_loss_normalisers_by_hand():
+    """Four samples of 2, 4, 3 and 1 tokens; the second and third (T = 7
+    tokens) are trained on, the others are in a group without signal."""
+    lengths = torch.tensor([2, 4, 3, 1])
+    trained = torch.tensor([False, True, True, False])
+    assert normaliser_weights(lengths, trained, "trained_tokens").tolist() == [1.0, 1.0]
+    # Divided by every response token of the batch (10), not by T = 7: 7 / 10.
+    assert normaliser_weights(lengths, trained, "batch_tokens").tolist() == pytest.approx([0.7, 0.7])
+    # Each sample's token mean over 4 samples: T / (N L_i) = 7 / 16, 7 / 12.
+    assert normaliser_weights(lengths, trained, "sequences").tolist() == pytest.approx([7 / 16, 7 / 12])
+    with pytest.raises(ValueError, match="unknown loss normaliser 'max'"):
+        normaliser_weights(lengths, trained, "max")
+
+
+def test_a_normaliser_as_advantage_factors_gives_its_loss():
+    """What the trainer computes (each advantage times its factor, the token
+    sum divided by the tokens trained on) equals each normaliser's loss
+    written out by hand, gradient included."""
+    logits = torch.tensor([[0.1, 0.4], [0.3, -0.2], [0.0, 0.5], [-0.4, 0.2], [0.2, 0.2]], requires_grad=True)
+    targets = torch.tensor([0, 1, 1, 0, 1])
+    per_sample = [torch.tensor(1.5), torch.tensor(-0.5)]  # samples of 2 and 3 tokens, trained on
+    lengths, trained = torch.tensor([2, 3, 4]), torch.tensor([True, True, False])  # a third, of 4 tokens, is not
+    cfg = LossConfig()
+
+    def trainer_loss(norm: str) -> torch.Tensor:
+        w = normaliser_weights(lengths, trained, norm)
+        adv = torch.cat([(a * wi).repeat(int(n)) for a, wi, n in zip(per_sample, w, lengths[trained])])
+        current = token_logprobs(logits, targets)
+        return policy_loss(current, current.detach(), current.detach(), adv, cfg).loss / 5
+
+    def by_hand(norm: str) -> torch.Tensor:
+        logp = token_logprobs(logits, targets)
+        ratio = torch.exp(logp - logp.detach())  # 1, with the gradient of log p
+        first, second = -(ratio[:2] * 1.5), -(ratio[2:] * -0.5)
+        if norm == "batch_tokens":
+            return (first.sum() + second.sum()) / 9
+        return (first.mean() + second.mean()) / 3  # sequences: the third sample's mean is 0
+
+    for norm in ("batch_tokens", "sequences"):
+        logits.grad = None
+        got = trainer_loss(norm)
+        got.backward()
+        got_grad = logits.grad.clone()
+        logits.grad = None
+        want = by_hand(norm)
+        want.backward()
+        assert got.item() == pytest.approx(want.item(), rel=1e-5)
+        assert got_grad.flatten().tolist() == pytest.approx(logits.grad.flatten().tolist(), rel=1e-5)
 
 
 def test_token_logprobs_with_temperature():

@@ -42,6 +42,23 @@ def test_a_resumed_run_counts_only_the_steps_its_weights_kept(tmp_path):
     assert text(result).splitlines()[-1] == "RESULT audit issued=8 trained=8 lost=0 duplicated=0 dropped=0"
 
 
+def test_groups_a_stopped_session_made_after_its_checkpoint_are_not_lost_if_the_run_never_needs_them(tmp_path):
+    """The session stopped short had issued groups 8-11 (its staleness bound
+    allowed them) and dropped one; the checkpoint it resumes from had made
+    groups up to 7 only, and the run needs no more than those."""
+    write_ledger(tmp_path, [
+        {"event": "issued", "groups": list(range(12)), "replica": "rollout-0"},
+        {"event": "trained", "groups": [0, 1, 2, 3], "step": 0},
+        {"event": "dropped", "groups": [9], "reason": "reward failed"},
+        {"event": "trained", "groups": [4, 5, 6, 7], "step": 1},
+        {"event": "resumed", "groups": [4, 5, 6, 7], "step": 1, "next_group": 8},
+        {"event": "issued", "groups": [4, 5, 6, 7], "replica": "rollout-0"},
+        {"event": "trained", "groups": [4, 5, 6, 7], "step": 1},
+    ])
+    result = audit(tmp_path)
+    assert (result.issued, result.trained, result.lost, result.duplicated, result.dropped) == (8, 8, 0, 0, 0)
+
+
 def test_lost_duplicated_and_dropped_groups_are_named(tmp_path, capsys):
     write_ledger(tmp_path, [
         {"event": "issued", "groups": [0, 1, 2, 3, 4], "replica": "rollout-0"},

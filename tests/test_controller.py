@@ -8,6 +8,7 @@ import json
 import math
 import pathlib
 import re
+import socket
 import subprocess
 import sys
 
@@ -27,7 +28,7 @@ from rlflow.errors import RunFailed
 from rlflow.protocol import Heartbeat, Stage, StepDone
 from rlflow.rundir import RunDir
 from rlflow.startup import ServiceSpec
-from rlflow.tools import cli
+from rlflow.runstate import run_state
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIM = ROOT / "examples" / "sim.toml"
@@ -385,6 +386,30 @@ async def test_a_run_in_process_trains_every_group_once_within_the_bound(tmp_pat
     assert status.roles["rollout"].behind is not None
 
 
+@pytest.mark.parametrize("shm", ["auto", "off"])
+async def test_services_of_one_machine_pass_large_tensors_through_shared_memory_unless_told_not_to(tmp_path, shm):
+    """Every service here can map every other's memory (one process), so with
+    a threshold that a batch's token columns pass, they go through shared
+    memory from each stage to the next, and the weights from the trainer's
+    server; the run trains the same either way."""
+    overrides = ["run.steps=3", "run.samples_per_prompt=8", "roles.rollout.engine.response_len.median=256",
+                 "cluster.shm_min_bytes=4096", f"cluster.shm={shm}"]
+    with trio.fail_after(120):
+        controller, summary = await run_in_process(sim(*overrides), tmp_path)
+    assert summary.state == "stopped" and summary.steps == 3
+    assert summary.groups.trained == 12 and summary.groups.reissued == 0
+    status = RunDir(tmp_path).read_status()
+    # The trainer's: the weights it served (64 KiB per update here).
+    shared = {role: status.roles[role].counters.bytes_shared
+              for role in ("rollout", "reward", "teacher", "trainer")}
+    if shm == "auto":
+        assert all(n > 0 for n in shared.values()), shared
+    else:
+        assert shared == dict.fromkeys(shared, 0)
+    rejected = {role: s.counters.rejected for role, s in status.roles.items()}
+    assert rejected == dict.fromkeys(status.roles, {})
+
+
 async def test_a_resumed_ledger_grants_the_untrained_groups_first(tmp_path):
     """The controller's part of a resume: the groups granted before the
     checkpoint and not trained on are granted again, none skipped."""
@@ -405,7 +430,8 @@ async def test_a_resumed_ledger_grants_the_untrained_groups_first(tmp_path):
         _, summary = await run_in_process(config, tmp_path / "run")
     assert summary.state == "stopped" and summary.steps == 4
     assert [r.step for r in RunDir(tmp_path / "run").read_metrics()] == [2, 3]
-    assert summary.groups.trained == 8 and summary.groups.reissued == 0
+    # The whole run's groups (the two steps before the checkpoint, then these two), and this session's.
+    assert summary.groups.trained == 16 and summary.session.groups_trained == 8 and summary.groups.reissued == 0
 
 
 class BrokenLauncher:
@@ -432,10 +458,10 @@ async def test_a_controller_that_fails_says_so_in_status_and_summary(tmp_path):
 
 def test_status_of_a_run_whose_controller_is_gone_says_dead(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
-    gone.wait()
-    status = {"run_id": "r", "state": "running", "pid": gone.pid, "host": cli.socket.gethostname()}
+    gone.wait(timeout=30)
+    status = {"run_id": "r", "state": "running", "pid": gone.pid, "host": socket.gethostname()}
     (tmp_path / "status.json").write_text(json.dumps(status))
-    read = cli._read_status(RunDir(tmp_path))
+    read = run_state(RunDir(tmp_path)).status
     assert read.state == "dead"
     assert f"pid {gone.pid}" in read.error
     done = subprocess.run(
@@ -607,10 +633,10 @@ async def test_a_replica_that_hangs_while_holding_work_is_killed_and_restarted(t
         batcher.wake_time = lambda: math.inf
 
     with trio.fail_after(120):
-        _, summary = await run_in_process(sim("run.steps=8", "cluster.progress_timeout_s=1"), tmp_path, during=hang)
+        _, summary = await run_in_process(sim("run.steps=8", "cluster.progress_timeout_s=2"), tmp_path, during=hang)
     assert summary.state == "stopped" and summary.steps == 8, summary.error
     status = RunDir(tmp_path).read_status()
-    assert status.roles["rollout"].restarts == 1
+    assert status.roles["rollout"].restarts >= 1  # (a loaded machine may make a healthy one look hung too)
     assert any("rollout-0 made no progress for" in w and "presumed hung" in w for w in status.warnings), status.warnings
     result = audit(tmp_path)
     assert (result.lost, result.duplicated) == (0, 0)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pathlib
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -71,12 +72,25 @@ async def test_streams_and_control_work_with_the_run_keys():
     assert router.rejected == {}
 
 
+#: Seconds an intruder waits for its handshake to fail, all told.
+INTRUDE_S = 15.0
+#: Seconds after a disconnect in which the failure that caused it is still reported.
+GRACE_S = 1.0
+
+
 def intrude(address: str, kind: int, keys: CurveKeys | None, frames: list[list[bytes]]) -> str:
     """Connect a plain ZeroMQ socket of `kind` to `address`, as a CURVE client
     with `keys` if given, queue `frames`, and wait for the handshake to fail;
-    how it failed."""
+    how it failed: the kind of failure its monitor reports, or
+    "disconnected" (the server dropped the connection before any handshake
+    completed, and said no more). Every call has a deadline: a send that
+    cannot queue gives up, and a server that keeps dropping the connection
+    (each reconnect an event) does not keep it watching for ever."""
+    deadline = time.monotonic() + INTRUDE_S
     ctx = zmq.Context()
     sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 2_000)
     monitor = sock.get_monitor_socket()
     try:
         if keys is not None:
@@ -85,12 +99,26 @@ def intrude(address: str, kind: int, keys: CurveKeys | None, frames: list[list[b
             sock.curve_secretkey = keys.client_secret.encode()
         sock.connect(address)
         for message in frames:
-            sock.send_multipart(message)
-        while monitor.poll(10_000):
+            try:
+                sock.send_multipart(message)
+            except zmq.Again:  # nothing to queue it for: it cannot get in either
+                break
+        dropped_at = None
+        while (left := deadline - time.monotonic()) > 0:
+            if dropped_at is not None:
+                left = min(left, dropped_at + GRACE_S - time.monotonic())
+                if left <= 0:
+                    return "disconnected"
+            if not monitor.poll(max(1, int(left * 1000))):
+                continue
             event = recv_monitor_message(monitor)["event"]
             if event in HANDSHAKE_FAILED:
                 return HANDSHAKE_FAILED[event]
-        raise AssertionError(f"no handshake failure within 10 s on {address}")
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                return "succeeded"
+            if event == zmq.EVENT_DISCONNECTED and dropped_at is None:
+                dropped_at = time.monotonic()
+        raise AssertionError(f"neither a handshake failure nor a disconnect within {INTRUDE_S:g} s on {address}")
     finally:
         sock.disable_monitor()  # before closing either: a context with a live monitor may never end
         monitor.close(linger=0)
@@ -133,8 +161,11 @@ async def test_a_peer_without_the_run_keys_cannot_inject(channel):
             address = transport.bound_address(sock)
             failures = {}
             for who, their_keys in intruders.items():
-                failures[who] = await trio.to_thread.run_sync(intrude, address, kind, their_keys, [sent, sent])
-            # The ZAP handler refused the one that completed CURVE's key exchange.
+                # Abandoned on cancel: an intruder that overstays fails the test instead of hanging it.
+                failures[who] = await trio.to_thread.run_sync(intrude, address, kind, their_keys, [sent, sent],
+                                                              abandon_on_cancel=True)
+            # None got in; the ZAP handler refused the one that completed CURVE's key exchange.
+            assert "succeeded" not in failures.values(), failures
             assert failures["own keypair"] == "auth"
             assert sock.rejected == {"unauthenticated": 1}
             if data:
@@ -158,21 +189,23 @@ async def test_binding_or_connecting_off_this_host_without_curve_is_refused():
     ip = node_ip()
     if not endpoint_is_local(f"tcp://{ip}:0"):
         off_host.append(f"tcp://{ip}:0")
-    for address in off_host:
-        with pytest.raises(transport.InsecureEndpoint, match=r"refusing to bind .* without CURVE keys.*cluster\.curve"):
-            async with transport.open_pull(bind=address):
+    with trio.fail_after(30):
+        for address in off_host:
+            refused = r"refusing to bind .* without CURVE keys.*cluster\.curve"
+            with pytest.raises(transport.InsecureEndpoint, match=refused):
+                async with transport.open_pull(bind=address):
+                    pass
+        with pytest.raises(transport.InsecureEndpoint, match="refusing to connect tcp://192.0.2.1:5555"):
+            async with transport.open_dealer(connect="tcp://192.0.2.1:5555"):
                 pass
-    with pytest.raises(transport.InsecureEndpoint, match="refusing to connect tcp://192.0.2.1:5555"):
-        async with transport.open_dealer(connect="tcp://192.0.2.1:5555"):
-            pass
-    async with transport.open_push(connect=[]) as push:
-        with pytest.raises(transport.InsecureEndpoint):
-            transport.connect(push, "tcp://192.0.2.1:5555")
-    # With the run's keys, the node's own address binds (where it has one).
-    if len(off_host) == 5:
-        keys = transport.new_curve_keys()
-        async with transport.open_pull(bind=off_host[-1], curve=keys) as pull:
-            assert transport.bound_address(pull).startswith(f"tcp://{ip}:")
+        async with transport.open_push(connect=[]) as push:
+            with pytest.raises(transport.InsecureEndpoint):
+                transport.connect(push, "tcp://192.0.2.1:5555")
+        # With the run's keys, the node's own address binds (where it has one).
+        if len(off_host) == 5:
+            keys = transport.new_curve_keys()
+            async with transport.open_pull(bind=off_host[-1], curve=keys) as pull:
+                assert transport.bound_address(pull).startswith(f"tcp://{ip}:")
 
 
 def test_curve_is_on_whenever_other_hosts_can_reach_the_sockets():

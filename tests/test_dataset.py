@@ -8,6 +8,7 @@ import json
 import pathlib
 
 import pytest
+import trio
 
 from rlflow import config as C
 from rlflow.data.dataset_task import DatasetError, DatasetTaskImpl, ReasoningGymTaskImpl, read_rows
@@ -218,11 +219,12 @@ async def test_reasoning_gym_problems_are_scored_by_their_own_verifier(tokenizer
 
     gym = ReasoningGymTaskImpl(C.ReasoningGymTask(dataset="leg_counting", size=5, eval_size=1), seed=1, tokenizer=tokenizer)
     row = gym.row(0)
-    async with open_pool([FunctionSpec(path="rlflow.rewards:reasoning_gym", workers=1)]) as pool:
-        right, wrong, foreign = await pool.score_many([
-            Sample(prompt=gym.prompt_text(0), response=row["answer"], reference=row["answer"], row=row),
-            Sample(prompt=gym.prompt_text(0), response="-1", reference=row["answer"], row=row),
-            Sample(prompt="", response="1", row={"question": "x"}),
-        ])
+    with trio.fail_after(120):
+        async with open_pool([FunctionSpec(path="rlflow.rewards:reasoning_gym", workers=1)]) as pool:
+            right, wrong, foreign = await pool.score_many([
+                Sample(prompt=gym.prompt_text(0), response=row["answer"], reference=row["answer"], row=row),
+                Sample(prompt=gym.prompt_text(0), response="-1", reference=row["answer"], row=row),
+                Sample(prompt="", response="1", row={"question": "x"}),
+            ])
     assert right[0].value == 1.0 and wrong[0].value == 0.0
     assert foreign[0].status is Status.ERROR and "not a reasoning-gym entry" in foreign[0].message

@@ -19,7 +19,8 @@ from rlflow import config as C
 from rlflow.control.launch import run
 from rlflow.rundir import RunDir
 
-pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
+# Timeout: the slowest of these took 388 s on a loaded 2-core machine.
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -105,6 +106,7 @@ def test_a_run_resumes_from_its_last_checkpoint_detached(real_run, ray_cluster):
     run_dir, _ = real_run
     folder = RunDir(run_dir)
     config_before = folder.config.read_text()
+    evals_before = folder.read_evals()
     up = subprocess.run(
         [sys.executable, "-m", "rlflow", "up", "--resume", str(run_dir), "--steps", "4", "--detach",
          "--set", f"cluster.address={ray_cluster}"],
@@ -125,6 +127,14 @@ def test_a_run_resumes_from_its_last_checkpoint_detached(real_run, ray_cluster):
     assert C.load(folder.config).roles == C.load(text=config_before).roles
     state = json.loads((folder.checkpoint(4) / "controller_state.json").read_text())
     assert state["step"] == 4
+    # One record: the evaluations of the checkpoint it resumed from and before are kept (that of
+    # step 3 is not made again), then the final one.
+    evals = folder.read_evals()
+    assert any(e.step == 3 for e in evals_before)
+    assert evals[:-1] == evals_before and (evals[-1].step, evals[-1].version) == (4, 4)
+    summary = folder.read_summary()
+    assert (summary.steps, summary.sessions, summary.session.first_step, summary.session.steps) == (4, 2, 3, 1)
+    assert summary.samples == sum(r.samples for r in steps)
 
 
 OWN_TASK = """
@@ -288,31 +298,36 @@ def test_a_dead_vllm_engine_ends_its_replica_which_is_restarted_and_nothing_is_l
 
     model = tiny_model(tmp_path / "model", tied=False, seed=11)
     config = C.load(text=CONFIG.format(model=model), overrides=[
-        "run.steps=8", "eval.every_steps=0", "eval.before=false", "cluster.restart_backoff_s=0.1"])
+        "run.steps=120", "eval.every_steps=0", "eval.before=false", "cluster.restart_backoff_s=0.1",
+        "cluster.handshake_timeout_s=900"])
     run_dir = tmp_path / "run"
     killed: list[int] = []
 
     def kill_engine_core() -> None:
-        deadline = time.monotonic() + 300
+        """Once two steps are trained, SIGKILL the vLLM engine core under this
+        test's own Ray (its processes descend from this one)."""
+        deadline = time.monotonic() + 600
         while time.monotonic() < deadline and not killed:
-            time.sleep(0.5)
-            status = RunDir(run_dir).read_status()
-            if status is None or status.step < 2:
+            time.sleep(0.05)
+            if len(RunDir(run_dir).read_metrics()) < 2:
                 continue
-            rollout = psutil.Process(status.roles["rollout"].placed[0].pid)
-            cores = [p for p in rollout.children(recursive=True) if "EngineCore" in " ".join(p.cmdline() + [p.name()])]
-            for core in cores:
-                core.kill()
-                killed.append(core.pid)
+            for proc in psutil.Process().children(recursive=True):
+                try:
+                    if "EngineCore" in " ".join(proc.cmdline() + [proc.name()]):
+                        proc.kill()
+                        killed.append(proc.pid)
+                except psutil.NoSuchProcess:
+                    continue
 
     killer = threading.Thread(target=kill_engine_core, daemon=True)
     killer.start()
     summary = run(config, run_dir)
     killer.join(timeout=10)
     assert killed, "found no vLLM engine-core process to kill"
-    assert summary.state == "stopped" and summary.steps == 8, summary.error
+    assert summary.state == "stopped" and summary.steps == 120, summary.error
     status = RunDir(run_dir).read_status()
-    assert status.roles["rollout"].restarts == 1 and status.roles["rollout"].placed[0].incarnation == 1
-    assert any("rollout-0 died" in w and "EngineDead" in w for w in status.warnings), status.warnings
+    assert status.roles["rollout"].restarts >= 1 and status.roles["rollout"].placed[0].incarnation >= 1
+    # Lost as it died, found by the launcher or by a message that found no one; it said why first.
+    assert any(w.startswith("rollout-0 ") and "EngineDead" in w for w in status.warnings), status.warnings
     result = audit(run_dir)
-    assert (result.lost, result.duplicated, result.trained) == (0, 0, 8 * 4), result
+    assert (result.lost, result.duplicated, result.trained) == (0, 0, 120 * 4), result

@@ -27,7 +27,7 @@ import pytest
 from rlflow import config as C
 from rlflow.rundir import RunDir
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIM = ROOT / "examples" / "sim.toml"
@@ -90,7 +90,7 @@ def _stop(nodes: list[Node]) -> None:
             ray.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             ray.kill()
-            ray.wait()
+            ray.wait(timeout=30)
     for node in nodes:
         for pid in sh("ip", "netns", "pids", node.netns, check=False).stdout.split():
             try:
@@ -186,7 +186,7 @@ class Driver:
     def __exit__(self, *exc: object) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
-            self.proc.wait()
+            self.proc.wait(timeout=30)
 
     def output(self) -> str:
         return self.log.read_text()[-5000:]

@@ -119,11 +119,11 @@ def test_the_controller_carries_no_sample_data(three_steps, clean):
 def test_pools_get_their_own_cores_and_thread_counts(three_steps, clean):
     run_dir, _ = three_steps
     roles = RunDir(run_dir).read_status().roles
-    placed = {role: info.placed[0].info for role, info in roles.items()}
+    placed = {role: info.placed[0] for role, info in roles.items()}
     # examples/sim.toml: generate = 1 CPU, score = 0.5, train = 0.5 (sharing the next core).
-    assert placed["rollout"]["cpus"] == "0"
-    assert placed["reward"]["cpus"] == placed["teacher"]["cpus"] == placed["trainer"]["cpus"] == "1"
-    assert all(p["threads"] == "1" for p in placed.values())
+    assert placed["rollout"].cpus == "0"
+    assert placed["reward"].cpus == placed["teacher"].cpus == placed["trainer"].cpus == "1"
+    assert all(p.threads == 1 for p in placed.values())
 
 
 def test_metrics_also_go_to_tensorboard(three_steps, clean):
@@ -159,6 +159,7 @@ def running_at(step: int):
     return lambda s: s.get("state") == "running" and s.get("step", 0) >= step
 
 
+@pytest.mark.timeout(600)  # 104 s on a loaded 2-core machine
 def test_chaos_kills_a_hang_and_a_trainer_resume_lose_nothing(clean, tmp_path, monkeypatch):
     """The chaos bench, shorter: SIGKILL three random rollout, reward or
     teacher replicas, SIGSTOP one until it is presumed dead, SIGKILL the
@@ -190,7 +191,8 @@ def test_with_no_restarts_allowed_a_dead_replica_fails_the_run_and_leaves_nothin
     killer.start()
     with pytest.raises(RunFailed, match="every reward replica is given up on; the last, reward-0: died"):
         run(sim_config("run.steps=100000", "cluster.max_restarts=0"), run_dir)
-    killer.join()
+    killer.join(timeout=120)
+    assert not killer.is_alive()
     assert killed
     assert leftovers(killed[0]) == ([], [])
     status = RunDir(run_dir).read_status()
@@ -253,6 +255,87 @@ def test_detach_status_and_down(curve, clean, tmp_path):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_detached_run_whose_controller_is_killed_is_dead_to_status_and_down(clean, tmp_path):
+    """SIGKILL the controller of a detached run: `rlflow status` says dead;
+    `rlflow down` says dead, leaves none of its actors, placement groups or
+    processes (also one a service started, carrying the run's id), writes
+    the dead state into status.json, and exits 0."""
+    import psutil
+
+    from rlflow.runstate import RUN_ID_VAR
+
+    run_dir = tmp_path / "run"
+    base = [sys.executable, "-m", "rlflow"]
+    up = subprocess.run(
+        [*base, "up", "--detach", "--config", str(SIM), "--steps", "100000", "--run-dir", str(run_dir),
+         "--set", f"cluster.address={clean}"],
+        capture_output=True, text=True, timeout=300,
+    )
+    pid = int((run_dir / "run.pid").read_text()) if (run_dir / "run.pid").exists() else None
+    stray = None
+    try:
+        assert up.returncode == 0, up.stderr
+        status = wait_for_status(run_dir, running_at(2))
+        run_id = status["run_id"]
+        services = [p["pid"] for info in status["roles"].values() for p in info["placed"]]
+        assert len(leftovers(run_id)[0]) == 4
+        stray = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                 env={**os.environ, RUN_ID_VAR: run_id}, start_new_session=True)
+        os.kill(pid, signal.SIGKILL)
+        psutil.Process(pid).wait(timeout=30)
+        shown = subprocess.run([*base, "status", str(run_dir), "--once"], capture_output=True, text=True, timeout=60)
+        assert shown.returncode == 0 and "dead" in shown.stdout, shown.stdout
+        down = subprocess.run([*base, "down", str(run_dir)], capture_output=True, text=True, timeout=180)
+        assert down.returncode == 0, down.stderr
+        assert f"is dead: its controller (pid {pid}) is gone without saying why" in down.stderr, down.stderr
+        assert str(stray.pid) in down.stderr, down.stderr
+        assert stray.wait(timeout=30) is not None
+        assert json.loads((run_dir / "status.json").read_text())["state"] == "dead"
+        assert leftovers(run_id) == ([], [])
+        assert not [p for p in services if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        again = subprocess.run([*base, "down", str(run_dir)], capture_output=True, text=True, timeout=180)
+        assert again.returncode == 0 and "is dead" in again.stderr, again.stderr
+    finally:
+        for process in (pid, stray.pid if stray is not None else None):
+            if process is not None:
+                try:
+                    os.kill(process, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        if stray is not None:
+            stray.wait(timeout=30)
+
+
+def test_what_a_run_left_on_ray_is_removed_by_its_id(clean):
+    """Actors and placement groups named for a run, made to outlive their
+    maker (detached), as a dead controller's may be: `remove_run` removes
+    them, and nothing of another run."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from rlflow.control.placement import remove_run
+
+    @ray.remote(num_cpus=0)
+    class Idle:
+        def ping(self) -> str:
+            return "up"
+
+    actors = [Idle.options(name=f"rlflow:{run}:x:0", namespace="rlflow", lifetime="detached").remote()
+              for run in ("gone-1", "other-1")]
+    groups = [placement_group([{"CPU": 0.01}], name=f"rlflow:{run}:pool", lifetime="detached")
+              for run in ("gone-1", "other-1")]
+    try:
+        assert ray.get([a.ping.remote() for a in actors], timeout=60) == ["up", "up"]
+        ray.get([g.ready() for g in groups], timeout=60)
+        assert remove_run(clean, "gone-1") == (["rlflow:gone-1:x:0"], ["rlflow:gone-1:pool"])
+        assert leftovers("gone-1") == ([], [])
+        assert leftovers("other-1") == (["rlflow:other-1:x:0"], ["rlflow:other-1:pool"])
+        assert remove_run("127.0.0.1:1", "gone-1") is None  # no cluster there
+    finally:
+        ray.kill(actors[1])
+        remove_placement_group(groups[1])
 
 
 #: The header of the report: about a kilobyte, nested a thousand levels deep.
@@ -337,6 +420,7 @@ def test_hostile_messages_to_every_live_socket_are_counted_and_the_run_goes_on(c
             for name, (kind, address) in targets.items():
                 sock = ctx.socket(kind)
                 sock.setsockopt(zmq.LINGER, 5000)
+                sock.setsockopt(zmq.SNDTIMEO, 10_000)
                 sock.connect(address)
                 for _, frames in stream:
                     sock.send_multipart(frames)
@@ -353,7 +437,8 @@ def test_hostile_messages_to_every_live_socket_are_counted_and_the_run_goes_on(c
     attacker = threading.Thread(target=attack, daemon=True)
     attacker.start()
     summary = run(sim_config("run.steps=40"), run_dir)
-    attacker.join()
+    attacker.join(timeout=120)
+    assert not attacker.is_alive(), "the attacker did not finish within 120 s of the run"
     assert attacked, "the run never reached step 2"
     assert summary.state == "stopped", summary.error
     assert summary.steps == 40 and summary.stop_reason == "40 steps done"

@@ -483,6 +483,8 @@ def test_every_rejection_the_spec_names_is_raised_by_decode_itself():
         "frame_count": [good[0]],
         "frame_size": [good[0], good[1][:-1]],
         "dtype": [msgspec.msgpack.encode([SCHEMA_VERSION, [41, 1, ["t"], [["complex128", [2], 1]]]]), b"x" * 16],
+        # A tensor in shared memory ([dtype, shape, frame, offset]) to a decoder that takes none.
+        "shm": [msgspec.msgpack.encode([SCHEMA_VERSION, [41, 1, ["t"], [["uint8", [16], 1, 4096]]]]), b"x" * 40],
     }
     assert sorted(kinds) == sorted(breaking), "a rejection kind of SPEC.md has no case here (or one went)"
     for kind in kinds:

@@ -406,11 +406,11 @@ def test_workers_outlive_the_thread_that_started_them_and_die_with_their_parent(
         time.sleep(12)
         assert all(alive(p) for p in pids), "a worker died with the thread that started it"
         holder.kill()
-        holder.wait()
+        holder.wait(timeout=30)
         assert gone(pids), "a worker outlived its parent"
     finally:
         holder.kill()
-        holder.wait()
+        holder.wait(timeout=30)
         holder.stdout.close()
         for pid in pids:
             if alive(pid):

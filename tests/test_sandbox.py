@@ -130,7 +130,7 @@ def test_fork_bomb_is_contained_and_leaves_nothing():
         result = run_python(program, limits=limits)
     finally:
         done.set()
-        watcher.join()
+        watcher.join(timeout=30)
     assert result.status is Status.TIMEOUT
     assert result.seconds < limits.timeout_s + MARGIN_S
     assert 1 < peak <= limits.processes  # it did fork, and no further than its limit

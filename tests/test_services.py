@@ -408,9 +408,47 @@ def test_the_timeline_leaves_memory_at_each_heartbeat_and_ends_whole_in_the_trac
     service.write_trace()
     folder = RunDir(tmp_path)
     trace = json.loads(folder.service_trace("reward-0").read_text())
-    assert [state for _, state in trace["events"]] == ["idle", *states, "idle"]
+    assert [state for _, state in trace["events"]] == ["idle", *states, "idle", "down"]
     assert [t for t, _ in trace["events"]] == sorted(t for t, _ in trace["events"])
     assert trace["role"] == "reward" and not folder.service_events("reward-0").exists()
+
+
+def test_every_life_of_a_replica_stays_in_its_timeline_once(tmp_path):
+    """A replica killed (its events left behind), its next incarnation, which
+    ends cleanly, and a later session's: the trace keeps the three lives in
+    order, each once, with the replica down between them; a reader sees a
+    killed life before any life folds it in."""
+    from rlflow import timeline
+
+    def life(incarnation: int, run_id: str, states: list[str], *, clean: bool) -> Service:
+        service = Service(msgspec.structs.replace(spec(sim_config(), "reward"), run_dir=str(tmp_path),
+                                                  incarnation=incarnation, run_id=run_id))
+        for state in states:
+            service.clock.set(state)
+            service.counters["samples"] += 1
+            time.sleep(0.002)
+            service.heartbeat(0)
+        if clean:
+            service.write_trace()
+        return service
+
+    folder = RunDir(tmp_path)
+    life(0, "session-1", ["busy", "starved"], clean=False)  # killed: no trace written
+    killed = timeline.read(folder, "reward-0")
+    assert [(x["incarnation"], x["ended"]) for x in killed["lives"]] == [(0, "unknown")]
+    assert timeline.names(folder) == ["reward-0"]
+    life(1, "session-1", ["busy", "blocked"], clean=True)
+    life(0, "session-2", ["busy"], clean=True)
+    trace = json.loads(folder.service_trace("reward-0").read_text())
+    assert [(x["run_id"], x["incarnation"], x["ended"]) for x in trace["lives"]] == [
+        ("session-1", 0, "unknown"), ("session-1", 1, "shutdown"), ("session-2", 0, "shutdown")]
+    states = [state for _, state in trace["events"]]
+    assert states == ["idle", "busy", "starved", "down", "idle", "busy", "blocked", "idle", "down",
+                      "idle", "busy", "idle", "down"]
+    assert [t for t, _ in trace["events"]] == sorted(t for t, _ in trace["events"])
+    assert trace["counters"] == {"samples": 3.0}  # the lives that could say theirs
+    assert not folder.service_events("reward-0").exists()
+    assert timeline.read(folder, "reward-0") == trace
 
 
 # -- reward and teacher ----------------------------------------------------------------------

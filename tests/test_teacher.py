@@ -98,14 +98,16 @@ async def test_teacher_scores_equal_a_float32_forward_and_its_top_k(teacher_path
 async def test_a_sample_longer_than_the_teachers_context_fails_in_band(teacher_path):
     config = config_for(teacher_path)
     engine = TorchTeacherEngine(config.roles.teacher.engine, standalone_context(config, "teacher"))
-    await engine.start()
+    with trio.fail_after(120):
+        await engine.start()
     batch = random_batch(groups=2, n=2, lengths=(3, 5))
     rows = list(samples(batch))
     long = Response(np.full(600, 5, np.int32), np.zeros(600, np.float32), np.zeros(600, np.int32), FinishReason.LENGTH)
     items = [(PromptGroup(group_id=9, prompt_ids=[3, 4], n=1), [long])]
     items += [(PromptGroup(group_id=r.group.group_id, prompt_ids=r.prompt_ids.tolist(), n=1),
                [Response(r.response_ids, r.logprobs, r.versions, r.finish_reason)]) for r in rows]
-    scores = await engine.score(build_batch(items))
+    with trio.fail_after(120):
+        scores = await engine.score(build_batch(items))
     assert list(scores.failed) == [0] and scores.failed[0][0] == "too_long"
     assert np.isnan(scores.logprobs[:600]).all() and not np.isnan(scores.logprobs[600:]).any()
 

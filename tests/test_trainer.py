@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 import numpy as np
 import pytest
@@ -10,7 +12,7 @@ from models import tiny_model
 
 from rlflow.config import TorchTrainer
 from rlflow.protocol import FinishReason, PromptGroup, Response, Tensor, build_batch
-from rlflow.services.trainer.torch_engine import TorchEngine
+from rlflow.services.trainer.torch_engine import TorchEngine, learning_rate
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +80,36 @@ def test_groups_without_signal_are_left_out(model_path):
     metrics = engine.train(uniform)
     assert metrics["trained_tokens"] == 0 and metrics["mixed_sample_share"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, engine.model.parameters()))
+
+
+def test_the_loss_normaliser_counts_the_tokens_of_groups_without_signal(model_path):
+    """One group with signal, one without, each 4 samples of 6 tokens: over
+    the batch's tokens (or its samples) the gradient is half what it is over
+    the tokens trained on."""
+    batch = fixed_batch(TorchEngine(TorchTrainer(), str(model_path)))
+    half = msgspec.structs.replace(batch, rewards=Tensor.of([0.0, 1.0, 0.0, 1.0] + [1.0] * 4, "float32"))
+    out = {}
+    for norm in ("trained_tokens", "batch_tokens", "sequences"):
+        engine = TorchEngine(TorchTrainer(loss_norm=norm, grad_clip=1e6), str(model_path))
+        out[norm] = engine.train(half)
+        assert out[norm]["trained_tokens"] == 24 and out[norm]["mixed_sample_share"] == 0.5
+        assert out[norm]["uniform_high_share"] == 0.5 and out[norm]["uniform_low_share"] == 0.0
+    assert out["trained_tokens"]["grad_norm"] > 1.0
+    for norm in ("batch_tokens", "sequences"):
+        assert out[norm]["grad_norm"] == pytest.approx(0.5 * out["trained_tokens"]["grad_norm"], rel=1e-4)
+
+
+def test_learning_rate_schedules_by_hand():
+    linear = TorchTrainer(lr=1e-3, warmup_steps=2, lr_decay="linear", lr_final=0.1)
+    # Warm-up 1/2, 2/2; then from 1e-3 at step 2 down to 1e-4 at step 11, the last of 12.
+    got = [learning_rate(linear, step, 12) for step in (0, 1, 2, 6, 11)]
+    assert got == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3 * (0.1 + 0.9 * 5 / 9), 1e-4])
+    cosine = TorchTrainer(lr=1e-3, lr_decay="cosine")
+    assert [learning_rate(cosine, step, 5) for step in (0, 1, 2, 4)] == pytest.approx(
+        [1e-3, 1e-3 * (1 + math.cos(math.pi / 4)) / 2, 5e-4, 0.0])
+    assert learning_rate(TorchTrainer(lr=1e-3), 50, 12) == 1e-3
+    with pytest.raises(ValueError, match="lr_decay = 'linear' needs the run's step count"):
+        TorchEngine(linear, "/unused")
 
 
 def test_a_sample_without_a_reward_is_refused(model_path):

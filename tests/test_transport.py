@@ -113,7 +113,7 @@ async def test_a_stalled_consumer_blocks_the_producer_with_bounded_memory():
                 go.set()
                 for version in range(sent, sent + 3):  # unblocked again
                     await push.send(weights(version, Tensor.from_numpy(np.zeros(size, np.uint8))))
-                got = await trio.to_thread.run_sync(result.get, True, 60)
+                got = await trio.to_thread.run_sync(result.get, True, 60, abandon_on_cancel=True)
     assert got == list(range(sent + 3)), "messages were lost or reordered"
 
 
@@ -185,6 +185,7 @@ async def test_bad_messages_are_counted_and_the_loop_goes_on(ipc_dir):
     ]
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.PUSH)
+    raw.setsockopt(zmq.SNDTIMEO, 10_000)  # a send in trio's thread must not block it past fail_after
     try:
         with trio.fail_after(30):
             async with transport.open_pull(bind=address, codec=Codec(WeightsMessage)) as pull:
@@ -257,13 +258,14 @@ async def test_concurrent_send_and_receive_on_one_socket():
 
 
 async def test_sockets_close_on_exit_and_on_error():
-    with pytest.raises(RuntimeError, match="boom"):
-        async with transport.open_push(bind="tcp://127.0.0.1:0") as push:
-            raise RuntimeError("boom")
-    assert push.closed
-    async with transport.open_pull(bind="tcp://127.0.0.1:0") as pull:
-        pass
-    assert pull.closed
+    with trio.fail_after(30):
+        with pytest.raises(RuntimeError, match="boom"):
+            async with transport.open_push(bind="tcp://127.0.0.1:0") as push:
+                raise RuntimeError("boom")
+        assert push.closed
+        async with transport.open_pull(bind="tcp://127.0.0.1:0") as pull:
+            pass
+        assert pull.closed
 
 
 def test_ipc_paths_that_do_not_fit_are_refused():

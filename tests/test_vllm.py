@@ -8,6 +8,7 @@ the trainer service uses.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 
@@ -43,10 +44,12 @@ def engine(tied_model):
     try:
         port = free_port("127.0.0.1")
         box = {}
-        trainer = threading.Thread(target=lambda: box.setdefault("group", GlooGroup("127.0.0.1", port, 0, 2)))
+        trainer = threading.Thread(
+            target=lambda: box.setdefault("group", GlooGroup("127.0.0.1", port, 0, 2, timeout_s=120)), daemon=True)
         trainer.start()
         trio.run(backend.join_weights, "127.0.0.1", port, 1, 2)
-        trainer.join()
+        trainer.join(timeout=120)
+        assert "group" in box, "the trainer's end of the weight group did not form within 120 s"
         yield backend, box["group"]
     finally:
         backend.close()
@@ -90,7 +93,8 @@ async def push(engine, model, version: int, kv: str | None = None, bucket_bytes:
             group.broadcast(flat[piece.start : piece.end].clone())
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trio.to_thread.run_sync, send)
+        # Abandoned on cancel: a broadcast with no receiver left waits for the group's timeout.
+        nursery.start_soon(functools.partial(trio.to_thread.run_sync, send, abandon_on_cancel=True))
         await backend.update(version, specs, nbytes, kv=kv, bucket_bytes=bucket_bytes)
 
 

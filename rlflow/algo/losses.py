@@ -72,6 +72,39 @@ def uniform_groups(rewards: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
     return (high == low)[index]
 
 
+def normaliser_weights(lengths: torch.Tensor, trained: torch.Tensor, norm: str) -> torch.Tensor:
+    """Per sample trained on, the factor that turns the trainer's token mean
+    over the tokens it trains on into the normaliser `norm`.
+
+    The trainer divides the policy loss's sum over tokens by the number of
+    tokens it trains on, T (no-signal groups are left out before). The
+    surrogate is linear in the advantage, so scaling sample i's advantage by
+    its factor w_i gives, over the batch's N samples of lengths L_i:
+
+    * ``trained_tokens``: w_i = 1, the sum over trained tokens / T;
+    * ``batch_tokens``: w_i = T / sum(L), the sum over trained tokens /
+      every response token of the batch, no-signal samples included (DAPO's
+      token mean: a batch with less signal moves the policy less);
+    * ``sequences``: w_i = T / (N L_i), the mean over the batch's samples
+      of each sample's token mean (GRPO's; no-signal samples count 0).
+
+    `lengths`: response tokens of every sample of the batch; `trained`: a
+    mask of the samples trained on. Returns one factor per trained sample.
+    """
+    lengths = lengths.to(torch.float64)
+    kept = lengths[trained]
+    total = kept.sum()
+    if norm == "trained_tokens" or total == 0:
+        out = torch.ones_like(kept)
+    elif norm == "batch_tokens":
+        out = torch.full_like(kept, float(total / lengths.sum()))
+    elif norm == "sequences":
+        out = total / (len(lengths) * kept.clamp(min=1))
+    else:
+        raise ValueError(f"unknown loss normaliser {norm!r}")
+    return out.to(torch.float32)
+
+
 @dataclass(frozen=True)
 class LossConfig:
     clip_low: float = 0.2

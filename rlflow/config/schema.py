@@ -108,6 +108,10 @@ class ClusterConfig(Table):
     up to 25% jitter either way), up to `restart_backoff_max_s`."""
     restart_backoff_max_s: NonNegFloat = 60.0
     """The longest wait before a restart."""
+    weight_timeout_s: PosFloat = 120.0
+    """How long a new generation of a collective weight group waits for its members to join, and a
+    broadcast for its peers: a member that died leaves the group broken after this long (and it is made
+    anew), not stuck. The first group, made while the services start, waits `handshake_timeout_s`."""
     max_weight_rebuilds: NonNegInt = 5
     """A collective weight group that breaks (a member died mid-broadcast) is made anew and the newest
     version moved again; after this many breaks in a row with no round completed, the run fails."""
@@ -120,6 +124,16 @@ class ClusterConfig(Table):
     "auto": whenever `host` is not a loopback address (empty included), i.e. whenever other hosts can reach
     the sockets (there, a socket without CURVE is refused); "on": also on loopback (a machine shared with
     others). CURVE costs throughput: ~0.25 GB/s per stream here against ~2.4 GB/s without."""
+    shm: Literal["auto", "off"] = "auto"
+    """Large tensors between services of one machine through shared memory rather than the socket (which
+    still carries each message's header). "auto": from each sender to the receivers that can map its memory
+    (same kernel, PID namespace and user, as each says at registration; never across hosts); "off": every
+    tensor over the socket. Segments are private to the run's user (mode 0600), CURVE or not."""
+    shm_min_bytes: Annotated[int, Meta(ge=4096)] = 1 << 20
+    """Tensors of at least this many bytes go through shared memory; smaller ones stay in the message."""
+    shm_max_bytes: Annotated[int, Meta(ge=1 << 20)] = 1 << 30
+    """Most shared memory each sending socket holds at once (segments are reused; when none is free and no
+    new one fits, tensors go over the socket, whose high-water marks then hold the sender back)."""
 
     @property
     def uses_curve(self) -> bool:
@@ -304,6 +318,11 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """AdamW weight decay."""
     warmup_steps: NonNegInt = 0
     """Linear learning-rate warm-up."""
+    lr_decay: Literal["none", "linear", "cosine"] = "none"
+    """After the warm-up, hold the learning rate (none) or bring it down, linearly or along a cosine,
+    to lr_final x lr at the run's last step (run.steps)."""
+    lr_final: Fraction = 0.0
+    """With lr_decay: the learning rate at the last step, as a fraction of lr."""
     grad_clip: PosFloat = 1.0
     """Clip the gradient's global norm to this."""
     advantage: Literal["grpo", "rloo", "gae"] = "grpo"
@@ -313,6 +332,11 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """GRPO: divide by the group's reward standard deviation."""
     skip_uniform_groups: bool = True
     """Leave out groups whose rewards are all equal (no signal, only noise)."""
+    loss_norm: Literal["trained_tokens", "batch_tokens", "sequences"] = "trained_tokens"
+    """What the policy loss's sum over tokens is divided by. trained_tokens: the tokens trained on
+    (groups without signal left out); batch_tokens: every response token of the batch, groups without
+    signal included (DAPO's token mean: a batch with less signal moves the policy less); sequences:
+    each sample's token mean, averaged over the batch's samples (GRPO's)."""
     clip_low: Fraction = 0.2
     """PPO clip range below 1."""
     clip_high: NonNegFloat = 0.28

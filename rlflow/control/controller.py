@@ -32,6 +32,7 @@ import trio
 from rlflow.config import Config, kind_of
 from rlflow.control import status as build
 from rlflow.control.ledger import GroupLedger, LedgerState
+from rlflow.control.record import resume as resume_record
 from rlflow.control.metrics import Sink, open_sinks
 from rlflow.control.outbox import Door, Outboxes, farewell
 from rlflow.control.replicas import (
@@ -127,6 +128,8 @@ class Controller:
         self.topology = Topology([name for name, _ in config.role_items()])
         self.supervisor = Supervisor(Policy.of(cluster), trio.current_time)
         self.stats = RunStats([name for name, _ in config.role_items()])
+        if run.resume:  # the record goes on from the checkpoint: one run, one record
+            self.stats.carry(resume_record(self.run_dir, self.ledger.steps_done, self.ledger.trained_count))
         self.state, self.error, self.stop_reason = "starting", None, ""
         self.door = Door()  # peers turned away, and messages not acted on
         self.warnings: list[str] = []
@@ -145,7 +148,7 @@ class Controller:
         """Start the services, run every step, shut them down; the summary."""
         bind = transport.tcp_address(bind_host(self.config.cluster.host))
         self.run_dir.path.mkdir(parents=True, exist_ok=True)
-        self._sinks = open_sinks(self.run_dir, self.config)
+        self._sinks = open_sinks(self.run_dir, self.config, first_step=self.ledger.steps_done)
         try:
             async with transport.open_router(bind=bind, curve=self.curve, name="controller") as router:
                 self.router = self.outboxes.router = router
@@ -204,14 +207,14 @@ class Controller:
         self._welcomed = True
         for replica in self.roster:
             if replica.registered:
-                self.outboxes.post(replica, self._welcome(replica))
+                self.outboxes.post(replica, welcome(self, replica))
         await _within(self._all_ready, timeout,
                       lambda: ", ".join(sorted(r.name for r in self.roster if not r.live)) + " not ready")
         log.info("[controller] all %d services ready", len(self.roster.replicas))
 
     async def _train(self) -> None:
         """Evaluate, grant until the last step is trained, evaluate again, shut down."""
-        if self.config.eval.before:
+        if self.config.eval.before and not self.stats.evaluated_at(self.ledger.steps_done):  # kept on resume
             self.state = "evaluating"
             await self._evaluated()
         self.state = "running"
@@ -223,16 +226,6 @@ class Controller:
             while any(r.version < self.weights.rounds.published for r in self.roster.role("rollout") if r.live):
                 await self._wait_change()
             await self._evaluated()
-
-    def _welcome(self, replica: Replica) -> Welcome:
-        """Who it streams to, the clock, and how weights reach it (a replacement
-        loads the version it starts with, then catches up)."""
-        first = replica.restarts == 0
-        transfer, layout = self.weights.welcome(replica.role, replica.rank, first=first,
-                                                receivers=len(self.roster.role("rollout")))
-        return Welcome(schema_version=SCHEMA_VERSION, run_id=self.run_id, version=self.version if first else
-                       self.start_version, peers=self.topology.peers(replica.role, replica.rank, self.roster),
-                       heartbeat_s=self.config.cluster.heartbeat_s, weights=transfer, layout=layout)
 
     async def _wait_change(self) -> None:
         await self._changed.wait()
@@ -303,7 +296,7 @@ class Controller:
                     self.error = f"{replica.name} failed: {kind}: {message}"
                     raise RunFailed(self.error)
                 if fatal:  # it is exiting: its death, when the launcher sees it, restarts it
-                    replica.last_error = f"{kind}: {message}"[:500]
+                    replica.fatal = f"{kind}: {message}"[:500]
                 log.warning("[controller] %s failed: %s: %s", replica.name, kind, message)
                 if kind == WEIGHT_GROUP_BROKEN:
                     self.outboxes.order(self.weights.broken(receivers), self.roster)
@@ -324,7 +317,7 @@ class Controller:
             self._all_hello.set()
         self.outboxes.open(replica)
         if self._welcomed:  # a new incarnation: welcomed at once
-            self.outboxes.post(replica, self._welcome(replica))
+            self.outboxes.post(replica, welcome(self, replica))
 
     def _on_ready(self, replica: Replica, msg: Ready) -> None:
         replica.state, replica.version = State.READY, msg.version
@@ -382,17 +375,23 @@ class Controller:
         return self.version
 
     async def _evaluated(self) -> None:
-        """Evaluate, and wait for this evaluation (an earlier one may still be running)."""
-        version = self._evaluate()
+        """Evaluate, and wait for this evaluation (an earlier one may still be running); asked again of
+        rollout 0's replacement, once it holds the current weights, if rollout 0 is lost meanwhile."""
+        version, evaluator = self._evaluate(), self.roster.replicas[("rollout", 0)]
+        asked = evaluator.incarnation
         while version is not None and not any(e.version >= version for e in self.stats.evals):
             await self._wait_change()
+            if evaluator.incarnation != asked and evaluator.live and 0 not in self.weights.catching_up:
+                version, asked = self._evaluate(), evaluator.incarnation
 
     def _send_peers_upstream(self, role: str) -> None:
         """The role before `role` streams to its replicas' current endpoints."""
         before = self.topology.previous(role)
         for upstream in self.roster.role(before) if before else ():
             if upstream.live:
-                self.outboxes.post(upstream, Peers(peers=self.topology.peers(before, upstream.rank, self.roster)))
+                peers = self.topology.peers(before, upstream.rank, self.roster)
+                self.outboxes.post(upstream, Peers(peers=peers, shm_peers=Topology.shm_peers(upstream, peers,
+                                                                                           self.roster)))
 
     def _warn(self, text: str) -> None:
         """Something a person should look at: logged, and the latest few in the status."""
@@ -451,6 +450,7 @@ class Controller:
         go on without it, and restart it after its back-off (or give up)."""
         if replica.state in (State.LOST, State.GIVEN_UP, State.GONE):
             return
+        why += f" (it said: {replica.fatal})" if replica.fatal else ""
         text = f"{replica.name} {why}"
         if replica.role in STATEFUL_ROLES:
             self.error = f"{text}; the run stops (continue it with rlflow up --resume {self.run_dir.path})"
@@ -499,6 +499,19 @@ class Controller:
 
     def summary(self) -> Summary:
         return build.run_summary(self)
+
+
+def welcome(controller: Controller, replica: Replica) -> Welcome:
+    """What `replica` is welcomed with: who it streams to, the clock, and how
+    weights reach it (a replacement loads the version it starts with, then catches up)."""
+    first = replica.restarts == 0
+    transfer, layout = controller.weights.welcome(replica.role, replica.rank, first=first,
+                                                  receivers=len(controller.roster.role("rollout")))
+    peers = controller.topology.peers(replica.role, replica.rank, controller.roster)
+    return Welcome(schema_version=SCHEMA_VERSION, run_id=controller.run_id,
+                   version=controller.version if first else controller.start_version, peers=peers,
+                   shm_peers=Topology.shm_peers(replica, peers, controller.roster),
+                   heartbeat_s=controller.config.cluster.heartbeat_s, weights=transfer, layout=layout)
 
 
 async def _within(event: trio.Event, timeout: float, what: Callable[[], str]) -> None:

@@ -16,11 +16,12 @@ and placement group.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 import trio
@@ -33,6 +34,7 @@ from rlflow.data import transport
 from rlflow.data.net import is_loopback
 from rlflow.models import resolve_model
 from rlflow.rundir import RunDir, Status, Summary
+from rlflow.runstate import RUN_ID_VAR
 
 
 def new_run_id(run_dir: pathlib.Path) -> str:
@@ -120,6 +122,20 @@ def _same_tokenizer(model: str, policy: str, key: str) -> None:
         )
 
 
+@contextlib.contextmanager
+def _marked(run_id: str) -> Iterator[None]:
+    """Processes started meanwhile carry the run id in their environment (`rlflow.runstate`)."""
+    before = os.environ.get(RUN_ID_VAR)
+    os.environ[RUN_ID_VAR] = run_id
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[RUN_ID_VAR]
+        else:
+            os.environ[RUN_ID_VAR] = before
+
+
 def run(
     config: Config,
     run_dir: str | os.PathLike,
@@ -134,7 +150,8 @@ def run(
     folder.config.write_text(to_toml(config))
     run_id = run_id or new_run_id(folder.path)
     started_ray = not placement.ray.is_initialized()
-    placement.start_ray(config.cluster)
+    with _marked(run_id):  # a local Ray started for the run is the run's: `rlflow down` finds it by the mark
+        placement.start_ray(config.cluster)
     pools = placement.PoolManager(config, run_id)
     secret = secrets.token_hex(16)
     curve = transport.new_curve_keys() if config.cluster.uses_curve else None

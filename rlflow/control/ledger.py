@@ -86,6 +86,8 @@ class Event(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """issued: the oldest version each group may start on."""
     details: list[str] = []
     """dropped: what went wrong with each group, where known (a poison group: its grants and last error)."""
+    next_group: int = -1
+    """resumed: the first group id the checkpoint had not created (those from there on are made anew)."""
     t: float = 0.0
     """Seconds since the Unix epoch (set by the controller when it writes the event)."""
 
@@ -103,6 +105,10 @@ class LedgerState(msgspec.Struct, frozen=True, kw_only=True):
     """Groups granted more than once so far."""
     dropped: dict[str, int] = {}
     """Groups dropped for good, by reason."""
+    trained: int | None = None
+    """Groups trained on so far (None, in a checkpoint that did not say: a batch per step)."""
+    granted: int | None = None
+    """Grants so far (None, in a checkpoint that did not say: one per group trained)."""
 
 
 #: `Event.reason` of a group dropped for having been granted `max_grants` times.
@@ -325,6 +331,8 @@ class GroupLedger:
             untrained=sorted(self.groups),
             reissued=self.reissued,
             dropped=dict(self.dropped),
+            trained=self.trained_count,
+            granted=self.granted,
         )
 
     @classmethod
@@ -334,7 +342,11 @@ class GroupLedger:
         ledger = cls(batch_size, max_staleness, steps, max_grants=max_grants)
         ledger.steps_done, ledger.next_group, ledger.reissued = state.steps_done, state.next_group, state.reissued
         ledger.dropped.update(state.dropped)
+        # A step trains a batch of groups, so a checkpoint that kept no counts says them anyway.
+        ledger.trained_count = state.trained if state.trained is not None else batch_size * state.steps_done
+        ledger.granted = state.granted if state.granted is not None else ledger.trained_count
         for group_id in state.untrained:
             ledger._add(group_id)
-        ledger.journal.append(Event(event="resumed", step=state.steps_done, groups=list(state.untrained)))
+        ledger.journal.append(Event(event="resumed", step=state.steps_done, groups=list(state.untrained),
+                                    next_group=state.next_group))
         return ledger

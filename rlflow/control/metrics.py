@@ -1,13 +1,25 @@
 """Where per-step metrics go: one sink interface, JSON lines always on,
 TensorBoard event files too when the `tensorboard` extra is installed, and
 the experiment trackers the config names (`[metrics]`: Weights & Biases,
-trackio), each given the same scalars as TensorBoard."""
+trackio), each given the same scalars as TensorBoard.
+
+Each session of a run writes a TensorBoard event file of its own, which
+starts by saying where the session starts (TensorBoard's `SessionLog.START`
+at its first step, what a writer's ``purge_step`` writes): TensorBoard's
+server then forgets the steps from there on that an earlier session wrote (a
+resumed run trains them again). Not every reader honours that (the older
+`EventAccumulator` keeps such tensors), so a resumed session also takes
+those steps out of the earlier sessions' files: every reader shows one curve.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
 import math
+import os
+import pathlib
+import time
 from typing import Any, Protocol
 
 import msgspec
@@ -58,16 +70,25 @@ def scalars(row: StepRow) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """Scalars of each step into TensorBoard event files."""
+    """Scalars of each step into a TensorBoard event file of this session's."""
 
-    def __init__(self, run_dir: RunDir):
-        from tensorboard.summary import Writer
+    def __init__(self, run_dir: RunDir, first_step: int = 0):
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.plugins.scalar.summary_v2 import scalar_pb
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-        self._writer = Writer(str(run_dir.tensorboard))
+        self._event, self._scalar = Event, scalar_pb
+        if first_step > 0:
+            _forget_from(run_dir.tensorboard, first_step)
+        self._writer = EventFileWriter(str(run_dir.tensorboard))
+        self._writer.add_event(Event(wall_time=time.time(), step=first_step,
+                                     session_log=SessionLog(status=SessionLog.START)))
+        self._writer.flush()
 
     def write(self, row: StepRow) -> None:
+        now = time.time()
         for key, value in scalars(row).items():
-            self._writer.add_scalar(key, value, row.step)
+            self._writer.add_event(self._event(wall_time=now, step=row.step, summary=self._scalar(key, value)))
         self._writer.flush()
 
     def close(self) -> None:
@@ -125,11 +146,40 @@ def check_trackers(config: Config) -> None:
                               f"needs the {name} package: pip install 'rlflow[{name}]'")
 
 
-def open_sinks(run_dir: RunDir, config: Config | None = None) -> list[Sink]:
-    """JSON lines, TensorBoard where it is installed, and the trackers `config` names."""
+def _forget_from(folder: pathlib.Path, step: int) -> None:
+    """Take the summaries of `step` and later out of the event files in
+    `folder` (each rewritten whole, then put in place; a record cut short by
+    a crash goes too)."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        records = list(RawEventFileLoader(str(path)).Load())
+        kept = [r for r in records if not _stale(Event.FromString(r), step)]
+        if len(kept) == len(records) and path.stat().st_size == sum(len(r) + 16 for r in records):
+            continue
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            writer = RecordWriter(f)
+            for record in kept:
+                writer.write(record)
+        os.replace(tmp, path)
+        log.info("[controller] %s: took %d summaries of step %d and later out", path.name,
+                 len(records) - len(kept), step)
+
+
+def _stale(event: Any, step: int) -> bool:
+    return event.HasField("summary") and event.step >= step
+
+
+def open_sinks(run_dir: RunDir, config: Config | None = None, first_step: int = 0) -> list[Sink]:
+    """JSON lines, TensorBoard where it is installed, and the trackers `config`
+    names (`first_step`: where this session starts; TensorBoard forgets what
+    earlier sessions wrote from there on)."""
     sinks: list[Sink] = [JsonlSink(run_dir)]
     try:
-        sinks.append(TensorBoardSink(run_dir))
+        sinks.append(TensorBoardSink(run_dir, first_step))
     except ImportError:
         log.info("tensorboard is not installed: metrics go to metrics.jsonl only")
     if config is not None:

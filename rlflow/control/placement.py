@@ -32,6 +32,7 @@ from rlflow.data import transport
 from rlflow.data.net import CurveKeys, free_port
 from rlflow.config import ClusterConfig, Config, PoolConfig
 from rlflow.startup import ServiceSpec
+from rlflow.runstate import RUN_ID_VAR
 
 log = logging.getLogger("rlflow.control.placement")
 
@@ -300,7 +301,7 @@ class RayLauncher:
                     "WORLD_SIZE": str(cfg.replicas),
                     "RANK": str(rank),
                     "LOCAL_RANK": str(local_rank),
-                    "RLFLOW_RUN_ID": self.run_id,
+                    RUN_ID_VAR: self.run_id,  # `rlflow down` finds what is left of the run by it
                 }
                 options: dict[str, Any] = {
                     "name": self.actor_name(role, rank),
@@ -422,3 +423,46 @@ def wait_until_gone(run_id: str, timeout_s: float = 30.0) -> None:
         if not alive_actors(run_id) and not live_placement_groups(run_id):
             return
         time.sleep(0.2)
+
+
+def remove_run(address: str, run_id: str, timeout_s: float = 30.0) -> tuple[list[str], list[str]] | None:
+    """Kill the actors and remove the placement groups of run `run_id` that
+    the Ray cluster at `address` still has (a run whose controller died
+    without removing them); their names. None: no cluster answers there."""
+    if not _reachable(address):
+        return None
+    joined = not ray.is_initialized()
+    if joined:
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, configure_logging=False)
+    try:
+        actors, groups = alive_actors(run_id), live_placement_groups(run_id)
+        for name in actors:
+            try:
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+            except ValueError:  # gone meanwhile
+                pass
+        for name in groups:
+            group = ray.util.get_placement_group(name)
+            if group is not None:
+                remove_placement_group(group)
+        wait_until_gone(run_id, timeout_s)
+        return actors, groups
+    finally:
+        if joined:
+            ray.shutdown()
+
+
+def _reachable(address: str, timeout_s: float = 3.0) -> bool:
+    """Whether something listens at a Ray address (``host:port``; "auto" is
+    left to Ray): joining one that is gone would wait a long while before it fails."""
+    import socket
+
+    if address == "auto":
+        return True
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+

@@ -85,6 +85,8 @@ class Replica:
     restart_at: float | None = None
     """LOST: when its restart is due."""
     last_error: str = ""
+    fatal: str = ""
+    """What the registered incarnation said when it reported a fatal error (its death follows)."""
     caught_up: bool = True
     """A replacement rollout replica is given work only once it holds the current weights."""
 
@@ -153,7 +155,7 @@ def register(current: Replica | None, identity: bytes, hello: Hello, now: float,
             replica.launched = hello.incarnation
             replica.restarts += 1
         replica.identity, replica.hello, replica.incarnation = identity, hello, hello.incarnation
-        replica.state, replica.last_seen, replica.version = State.HELLO, now, 0
+        replica.state, replica.last_seen, replica.version, replica.fatal = State.HELLO, now, 0, ""
     if replica.role == "rollout":
         # A group keeps its place until its last sample finishes, so with a long tail a replica needs
         # several times the groups that fill its slots; the staleness bound caps the total.

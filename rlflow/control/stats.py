@@ -5,6 +5,10 @@ status and summary built from them.
 Getters have no side effects. The one place where a window moves is
 `close_step`, a command: it makes the step's row and starts the next step's
 window.
+
+A resumed session `carry`s the rows the sessions before it kept (see
+`rlflow.control.record`): the status and the summary count the whole run,
+and the summary this session beside it.
 """
 
 from __future__ import annotations
@@ -16,8 +20,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlflow.control.record import Carried
 from rlflow.protocol import EvalDone, Heartbeat, StepDone
-from rlflow.rundir import EngineStep, EvalRow, Shares, StepRow, Summary, Trend
+from rlflow.rundir import EngineStep, EvalRow, GroupCounts, SessionTotals, Shares, StepRow, Summary, Trend
 
 STATES = ("busy", "starved", "blocked", "loading")
 #: Trainer statistics whose trend the status shows (where a run has them).
@@ -62,6 +67,14 @@ class RunStats:
         self.rows: list[StepRow] = []
         self.evals: list[EvalRow] = []
         self.load_seconds: list[float] = []
+        self.carried = Carried()
+
+    def carry(self, carried: Carried) -> None:
+        """Go on from the record of the sessions before (a resume): their rows
+        and evaluations, and their training time."""
+        self.carried = carried
+        self.rows = list(carried.rows)
+        self.evals = list(carried.evals)
 
     # -- input ----------------------------------------------------------------
 
@@ -76,8 +89,8 @@ class RunStats:
         self.clocks.pop((role, rank), None)
 
     def close_step(self, msg: StepDone, time_s: float, messages: int) -> StepRow:
-        """The row of the step the trainer just finished; the next step's
-        window starts here."""
+        """The row of the step the trainer just finished (`time_s`: since this
+        session's training started); the next step's window starts here."""
         metrics = dict(msg.metrics)
         known = {name: metrics.pop(name, None) for name in ("samples", "tokens", "reward_mean", "staleness_mean",
                                                             "staleness_max", "train_s", "checkpoint")}
@@ -85,7 +98,7 @@ class RunStats:
         row = StepRow(
             step=msg.step,
             version=msg.version,
-            time_s=round(time_s, 4),
+            time_s=round(self.carried.time_s + time_s, 4),
             samples=int(known["samples"] or 0),
             tokens=int(known["tokens"] or 0),
             reward_mean=reward if reward is not None and math.isfinite(reward) else None,
@@ -114,6 +127,11 @@ class RunStats:
         log.info("[controller] eval at v%d: %s", msg.version, msg.metrics.get("accuracy"))
         self.evaluated(row)
         return row
+
+    def evaluated_at(self, step: int) -> bool:
+        """Whether the run has an evaluation that ended at `step` (a resumed
+        run may have kept one of the checkpoint it goes on from)."""
+        return any(e.step == step for e in self.evals)
 
     def weights_loaded(self, seconds: float) -> None:
         self.load_seconds.append(seconds)
@@ -201,11 +219,15 @@ class RunStats:
     def latest(self, role: str) -> list[Heartbeat]:
         return [clock.last for clock in self.replicas(role)]
 
-    def summary(self, wall_s: float, **fields: Any) -> Summary:
-        """The run's summary from its rows in memory."""
+    def summary(self, wall_s: float, *, groups: GroupCounts = GroupCounts(), **fields: Any) -> Summary:
+        """The run's summary from its rows in memory (`wall_s`: this session's
+        training time; `groups`: the whole run's)."""
         rows = self.rows
         samples = sum(r.samples for r in rows)
         tokens = sum(r.tokens for r in rows)
+        mine = [r for r in rows if r.step >= self.carried.step]
+        session = _totals(mine, wall_s, self.carried.step, groups.trained - self.carried.groups_trained)
+        wall_s += self.carried.time_s
         rewards = [r.reward_mean for r in rows if r.reward_mean is not None]
         accuracy = [e.accuracy for e in self.evals if e.accuracy is not None]
         tail = accuracy[-3:]
@@ -231,8 +253,26 @@ class RunStats:
             gain_points=round(100 * (last3 - accuracy[0]), 2) if accuracy else None,
             data_bytes=sum(b.counters.bytes_out for b in self.latest("rollout")),
             roles=self.whole_run(),
+            groups=groups,
+            sessions=self.carried.sessions + 1,
+            session=session,
             **fields,
         )
+
+
+def _totals(rows: list[StepRow], wall_s: float, first_step: int, groups_trained: int) -> SessionTotals:
+    samples = sum(r.samples for r in rows)
+    tokens = sum(r.tokens for r in rows)
+    return SessionTotals(
+        first_step=first_step,
+        steps=len(rows),
+        samples=samples,
+        tokens=tokens,
+        groups_trained=groups_trained,
+        wall_time_s=round(wall_s, 3),
+        samples_per_s=round(samples / wall_s, 3) if wall_s > 0 else 0.0,
+        tokens_per_s=round(tokens / wall_s, 3) if wall_s > 0 else 0.0,
+    )
 
 
 def _mean(values: list[float]) -> float:

@@ -43,3 +43,13 @@ class Topology:
             return {"shares": shares} if rank == 0 and shares else {}
         return {"out": [r.hello.endpoints["in"] for r in replicas
                         if r.role == after and r.registered and "in" in r.hello.endpoints]}
+
+    @staticmethod
+    def shm_peers(replica: Replica, peers: dict[str, list[str]], replicas: Iterable[Replica]) -> list[str]:
+        """The addresses in `peers` bound by replicas that can map the shared
+        memory of `replica` and take it (the same non-empty `Hello.shm`)."""
+        token = replica.hello.shm
+        if not token:
+            return []
+        takers = {address for r in replicas if r.hello.shm == token for address in r.hello.endpoints.values()}
+        return sorted({address for addresses in peers.values() for address in addresses if address in takers})

@@ -28,6 +28,15 @@ run's keys), and one without is refused (`InsecureEndpoint`) before it binds
 or connects there. A CURVE server accepts only its run's client key: the
 process's ZAP handler checks every client key (see `_ServerKeys`).
 
+Large tensors between processes of one machine: a sending socket given
+`ShmSettings` puts tensors of at least ``min_bytes`` bytes in shared memory
+(`rlflow.data.shm`) while every peer it may send to is known to take them
+(`open_push(shm_peers=...)`, `connect(..., shm=True)`) and reachable only
+from this host; the socket then carries the header and a description of the
+segment. A receiving socket takes such messages unless opened with
+``shm=False``. Cancellation safety holds for them too: a cancelled send has
+left its segment free.
+
 This is the only module that imports zmq.
 """
 
@@ -38,7 +47,7 @@ import itertools
 import logging
 import os
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -47,6 +56,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from rlflow.data.net import CurveKeys, endpoint_is_local
+from rlflow.data.shm import SegmentMap, SegmentPool, ShmSettings
 from rlflow.protocol import Codec, ControlMessage, DataMessage, Message, ProtocolError
 from rlflow.protocol.codec import MAX_FRAMES
 
@@ -232,6 +242,15 @@ class Socket:
         self.bytes_sent = 0
         self._closed = False
         self._unyielded = 0
+        #: Sends tensors through shared memory (a sending socket given `ShmSettings`).
+        self.pool: SegmentPool | None = None
+        #: Takes tensors from shared memory (None: such messages are rejected, ``shm``).
+        self.segments: SegmentMap | None = None
+        #: Peer address -> whether it takes tensors in shared memory.
+        self._peers: dict[str, bool] = {}
+        self._shm_now = False
+        #: Tensor bytes sent through shared memory (not in `bytes_sent`).
+        self.bytes_shared = 0
 
     @property
     def rejected(self) -> Counter[str]:
@@ -377,13 +396,44 @@ class Socket:
             self._reject("frame_count", f"message of {count} frames; at most {self.max_frames} are accepted")
         return frames
 
+    # -- shared memory ------------------------------------------------------
+
+    @property
+    def uses_shm(self) -> bool:
+        """Whether the next large tensors sent go through shared memory: the
+        socket has a pool, has peers, and every one of them takes them and
+        is on this host (a PUSH may hand a message to any of its peers)."""
+        return self._shm_now
+
+    def _peer(self, address: str, shm: bool) -> None:
+        self._peers[address] = shm and endpoint_is_local(address)
+        self._shm_now = self.pool is not None and all(self._peers.values())
+
+    def _forget(self, address: str) -> None:
+        self._peers.pop(address, None)
+        self._shm_now = self.pool is not None and bool(self._peers) and all(self._peers.values())
+
     # -- messages -----------------------------------------------------------
+
+    async def _send_message(self, msg: Message, identity: bytes | None = None, shm: bool = True) -> None:
+        pool = self.pool if shm and self._shm_now else None
+        frames = self._codec.encode(msg, shm=pool)
+        placed = pool.take_reserved() if pool is not None else None
+        if placed is None:
+            await self.send_frames(frames, identity=identity)
+            return
+        try:
+            await self.send_frames(frames, identity=identity)
+        except BaseException:
+            placed.unsend()  # nothing was queued: the segment is free again
+            raise
+        self.bytes_shared += placed.nbytes
 
     def _decode(self, frames: Sequence[Any]) -> Message | None:
         if not frames:  # thrown away on receipt (see `_take_frames`)
             return None
         try:
-            return self._codec.decode(frames)
+            return self._codec.decode(frames, shm=self.segments)
         except ProtocolError as exc:
             self._reject(exc.kind, str(exc))
             return None
@@ -400,6 +450,10 @@ class Socket:
         if not self._closed:
             self._closed = True
             self._sock.close(linger=linger_ms)
+            if self.pool is not None:
+                self.pool.close(linger_ms)
+            if self.segments is not None:
+                self.segments.close()
             if self._zap_domain:
                 # Refused from now on. The handler keeps its entry for the
                 # domain: removing it could race a handshake in flight.
@@ -414,7 +468,7 @@ class Push(Socket):
     """The sending end of a stream."""
 
     async def send(self, msg: Message) -> None:
-        await self.send_frames(self._codec.encode(msg))
+        await self._send_message(msg)
 
 
 class Pull(Socket):
@@ -449,8 +503,11 @@ class Router(Socket):
     #: rejected (e.g. to answer a peer of another schema version).
     on_reject: Callable[[bytes, ProtocolError], None] | None = None
 
-    async def send(self, identity: bytes, msg: Message) -> None:
-        await self.send_frames(self._codec.encode(msg), identity=identity)
+    async def send(self, identity: bytes, msg: Message, *, shm: bool = False) -> None:
+        """Send `msg` to the peer `identity`; `shm`: that peer takes tensors in
+        shared memory (it has said so, e.g. in its request), so a socket opened
+        with `ShmSettings` on this host sends them that way."""
+        await self._send_message(msg, identity, shm)
 
     async def recv(self) -> tuple[bytes, Any]:
         """The next well-formed message and the identity of its sender."""
@@ -462,7 +519,7 @@ class Router(Socket):
                 self._reject("frame_count", "no frame after the sender's identity")
                 continue
             try:
-                msg = self._codec.decode(frames[1:])
+                msg = self._codec.decode(frames[1:], shm=self.segments)
             except ProtocolError as exc:
                 self._reject(exc.kind, str(exc))
                 if self.on_reject is not None:
@@ -522,6 +579,9 @@ async def _open(
     identity: bytes | None = None,
     curve: CurveKeys | None,
     name: str,
+    shm: ShmSettings | None = None,
+    shm_peers: Collection[str] | None = None,
+    take_shm: bool = True,
 ) -> AsyncIterator[Any]:
     connects = [connect] if isinstance(connect, str) else list(connect or ())
     if curve is None:
@@ -529,6 +589,15 @@ async def _open(
             _check_local(name, verb, address)
     wrapper = cls(context().socket(kind), codec, name, curve)
     sock = wrapper._sock
+    if shm is not None:
+        wrapper.pool = SegmentPool(shm, name)
+    if take_shm:
+        wrapper.segments = SegmentMap()
+    # Whoever connects to a bound socket is vouched for only without a list.
+    for address in [bind] * (bind is not None):
+        wrapper._peer(address, shm_peers is None)
+    for address in connects:
+        wrapper._peer(address, shm_peers is None or address in shm_peers)
     try:
         sock.setsockopt(zmq.SNDHWM, hwm)
         sock.setsockopt(zmq.RCVHWM, hwm)
@@ -568,17 +637,20 @@ def bound_address(sock: Socket) -> str:
     return sock._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
-def connect(sock: Socket, address: str) -> None:
-    """Connect an open socket to one more peer (e.g. a replica that came up later)."""
+def connect(sock: Socket, address: str, *, shm: bool = False) -> None:
+    """Connect an open socket to one more peer (e.g. a replica that came up
+    later); `shm`: the peer takes tensors in shared memory (see `open_push`)."""
     if sock.curve is None:
         _check_local(sock.name, "connect", address)
     sock._sock.connect(address)
+    sock._peer(address, shm)
     sock._wake()  # a parked send or receive re-checks the socket
 
 
 def disconnect(sock: Socket, address: str) -> None:
     """Stop sending to / receiving from a peer (e.g. a replica that died)."""
     sock._sock.disconnect(address)
+    sock._forget(address)
     sock._wake()
 
 
@@ -604,12 +676,21 @@ def open_push(
     codec: Codec | None = None,
     curve: CurveKeys | None = None,
     name: str = "push",
+    shm: ShmSettings | None = None,
+    shm_peers: Collection[str] | None = None,
 ) -> Any:
     """The sending end of a stream; `async with open_push(...) as push`.
 
     Every ``open_*`` takes `curve`, the run's keys: with them the socket
     speaks CURVE; without them it may bind or connect only on this host
     (`InsecureEndpoint` otherwise).
+
+    With `shm`, large tensors go through shared memory while every peer
+    takes them: the `connect` addresses listed in `shm_peers` (None: all of
+    them, and whoever connects to `bind`), each on this host. The peers must
+    have said so (rlflow's do through the controller: `Hello.shm`); a peer
+    that does not take them would reject every such message. Closing waits
+    up to `linger_ms` for segments in flight too (see `rlflow.data.shm`).
     """
     return _open(
         Push,
@@ -622,6 +703,9 @@ def open_push(
         max_frame_bytes=None,
         curve=curve,
         name=name,
+        shm=shm,
+        shm_peers=shm_peers,
+        take_shm=False,
     )
 
 
@@ -634,9 +718,11 @@ def open_pull(
     codec: Codec | None = None,
     curve: CurveKeys | None = None,
     name: str = "pull",
+    shm: bool = True,
 ) -> Any:
     """The receiving end of a stream; `max_frame_bytes` caps any one frame a
-    peer may send (ZeroMQ drops the connection of a peer that exceeds it)."""
+    peer may send (ZeroMQ drops the connection of a peer that exceeds it).
+    `shm`: take tensors in shared memory (else such messages are rejected)."""
     return _open(
         Pull,
         zmq.PULL,
@@ -648,6 +734,7 @@ def open_pull(
         max_frame_bytes=max_frame_bytes,
         curve=curve,
         name=name,
+        take_shm=shm,
     )
 
 
@@ -659,8 +746,11 @@ def open_router(
     codec: Codec | None = None,
     curve: CurveKeys | None = None,
     name: str = "router",
+    shm: ShmSettings | None = None,
 ) -> Any:
-    """The controller's control socket."""
+    """The controller's control socket, or a server's (e.g. the trainer's
+    weights). With `shm`, `Router.send(..., shm=True)` puts large tensors in
+    shared memory (a ROUTER bound on this host; the peer vouches for itself)."""
     return _open(
         Router,
         zmq.ROUTER,
@@ -672,6 +762,7 @@ def open_router(
         max_frame_bytes=max_frame_bytes,
         curve=curve,
         name=name,
+        shm=shm,
     )
 
 

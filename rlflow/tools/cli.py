@@ -11,17 +11,11 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-import msgspec
-
 from rlflow import __version__
-
-#: States of a run whose controller is still at work.
-LIVE_STATES = ("starting", "evaluating", "running")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,7 +238,7 @@ def _detach(args: argparse.Namespace, run_dir: pathlib.Path) -> int:
             print(f"the run exited with status {proc.returncode}; its log ({folder.run_log}) ends:", file=sys.stderr)
             print("".join(folder.run_log.read_text().splitlines(True)[-20:]), file=sys.stderr)
             return 1
-        status = _read_status(folder)
+        status = folder.read_status()
         # A resumed run's directory holds the last run's status until this one writes its own.
         if status is not None and status.state in ("running", "stopped") and folder.status.stat().st_mtime >= started:
             break
@@ -429,19 +423,6 @@ def cmd_model(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------- status, down
 
 
-def _read_status(folder):
-    """A run's status, as its controller last wrote it; a run said to be going
-    whose controller process is gone (killed before it could write) is "dead"."""
-    status = folder.read_status()
-    if status is None:
-        return None
-    here = status.host == socket.gethostname()
-    if status.state in LIVE_STATES and here and status.pid and not _alive(status.pid):
-        error = status.error or f"the controller (pid {status.pid}) is gone without saying why (killed?)"
-        status = msgspec.structs.replace(status, state="dead", error=error)
-    return status
-
-
 def _find_run(run_dir: pathlib.Path | None):
     """The run directory given, or the newest one under runs/."""
     from rlflow.rundir import RunDir
@@ -456,72 +437,120 @@ def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
+    from rlflow.runstate import run_state
     from rlflow.tools.display import render
 
     folder = _find_run(args.run_dir)
-    status = _read_status(folder) if folder else None
+    state = run_state(folder) if folder else None
+    status = state.status if state is not None else None
     if status is None:
         print(f"no run status in {folder or 'runs/'}", file=sys.stderr)
         return 1
     console = Console()
+    if not console.is_terminal:  # a pipe or a file: whole lines, not a table squeezed into 80 columns
+        console = Console(width=200)
     if args.once or not console.is_terminal:
         console.print(render(status))
         return 0
     try:
         with Live(render(status), console=console, refresh_per_second=2) as live:
-            while status.state in LIVE_STATES:
+            while state.live:
                 time.sleep(0.5)
-                status = _read_status(folder) or status
+                state = run_state(folder) or state
+                status = state.status or status
                 live.update(render(status))
     except KeyboardInterrupt:
         pass
     return 0
 
 
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie nobody has reaped yet does not)."""
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
-
-
 def cmd_down(args: argparse.Namespace) -> int:
+    """Stop a run that is going; of one that is not (dead: its controller
+    killed), say so and clean up what is left of it. Exit status 0 either
+    way, 1 when there is no run."""
+    from rlflow.runstate import mark_dead, run_state
+
+    folder = _find_run(args.run_dir)
+    state = run_state(folder) if folder else None
+    if state is None:
+        print(f"no run in {folder or 'runs/'}", file=sys.stderr)
+        return 1
+    deadline = time.monotonic() + args.timeout
+    while state.state == "starting" and time.monotonic() < deadline:  # stop it once it can be asked to
+        time.sleep(0.5)
+        state = run_state(folder) or state
+    if state.live:
+        _stop(folder, state, deadline)
+        state = run_state(folder) or state
+        print(f"[rlflow] run {folder.path} {state.state}" + (f": {state.reason}" if state.reason else ""),
+              file=sys.stderr)
+        if state.state != "dead":
+            return 0
+    elif state.state == "dead":
+        print(f"[rlflow] run {folder.path} is dead: {state.reason}", file=sys.stderr)
+    else:
+        print(f"[rlflow] run {folder.path} is {state.state} already", file=sys.stderr)
+    _clean_up(folder, state)
+    if state.state == "dead":
+        mark_dead(folder, state)
+    return 0
+
+
+def _stop(folder, state, deadline: float) -> None:
+    """Ask a run's controller to stop (with the run's secret) and wait for
+    its process to end; past the deadline, SIGTERM, then SIGKILL."""
     import trio
 
     from rlflow.data import transport
     from rlflow.protocol import Shutdown
+    from rlflow.runstate import alive
 
-    folder = _find_run(args.run_dir)
-    info = folder.read_controller() if folder else None
-    if info is None:
-        print(f"no running controller in {folder or 'runs/'}", file=sys.stderr)
-        return 1
-    pid = int(folder.run_pid.read_text()) if folder.run_pid.exists() else info.pid
+    info = folder.read_controller()
+    pid = state.pid
 
     async def ask() -> None:
         async with transport.open_dealer(connect=info.address, curve=info.curve, name="down") as dealer:
             await dealer.send(Shutdown(reason="rlflow down", secret=info.secret))
             await trio.sleep(0.2)
 
-    if _alive(pid):
+    if info is not None and info.pid == pid:
         trio.run(ask)
-    deadline = time.monotonic() + args.timeout
-    while _alive(pid) and time.monotonic() < deadline:
+    while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    if _alive(pid):
-        print(f"the run did not stop within {args.timeout:g} s; sending SIGTERM to {pid}", file=sys.stderr)
+    if alive(pid):
+        print(f"the run did not stop in time; sending SIGTERM to {pid}", file=sys.stderr)
         os.kill(pid, signal.SIGTERM)
         time.sleep(5)
-        if _alive(pid):
+        if alive(pid):
             os.kill(pid, signal.SIGKILL)
-    status = folder.read_status()
-    print(f"[rlflow] run {folder.path} {status.state if status else 'stopped'}", file=sys.stderr)
-    return 0
+
+
+def _clean_up(folder, state) -> None:
+    """What is left of a run that is not going: its actors and placement
+    groups on the Ray cluster it joined, its processes on this host."""
+    from rlflow.config import ConfigError, load
+    from rlflow.runstate import end, leftovers
+
+    run_id = state.status.run_id if state.status is not None else ""
+    try:
+        address = load(folder.config).cluster.address if folder.config.exists() else ""
+    except ConfigError:
+        address = ""
+    if address and run_id:
+        from rlflow.control.placement import remove_run
+
+        removed = remove_run(address, run_id)
+        if removed is None:
+            print(f"[rlflow] no Ray cluster answers at {address}: nothing of the run is left there", file=sys.stderr)
+        elif removed != ([], []):
+            print(f"[rlflow] removed from Ray at {address}: actors [{', '.join(removed[0])}], "
+                  f"placement groups [{', '.join(removed[1])}]", file=sys.stderr)
+    ended = end(leftovers(folder, state))
+    if ended:
+        print(f"[rlflow] stopped {len(ended)} process{'es' if len(ended) > 1 else ''} of the run: "
+              f"{', '.join(map(str, ended))}", file=sys.stderr)
+    elif state.state == "dead":
+        print("[rlflow] no process of the run is left on this host", file=sys.stderr)
 
 
 if __name__ == "__main__":

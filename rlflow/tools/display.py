@@ -59,7 +59,8 @@ def render(status: Status) -> Group:
     table = Table(box=None, pad_edge=False, header_style="bold")
     for column in ("role", "replicas", "restarts", "busy", "starved", "blocked", "loading", "queues", "engine",
                    "version", "behind"):
-        table.add_column(column, justify="left" if column in ("role", "queues", "engine") else "right")
+        table.add_column(column, justify="left" if column in ("role", "queues", "engine") else "right",
+                         no_wrap=column == "role", min_width=len(column) if column == "role" else None)
     for role, info in status.roles.items():
         states = info.states
         queues = " ".join(f"{k}={v}" for k, v in sorted(info.queues.items()))

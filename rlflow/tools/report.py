@@ -24,8 +24,10 @@ from typing import Any
 
 import msgspec
 
+from rlflow import timeline
 from rlflow.control.stats import TREND_STEPS
 from rlflow.rundir import EvalRow, RunDir, Status, StepRow, Summary
+from rlflow.runstate import RunState, run_state
 
 ORDER = ("rollout", "reward", "teacher", "critic", "trainer")
 STATES = ("busy", "starved", "blocked", "loading")
@@ -43,6 +45,7 @@ class Run:
     summary: Summary | None = None
     status: Status | None = None
     traces: list[dict[str, Any]] = field(default_factory=list)
+    state: RunState | None = None
 
     @property
     def path(self) -> pathlib.Path:
@@ -63,14 +66,16 @@ def load(run_dir: str | pathlib.Path) -> Run:
     folder = RunDir(run_dir)
     if not folder.path.is_dir():
         raise FileNotFoundError(f"{folder.path} is not a run directory")
-    traces = [json.loads(p.read_text()) for p in sorted(folder.traces.glob("*-*.json"))]
+    traces = [trace for name in timeline.names(folder) if (trace := timeline.read(folder, name)) is not None]
+    state = run_state(folder)
     return Run(
         folder=folder,
         metrics=folder.read_metrics(),
         evals=folder.read_evals(),
         summary=folder.read_summary(),
-        status=folder.read_status(),
+        status=state.status if state is not None else None,
         traces=[t for t in traces if "events" in t],
+        state=state,
     )
 
 
@@ -147,14 +152,24 @@ def critic_line(rows: list[StepRow], last: int = TREND_STEPS) -> str:
 
 def text(run: Run) -> str:
     """The per-role table and the bottleneck sentence."""
-    lines = [f"run {run.path}"]
+    state = run.state
+    lines = [f"run {run.path}" + (f": {state.state}" if state is not None else "")
+             + (f" ({state.reason})" if state is not None and state.reason else "")]
     summary = run.summary
+    if state is not None and state.state not in ("stopped", "failed", "interrupted") and summary is not None:
+        lines.append(f"  (its summary is of an earlier session, which ended {summary.state})")
     if summary is not None:
         lines.append(
             f"  {summary.steps} steps, {summary.samples} samples, "
             f"{summary.wall_time_s:.1f} s ({summary.samples_per_s:.1f} samples/s); "
             f"staleness mean {summary.staleness_mean:.2f}, max {summary.staleness_max:g}"
         )
+        session = summary.session
+        if summary.sessions > 1 and session is not None:
+            lines.append(
+                f"  over {summary.sessions} sessions; the last, from step {session.first_step}: {session.steps} steps, "
+                f"{session.samples} samples in {session.wall_time_s:.1f} s ({session.samples_per_s:.1f} samples/s)"
+            )
         if summary.accuracy_before is not None:
             lines.append(
                 f"  held-out accuracy {summary.accuracy_before:.1%} -> {summary.accuracy_after:.1%} "
@@ -179,7 +194,8 @@ def text(run: Run) -> str:
 def _spans(run: Run) -> list[tuple[str, list[tuple[float, float, str]]]]:
     """Per lane, (start, duration, state) spans from time zero."""
     # Time zero: when the first service got to work (start-up is left out).
-    starts = [next((t for t, state in trace["events"] if state != "idle"), None) for trace in run.traces]
+    starts = [next((t for t, state in trace["events"] if state not in ("idle", timeline.DOWN)), None)
+              for trace in run.traces]
     starts = [t for t in starts if t is not None]
     if not starts:
         return []
@@ -231,6 +247,8 @@ def write_timeline(run: Run, png: pathlib.Path | None = None, trace: pathlib.Pat
     for pid, (name, spans) in enumerate(lanes):
         events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
         for start, duration, state in spans:
+            if state == timeline.DOWN:  # not running: a gap in its lane
+                continue
             role = name.rsplit("-", 1)[0]
             label = BUSY.get(role, "busy") if state == "busy" else state
             events.append({"name": label, "ph": "X", "pid": pid, "tid": 0, "ts": start * 1e6, "dur": duration * 1e6})

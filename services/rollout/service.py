@@ -38,7 +38,7 @@ from rlflow.protocol import (
     build_batch,
     concat,
 )
-from rlflow.services.base import Control, EngineContext, Service, follow
+from rlflow.services.base import Control, EngineContext, Service, follow, shm_settings
 from rlflow.services.rollout.engine import Finished, RolloutEngine
 from rlflow.errors import WeightGroupBroken
 
@@ -91,7 +91,11 @@ class RolloutService(Service):
             self.say("up: %s, sending to %s", type(engine).__name__, ", ".join(welcome.peers["out"]))
             async with (
                 transport.open_push(
-                    connect=welcome.peers["out"], curve=self.spec.curve, name=f"{self.spec.name}/out"
+                    connect=welcome.peers["out"],
+                    curve=self.spec.curve,
+                    name=f"{self.spec.name}/out",
+                    shm=shm_settings(self.config, self.spec.run_id),
+                    shm_peers=welcome.shm_peers,
                 ) as out,
                 trio.open_nursery() as nursery,
             ):
@@ -104,7 +108,7 @@ class RolloutService(Service):
                 async for msg in control:
                     match msg:
                         case Peers():
-                            peers = follow(out, peers, msg.peers.get("out", []))
+                            peers = follow(out, peers, msg.peers.get("out", []), msg.shm_peers)
                         case Credits(group_ids=ids, min_versions=mins):
                             now = time.time()
                             for group_id, min_version in zip(ids, mins, strict=True):
@@ -155,6 +159,7 @@ class RolloutService(Service):
             self.counters["tokens"] += batch.n_tokens
             self.counters["failed_samples"] += len(batch.failures)
             self.counters["bytes_out"] = out.bytes_sent
+            self.counters["bytes_shared"] = out.bytes_shared
             await control.send(Ack(stage=Stage.ROLLOUT_END, group_ids=batch.group_ids))
 
     def _batch(self, finished: list[Finished]) -> SampleBatch:

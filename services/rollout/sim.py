@@ -44,7 +44,7 @@ from rlflow.protocol import (
     WeightTransfer,
 )
 from rlflow.protocol.batch import N_STAGES
-from rlflow.services.base import EngineContext
+from rlflow.services.base import EngineContext, shm_token
 from rlflow.services.rollout.engine import Finished
 
 T = TypeVar("T")
@@ -601,5 +601,8 @@ class SimEngine:
                 )
             )
         return await self._weights.request(
-            WeightsRequest(version=version), WeightsPayload, timeout=120, setting="the trainer's weight server"
+            WeightsRequest(version=version, shm=shm_token(self.ctx.config)),
+            WeightsPayload,
+            timeout=120,
+            setting="the trainer's weight server",
         )

@@ -202,13 +202,13 @@ class VllmBackend:
         llm = self.llm
         await self.call(lambda: llm.update_weight_version(str(version)))
 
-    async def join_weights(self, host: str, port: int, rank: int, world_size: int) -> None:
-        """Join the trainer's gloo weight group (returns once all have joined)."""
+    async def join_weights(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0) -> None:
+        """Join the trainer's gloo weight group (returns once all have joined, or fails after `timeout_s`)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
         llm = self.llm
         request = WeightTransferInitRequest(
-            init_info={"host": host, "port": port, "rank": rank, "world_size": world_size}
+            init_info={"host": host, "port": port, "rank": rank, "world_size": world_size, "timeout_s": timeout_s}
         )
         await self.call(lambda: llm.init_weight_transfer_engine(request))
 
@@ -414,17 +414,23 @@ class VllmEngine:
         if self._owns_backend:
             await trio.to_thread.run_sync(self.backend.close)
 
-    async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec]) -> None:
+    async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec], *,
+                           first: bool = True) -> None:
         """Join the trainer's weight group (returns once the trainer has joined
-        too); none: a replacement, which joins the next generation of the group."""
+        too); none: a replacement, which joins the next generation of the group.
+        The first group waits as long as a start may take; a later generation
+        `cluster.weight_timeout_s`."""
         self._layout = layout or self._layout
         if transfer is None:
             return
         check_offer(self.backend.weight_backend(), transfer)
+        cluster = self.ctx.config.cluster
+        timeout_s = max(cluster.handshake_timeout_s, cluster.weight_timeout_s) if first else cluster.weight_timeout_s
         if isinstance(transfer, WeightsNccl):
             await self.backend.join_nccl(transfer)
         else:
-            await self.backend.join_weights(transfer.host, transfer.port, transfer.rank, transfer.world_size)
+            await self.backend.join_weights(transfer.host, transfer.port, transfer.rank, transfer.world_size,
+                                            timeout_s)
         self._weights = transfer
         self._weights_ready.set()
 
@@ -436,7 +442,7 @@ class VllmEngine:
 
     async def update_weights(self, version: int, transfer: WeightTransfer | None) -> int:
         if transfer is not None:
-            await self.join_weights(transfer, self._layout)
+            await self.join_weights(transfer, self._layout, first=False)
         await self._weights_ready.wait()
         self._updating = True
         self.clock.set("loading")

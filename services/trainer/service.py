@@ -48,7 +48,7 @@ from rlflow.protocol import (
     stamp,
     take,
 )
-from rlflow.services.base import Control, Service, bind_host
+from rlflow.services.base import Control, Service, bind_host, shm_settings, takes_shm
 from rlflow.services.trainer.engine import TrainerEngine, make_engine
 
 from rlflow.algo.staleness import too_stale
@@ -87,7 +87,9 @@ class TrainerService(Service):
         inbox_name = "in" if self.lead else "share"
         try:
             async with (
-                transport.open_pull(bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/{inbox_name}") as inbox,
+                transport.open_pull(
+                    bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/{inbox_name}", shm=takes_shm(self.config)
+                ) as inbox,
                 trio.open_nursery() as nursery,
             ):
                 self.sockets.append(inbox)
@@ -100,9 +102,8 @@ class TrainerService(Service):
                         endpoints["weights"] = weights.address
                     hello = {"weights": weights, "layout": layout}
                 welcome = await control.hello(endpoints=endpoints, **hello)
-                self.step = self.version = welcome.version  # above 0 when resuming
-                if self.lead:
-                    self._forget_lengths_from(self.step)
+                # Above 0 when resuming (the controller has cut the record of later steps: control.record).
+                self.step = self.version = welcome.version
                 await engine.connect(welcome.weights)
                 self.say("up, engine %s, rank %d of %d", type(engine).__name__, self.spec.rank, self.spec.replicas)
                 sends, to_send = trio.open_memory_channel(2)
@@ -110,7 +111,7 @@ class TrainerService(Service):
                 nursery.start_soon(self.send_weights, to_send, control)
                 if self.lead:
                     nursery.start_soon(self.receive, inbox, control)
-                    nursery.start_soon(self.train, inbox, welcome.peers.get("shares", []), control)
+                    nursery.start_soon(self.train, inbox, welcome.peers.get("shares", []), welcome.shm_peers, control)
                 else:
                     nursery.start_soon(self.follow, inbox)
                 await control.ready(self.version)
@@ -133,13 +134,19 @@ class TrainerService(Service):
                 scope.shield = True
                 await engine.close()
 
-    async def train(self, inbox: transport.Pull, shares: list[str], control: Control) -> None:
+    async def train(self, inbox: transport.Pull, shares: list[str], shm_peers: list[str], control: Control) -> None:
         run = self.config.run
         async with contextlib.AsyncExitStack() as stack:
             # One PUSH per other rank, in rank order: rank r's share goes to shares[r - 1].
             outs = [
                 await stack.enter_async_context(
-                    transport.open_push(connect=address, curve=self.spec.curve, name=f"{self.spec.name}/share-{r}")
+                    transport.open_push(
+                        connect=address,
+                        curve=self.spec.curve,
+                        name=f"{self.spec.name}/share-{r}",
+                        shm=shm_settings(self.config, self.spec.run_id),
+                        shm_peers=shm_peers,
+                    )
                 )
                 for r, address in enumerate(shares, start=1)
             ]
@@ -237,15 +244,6 @@ class TrainerService(Service):
                 if self.lead:
                     await control.send(ErrorReport(fatal=False, kind=WEIGHT_GROUP_BROKEN,
                                                    message=f"sending v{version}: {type(exc).__name__}: {exc}"[:500]))
-
-    def _forget_lengths_from(self, step: int) -> None:
-        """On resume: the records of steps from the checkpoint on went with the
-        weights that took them."""
-        if self.run_dir is None or not self.run_dir.lengths(self.spec.rank).exists():
-            return
-        path = self.run_dir.lengths(self.spec.rank)
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] < step]
-        path.write_text("".join(line + "\n" for line in kept))
 
     def _record_lengths(self, batch: SampleBatch, oldest: list[int]) -> None:
         """Per step: the response lengths (for `rlflow plan` to replay) and,

@@ -29,7 +29,7 @@ from rlflow.protocol import (
     WeightTransfer,
     take,
 )
-from rlflow.services.base import EngineContext
+from rlflow.services.base import EngineContext, shm_settings, shm_token
 
 from rlflow.algo.balance import deal
 from rlflow.config import SimTrainer
@@ -64,8 +64,13 @@ class SimTrainerEngine:
 
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Answer each weight request with the newest version (once it is there)."""
+        token = shm_token(self.ctx.config)
         async with transport.open_router(
-            bind=transport.tcp_address(self.ctx.host), codec=Codec(WeightsMessage), curve=self.ctx.curve, name="weights"
+            bind=transport.tcp_address(self.ctx.host),
+            codec=Codec(WeightsMessage),
+            curve=self.ctx.curve,
+            name="weights",
+            shm=shm_settings(self.ctx.config, self.ctx.run_id),
         ) as sock:
             self.address = transport.bound_address(sock)
             self.ctx.watch(sock)
@@ -78,9 +83,11 @@ class SimTrainerEngine:
                     self._published = trio.Event()
                     await self._published.wait()
                 try:
-                    await sock.send(identity, self.latest)
+                    # In shared memory to a requester that can map this process's memory.
+                    await sock.send(identity, self.latest, shm=bool(token) and msg.shm == token)
                 except transport.PeerUnreachable:  # it died while it waited: its replacement asks again
                     self.ctx.counters["weights_unclaimed"] += 1
+                self.ctx.counters["bytes_shared"] = sock.bytes_shared
 
     async def deal(self, batch: SampleBatch) -> tuple[dict[str, float], list[SampleBatch]]:
         lengths = np.diff(batch.response_offsets.numpy()).tolist()

@@ -59,6 +59,7 @@ from rlflow.algo.losses import (
     group_advantages,
     kl_to_reference,
     logprobs_at,
+    normaliser_weights,
     policy_loss,
     token_logprobs,
     topk_reverse_kl,
@@ -76,8 +77,13 @@ class TorchEngine:
     """Holds the policy (this rank's shards of it) and its optimizer."""
 
     def __init__(self, cfg: TorchTrainer, model_path: str, *, temperature: float = 1.0, seed: int = 0,
-                 ranks: Solo | None = None):
+                 ranks: Solo | None = None, total_steps: int = 0):
+        """`total_steps`: the run's steps, which a decaying learning rate needs."""
         from transformers import AutoModelForCausalLM
+
+        if cfg.lr_decay != "none" and total_steps < 1:
+            raise ValueError(f"lr_decay = {cfg.lr_decay!r} needs the run's step count")
+        self.total_steps = total_steps
 
         torch.manual_seed(seed)
         threads = int(os.environ.get("RLFLOW_NUM_THREADS", "0") or 0)
@@ -136,11 +142,19 @@ class TorchEngine:
         advantages = group_advantages(rewards, group, kind=cfg.advantage, normalize_std=cfg.normalize_std)
         # Distillation has a signal at every token: only pure RL leaves out groups without one.
         uniform = uniform_groups(rewards, group) if cfg.skip_uniform_groups and w == 0 else torch.zeros(len(rows), dtype=torch.bool)
-        keep = ~uniform
-        chosen = [i for i in range(len(rows)) if keep[i] and len(rows[i].response_ids) > 0]
-        stats["mixed_sample_share"] = float(keep.float().mean()) if len(rows) else 0.0
-        stats["trained_tokens"] = float(sum(len(rows[i].response_ids) for i in chosen))
-        trained = msgspec.structs.replace(take(batch, chosen), advantages=Tensor.from_numpy(advantages.numpy()[chosen]))
+        responses = torch.tensor([len(r.response_ids) for r in rows], dtype=torch.long)
+        trained_mask = ~uniform & (responses > 0)
+        chosen = trained_mask.nonzero().flatten().tolist()
+        stats["mixed_sample_share"] = float((~uniform).float().mean()) if len(rows) else 0.0
+        if uniform.any():
+            # Groups without signal split by cause (with 0/1 rewards: all right, all wrong): a filter
+            # of such groups saves what is too easy and what is too hard now in different measure.
+            stats["uniform_high_share"] = float((uniform & (rewards == rewards.max())).float().mean())
+            stats["uniform_low_share"] = float((uniform & (rewards < rewards.max())).float().mean())
+        stats["trained_tokens"] = float(responses[trained_mask].sum())
+        # The loss normaliser as a factor on each advantage (the surrogate is linear in it).
+        scaled = advantages[trained_mask] * normaliser_weights(responses, trained_mask, cfg.loss_norm)
+        trained = msgspec.structs.replace(take(batch, chosen), advantages=Tensor.from_numpy(scaled.numpy()))
         lengths = [len(rows[i].prompt_ids) + len(rows[i].response_ids) for i in chosen]
         return stats, [take(trained, part) for part in deal(lengths, ranks)]
 
@@ -283,9 +297,7 @@ class TorchEngine:
         return ids, mask, torch.cat(targets), (torch.cat(rows_idx), torch.cat(cols_idx))
 
     def _lr(self) -> float:
-        if self.cfg.warmup_steps and self.steps < self.cfg.warmup_steps:
-            return self.cfg.lr * (self.steps + 1) / self.cfg.warmup_steps
-        return self.cfg.lr
+        return learning_rate(self.cfg, self.steps, self.total_steps)
 
     def _set_lr(self) -> None:
         for group in self.optimizer.param_groups:
@@ -409,6 +421,20 @@ class TorchEngine:
         return json.loads((folder / RUN_STATE).read_text())
 
 
+def learning_rate(cfg: TorchTrainer, step: int, total_steps: int) -> float:
+    """The learning rate of step `step` (from 0) of `total_steps`: a linear
+    warm-up over `warmup_steps`, then `lr`, held or brought down (`lr_decay`)
+    to ``lr_final * lr`` at the last step."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.lr_decay == "none":
+        return cfg.lr
+    span = max(total_steps - 1 - cfg.warmup_steps, 1)
+    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+    shape = 1.0 - progress if cfg.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.lr_final + (1.0 - cfg.lr_final) * shape)
+
+
 def _by_name(state: dict[str, Any], specs: list[ParamSpec]) -> dict[str, Any]:
     """A torch optimizer state dict keyed by parameter index, keyed by
     parameter name instead (the indices count the model's parameters in order)."""
@@ -448,8 +474,10 @@ class TorchTrainerEngine:
             temperature=getattr(rollout, "temperature", 1.0),
             seed=config.run.seed,
             ranks=self.ranks,
+            total_steps=config.run.steps,
         )
         self.checkpoint_every = cfg.checkpoint_every
+        self.cluster = config.cluster
         self.host = ctx.host
         self.port = free_port(self.host)
         self.ranks_per_receiver = getattr(rollout, "tensor_parallel_size", 1)
@@ -468,9 +496,10 @@ class TorchTrainerEngine:
         """Weights are pushed when the controller says so: nothing to serve."""
         task_status.started()
 
-    async def connect(self, transfer: WeightTransfer | None) -> None:
+    async def connect(self, transfer: WeightTransfer | None, *, first: bool = True) -> None:
         """Host the weight group and wait until every receiver has joined (rank
-        0; the other ranks only help gather)."""
+        0; the other ranks only help gather): the first group as long as the
+        services may take to start, a later generation `cluster.weight_timeout_s`."""
         if transfer is None and not self.ranks.lead:
             return
         offered = type(self.offer()[0])
@@ -480,7 +509,10 @@ class TorchTrainerEngine:
         if isinstance(transfer, WeightsNccl):
             self.group = await trio.to_thread.run_sync(NcclGroup, transfer, self.ranks.device)
         else:
-            self.group = await trio.to_thread.run_sync(GlooGroup, transfer.host, transfer.port, 0, transfer.world_size)
+            timeout_s = max(self.cluster.handshake_timeout_s, self.cluster.weight_timeout_s) if first \
+                else self.cluster.weight_timeout_s
+            self.group = await trio.to_thread.run_sync(GlooGroup, transfer.host, transfer.port, 0, transfer.world_size,
+                                                       timeout_s)
 
     async def deal(self, batch: SampleBatch) -> tuple[dict[str, float], list[SampleBatch]]:
         return await trio.to_thread.run_sync(self.engine.prepare, batch, self.replicas)
@@ -507,7 +539,7 @@ class TorchTrainerEngine:
         generation of the group, first)."""
         if transfer is not None:
             self._let_go()
-            await self.connect(transfer)
+            await self.connect(transfer, first=False)
         await self._event(version).wait()  # this rank's own step may end a moment after rank 0's
         snapshot = self.snapshots[version]
         for old in [v for v in self.snapshots if v <= version]:

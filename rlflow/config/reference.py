@@ -1,0 +1,119 @@
+"""The configuration reference (docs/configuration.md), written from the
+config's own Structs and field docstrings.
+
+`python -m rlflow.config.reference` prints it, `--write` replaces the
+generated part of docs/configuration.md; a test checks that the page holds
+exactly this text, so the reference cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import pathlib
+import sys
+from typing import Any
+
+import msgspec
+
+from rlflow.config.explain import _describe
+from rlflow.config.schema import Config, field_docs
+
+BEGIN = "<!-- BEGIN GENERATED: python -m rlflow.config.reference -->"
+END = "<!-- END GENERATED -->"
+#: The page, from the repository's root.
+PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+
+
+def _default(field: msgspec.inspect.Field) -> str:
+    if field.required:
+        return "required"
+    value = field.default_factory() if field.default_factory is not msgspec.NODEFAULT else field.default
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, msgspec.Struct):
+        tag = value.__struct_config__.tag
+        return f"kind `{tag}`" if tag else "its defaults"
+    if isinstance(value, float) and math.isinf(value):
+        return "`inf`"
+    if value is None:
+        return "none"
+    text = repr(value).replace("|", "\\|")
+    return f"`{text}`" if len(text) < 40 else "see below"
+
+
+def _tables(cls: type, key: str, out: list[tuple[str, type]], seen: set[tuple[str, type]]) -> None:
+    """Every table under `cls` at `key`, depth first (a tagged union: each kind)."""
+    if (key, cls) in seen:
+        return
+    seen.add((key, cls))
+    out.append((key, cls))
+    for field in msgspec.inspect.type_info(cls).fields:
+        for member in _members(field.type):
+            sub = f"{key}.{field.name}" if key else field.name
+            if isinstance(field.type, msgspec.inspect.DictType):
+                sub += ".NAME"
+            elif isinstance(field.type, (msgspec.inspect.ListType, msgspec.inspect.VarTupleType)):
+                sub = f"[[{sub}]]"
+            _tables(member, sub, out, seen)
+
+
+def _members(node: Any) -> list[type]:
+    insp = msgspec.inspect
+    if isinstance(node, insp.StructType):
+        return [node.cls]
+    if isinstance(node, insp.UnionType):
+        return [c for m in node.types for c in _members(m)]
+    if isinstance(node, insp.DictType):
+        return _members(node.value_type)
+    if isinstance(node, (insp.ListType, insp.VarTupleType)):
+        return _members(node.item_type)
+    return []
+
+
+def _kind(field: msgspec.inspect.Field, key: str) -> str:
+    """A field's type in words; a table names where it is described."""
+    insp, node = msgspec.inspect, field.type
+    if isinstance(node, insp.UnionType):
+        node = next((m for m in node.types if not isinstance(m, insp.NoneType)), node) \
+            if sum(not isinstance(m, insp.NoneType) for m in node.types) == 1 else node
+    if isinstance(node, insp.StructType):
+        return f"a table (`{key}`)"
+    if isinstance(node, insp.DictType) and isinstance(node.value_type, insp.StructType):
+        return f"tables by name (`{key}.NAME`)"
+    return _describe(field.type)
+
+
+def generate() -> str:
+    """The generated part of docs/configuration.md."""
+    tables: list[tuple[str, type]] = []
+    _tables(Config, "", tables, set())
+    out = [BEGIN, ""]
+    for key, cls in tables:
+        info = msgspec.inspect.type_info(cls)
+        title = key or "(the top level)"
+        if info.tag is not None:
+            title += f" (kind = \"{info.tag}\")"
+        doc = " ".join((cls.__doc__ or "").split())
+        out += [f"### `{title}`", "", doc, "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        docs = field_docs(cls)
+        for field in info.fields:
+            meaning = docs.get(field.name, "").replace("|", "\\|")
+            kind = _kind(field, f"{key}.{field.name}" if key else field.name).replace("|", "\\|")
+            out.append(f"| `{field.name}` | {kind} | {_default(field)} | {meaning} |")
+        out.append("")
+    out.append(END)
+    return "\n".join(out)
+
+
+def write(path: pathlib.Path = PAGE) -> None:
+    text = path.read_text()
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    path.write_text(text[:start] + generate() + text[end:])
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--write"]:
+        write()
+    else:
+        print(generate())
