@@ -116,7 +116,7 @@ def test_critic_statistics_of_a_trainer_step():
 # -- the value model ------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def model_path(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("critic") / "model", tied=False, seed=3)
 
@@ -198,6 +198,7 @@ def critic_frames(model_path) -> list[bytes]:
 CFG = C.TorchCritic(lr=1e-4, micro_batch_tokens=60, value_clip=0.2)
 
 
+@pytest.mark.slow
 def test_a_critic_step_on_two_ranks_is_the_step_on_one_and_its_checkpoint_resumes(model_path, tmp_path):
     """Values, a step, a checkpoint and a second step on 1 and on 2 ranks
     agree; the checkpoint of 2 ranks resumes on 1 with the same weights,

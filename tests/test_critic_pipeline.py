@@ -18,7 +18,7 @@ from rlflow.rundir import RunDir
 from rlflow.tools.plan import plan, workload_from_run
 from rlflow.tools.report import report
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 SIM = pathlib.Path(__file__).resolve().parent.parent / "examples" / "sim.toml"
 
