@@ -669,8 +669,10 @@ class Peers(Message, tag=30):
 
 class WeightsGroup(Message, tag=31):
     """The collective group the trainer now hosts (trainer rank 0 ->
-    controller), after `SendWeights` asked for a new generation: its
-    rendezvous port, for the controller to hand to every receiver."""
+    controller), after `SendWeights` asked for a new generation, once the
+    sends asked before it are done: its rendezvous port, for the controller
+    to hand to every receiver. A generation replaced by a newer one before
+    its turn is not hosted (that order's version is not broadcast)."""
 
     transfer: WeightTransfer
     """The group (its `generation` the one asked for)."""

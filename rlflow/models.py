@@ -12,13 +12,14 @@ transformers load as they are, cached under ``~/.cache/rlflow/models``
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -111,19 +112,28 @@ def build_tiny_text(out: pathlib.Path) -> pathlib.Path:
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, architectures=["Qwen2ForCausalLM"],
     ))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
-    try:
+    with _building(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
+    return out
+
+
+@contextlib.contextmanager
+def _building(out: pathlib.Path) -> Iterator[pathlib.Path]:
+    """A folder to write a model into, beside `out`; it replaces `out` whole
+    when the block ends without error, and is removed either way (a build
+    that fails or is killed leaves the model there before untouched)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
+    try:
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
 
 
 def build_tokenizer(alphabet: str):
@@ -291,9 +301,7 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
         if accuracy >= recipe.target_accuracy or step >= recipe.max_steps:
             break
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=".building-"))
-    try:
+    with _building(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         GenerationConfig(
@@ -310,12 +318,6 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
             "parameters": sum(p.numel() for p in model.parameters()),
         }
         (tmp / "rlflow_build.json").write_text(json.dumps(info, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     report(f"built in {time.monotonic() - started:.0f} s: dev accuracy {accuracy:.1%}", 1.0)
     return out
 

@@ -9,6 +9,7 @@ import torch
 from rlflow.services import compat
 
 
+@pytest.mark.slow  # imports the whole of torch.distributed
 def test_the_torch_internals_are_there():
     assert [p for p in compat.problems() if p.startswith("torch")] == []
 

@@ -565,6 +565,7 @@ def ks_distance(a: list[int], b: list[int]) -> float:
     return float(np.max(np.abs(np.searchsorted(a, grid, "right") / len(a) - np.searchsorted(b, grid, "right") / len(b))))
 
 
+@pytest.mark.slow  # ten runs in a row
 async def test_ten_kill_and_resume_cycles_lose_nothing_and_train_what_an_uninterrupted_run_does(tmp_path):
     """Kill the trainer at a random moment, resume from the newest checkpoint,
     ten times over; then finish. The audit finds no group lost or trained

@@ -225,7 +225,7 @@ def test_own_data_reward_functions_and_a_teacher_end_to_end(ray_cluster, tmp_pat
         assert row.samples == 16 and 0.0 <= row.reward_mean <= 1.0
         assert row.train["kl_teacher"] == row.train["kl_teacher"]  # a number: the teacher scored every token
         assert "distill_loss" in row.train and "kl_loss" in row.train
-    assert RunDir(tmp_path / "run").read_status().roles["reward"].counters["reward.length.ok"] > 0
+    assert RunDir(tmp_path / "run").read_status().roles["reward"].counters.reward_calls["length.ok"] > 0
     evals = RunDir(tmp_path / "run").read_evals()
     assert {"pass_rate", "reward_mean"} <= set(evals[0].metrics) and evals[0].metrics["problems"] == 10.0
 

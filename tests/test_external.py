@@ -34,6 +34,7 @@ def start_replica(run_dir: pathlib.Path, rank: int = 0) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("curve", ["auto", "on"])
+@pytest.mark.slow  # a run, a restart and an external process
 async def test_an_external_reward_replica_joins_survives_a_restart_and_nothing_is_lost(tmp_path, curve):
     from rlflow.tools.audit import audit
 

@@ -27,7 +27,7 @@ CFG = TorchTrainer(lr=1e-4, micro_batch_tokens=24, bucket_bytes=64 << 10)
 TOL = 1e-5
 
 # Timeout: the fixtures that start the ranks took 72-156 s on a loaded 2-core machine.
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]  # process groups of several ranks
 
 
 @pytest.fixture(scope="module")

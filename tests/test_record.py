@@ -71,6 +71,7 @@ def tensorboard_steps(folder: RunDir, tag: str) -> dict[str, list[tuple[int, flo
     return out
 
 
+@pytest.mark.slow  # four runs in a row
 async def test_a_run_resumed_three_times_reads_as_one_run(tmp_path, caplog):
     """Kill the trainer at a random step past a checkpoint, resume, three
     times; then finish. Every file of the run directory reads as one run:

@@ -392,6 +392,7 @@ trio.run(main)
 """
 
 
+@pytest.mark.slow  # waits for processes to die
 def test_workers_outlive_the_thread_that_started_them_and_die_with_their_parent(tmp_path):
     """trio starts processes from threads that end after 10 s idle: the
     workers live on past that, and are gone soon after the process that

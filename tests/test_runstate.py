@@ -86,6 +86,7 @@ def test_a_detached_run_is_starting_until_it_writes_its_own_status(tmp_path, sle
     assert state.state == "dead" and "ended before it wrote a status" in state.reason
 
 
+@pytest.mark.slow  # starts and kills a whole run
 async def test_status_down_report_and_audit_of_a_dead_run_say_dead_and_down_cleans_up(tmp_path, sleeper, capsys):
     """A real run (services in this process, real sockets) whose status is
     then made that of a controller that was SIGKILLed: `status` and

@@ -214,6 +214,20 @@ def test_a_broken_group_is_rebuilt_a_bounded_number_of_times_in_a_row():
     weights.broken({0})  # the first break of this round
 
 
+def test_a_generation_replaced_before_the_trainer_hosted_it_gets_no_members():
+    """A break during a rebuild asks for a newer generation; the older one,
+    hosted late, is joined by nobody: the version moves through the newer."""
+    weights = Weights(0, max_rebuilds=3)
+    weights.offered(WeightsGloo(host="h", port=1, nbytes=8), [], receivers=1)
+    weights.publish(1, {0})
+    weights.broken({0})  # generation 1 asked for
+    weights.broken({0})  # generation 2 asked for before the trainer got to 1
+    assert weights.hosted(WeightsGloo(host="h", port=2, world_size=2, generation=1), {0}) == []
+    (load,) = weights.hosted(WeightsGloo(host="h", port=3, world_size=2, generation=2), {0})
+    assert load.message == UpdateWeights(version=1, transfer=WeightsGloo(host="h", port=3, world_size=2,
+                                                                          generation=2, rank=1))
+
+
 def test_with_the_zmq_transfer_a_replacement_is_sent_the_newest_version_moved():
     weights = Weights(3, max_rebuilds=1)
     weights.offered(WeightsZmq(address="tcp://t:1"), [], receivers=2)

@@ -12,12 +12,11 @@ import enum
 import math
 import pathlib
 import sys
-from typing import Any
 
 import msgspec
 
 from rlflow.config.explain import _describe
-from rlflow.config.schema import Config, field_docs
+from rlflow.config.schema import Config, field_docs, struct_classes
 
 BEGIN = "<!-- BEGIN GENERATED: python -m rlflow.config.reference -->"
 END = "<!-- END GENERATED -->"
@@ -49,26 +48,13 @@ def _tables(cls: type, key: str, out: list[tuple[str, type]], seen: set[tuple[st
     seen.add((key, cls))
     out.append((key, cls))
     for field in msgspec.inspect.type_info(cls).fields:
-        for member in _members(field.type):
+        for member in struct_classes(field.type):
             sub = f"{key}.{field.name}" if key else field.name
             if isinstance(field.type, msgspec.inspect.DictType):
                 sub += ".NAME"
             elif isinstance(field.type, (msgspec.inspect.ListType, msgspec.inspect.VarTupleType)):
                 sub = f"[[{sub}]]"
             _tables(member, sub, out, seen)
-
-
-def _members(node: Any) -> list[type]:
-    insp = msgspec.inspect
-    if isinstance(node, insp.StructType):
-        return [node.cls]
-    if isinstance(node, insp.UnionType):
-        return [c for m in node.types for c in _members(m)]
-    if isinstance(node, insp.DictType):
-        return _members(node.value_type)
-    if isinstance(node, (insp.ListType, insp.VarTupleType)):
-        return _members(node.item_type)
-    return []
 
 
 def _kind(field: msgspec.inspect.Field, key: str) -> str:

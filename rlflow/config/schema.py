@@ -758,18 +758,20 @@ def undocumented_fields() -> list[str]:
         for field in msgspec.inspect.type_info(cls).fields:
             if field.name not in docs:
                 missing.append(f"{cls.__name__}.{field.name}")
-            todo.extend(_struct_classes(field.type))
+            todo.extend(struct_classes(field.type))
     return missing
 
 
-def _struct_classes(node: Any) -> list[type]:
+def struct_classes(node: Any) -> list[type]:
+    """The Struct classes a field's type (from `msgspec.inspect`) holds: itself, a union's members, a
+    dict's values, a list's items."""
     insp = msgspec.inspect
     if isinstance(node, insp.StructType):
         return [node.cls]
     if isinstance(node, insp.UnionType):
-        return [c for m in node.types for c in _struct_classes(m)]
+        return [c for m in node.types for c in struct_classes(m)]
     if isinstance(node, insp.DictType):
-        return _struct_classes(node.value_type)
+        return struct_classes(node.value_type)
     if isinstance(node, (insp.ListType, insp.VarTupleType)):
-        return _struct_classes(node.item_type)
+        return struct_classes(node.item_type)
     return []

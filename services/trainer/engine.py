@@ -51,8 +51,9 @@ class TrainerEngine(Protocol):
         """Where it will host a new generation of a collective group (its port
         picked now; the group is made in `send`)."""
 
-    async def send(self, version: int, transfer: WeightTransfer | None) -> None:
-        """Send `version` to the replicas that load weights (hosting `transfer` first, if given)."""
+    async def send(self, version: int, transfer: WeightTransfer | None, *, broadcast: bool = True) -> None:
+        """Send `version` to the replicas that load weights (hosting `transfer` first, if given);
+        `broadcast` false: only gather it with the other ranks (a version no receiver waits for)."""
 
     async def save(self, folder: pathlib.Path, run_state: dict[str, int]) -> bool:
         """Write a checkpoint into `folder` (every rank at the same step); whether there was anything to write."""

@@ -71,6 +71,8 @@ class TrainerService(Service):
         self._arrived = trio.Event()
         self.engine: TrainerEngine | None = None
         self._nbytes = 0
+        #: The newest generation of the weight group the controller asked for (0: the first).
+        self._asked = 0
 
     def queues(self) -> dict[str, int]:
         return {"groups": len(self.buffer)}
@@ -118,13 +120,12 @@ class TrainerService(Service):
                 async for msg in control:
                     match msg:
                         case SendWeights(version=version, transfer=transfer):
+                            if transfer is not None:
+                                self._asked = max(self._asked, transfer.generation)
                             if not self.lead:  # the other ranks only gather: rank 0 hosts the group
                                 transfer = None
-                            if transfer is not None:  # host a new generation of the group: say where first
-                                transfer = engine.new_group(transfer)
-                                await control.send(WeightsGroup(transfer=transfer))
                             # One at a time, in the order asked: every rank gathers in that order.
-                            await sends.send((version, transfer))
+                            await sends.send((version, transfer, self._asked))
                         case Shutdown(reason=reason):
                             self.say("shutting down (%s)", reason)
                             break
@@ -233,15 +234,27 @@ class TrainerService(Service):
 
     async def send_weights(self, to_send: trio.MemoryReceiveChannel, control: Control) -> None:
         """Send each version asked for, in order; a send that fails (a receiver
-        died mid-way) is reported: the controller makes a new generation of the group."""
-        async for version, transfer in to_send:
+        died mid-way) is reported: the controller makes a new generation of the group.
+
+        Rank 0 hosts a new generation when its turn comes, and only then says
+        where (the receivers told of it find it listening). An order of a
+        generation the controller has since replaced is gathered (every rank
+        gathers every order, in order) but not broadcast: its receivers are
+        told to join the newer one, so hosting it would wait for nobody; and a
+        send that fails after a newer generation was asked for is not
+        reported: the rebuild it would ask for is under way."""
+        async for version, transfer, generation in to_send:
+            superseded = generation < self._asked
             try:
-                await self.engine.send(version, transfer)
+                if transfer is not None and not superseded:
+                    transfer = self.engine.new_group(transfer)
+                    await control.send(WeightsGroup(transfer=transfer))
+                await self.engine.send(version, None if superseded else transfer, broadcast=not superseded)
             except Exception as exc:
                 self.counters["failed_sends"] += 1
-                self.log.warning("[%s] sending weights v%d failed: %s: %s", self.spec.name, version,
-                                 type(exc).__name__, exc)
-                if self.lead:
+                self.log.warning("[%s] sending weights v%d (generation %d) failed: %s: %s", self.spec.name, version,
+                                 generation, type(exc).__name__, exc)
+                if self.lead and generation == self._asked:
                     await control.send(ErrorReport(fatal=False, kind=WEIGHT_GROUP_BROKEN,
                                                    message=f"sending v{version}: {type(exc).__name__}: {exc}"[:500]))
 

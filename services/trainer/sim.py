@@ -108,7 +108,7 @@ class SimTrainerEngine:
         """No group: the weights are served."""
         return transfer
 
-    async def send(self, version: int, transfer: WeightTransfer | None) -> None:
+    async def send(self, version: int, transfer: WeightTransfer | None, *, broadcast: bool = True) -> None:
         """Pulled, not pushed: nothing to do."""
 
     async def save(self, folder: pathlib.Path, run_state: dict[str, int]) -> bool:

@@ -533,10 +533,10 @@ class TorchTrainerEngine:
         return msgspec.structs.replace(transfer, host=self.host, port=free_port(self.host), nbytes=self.engine.nbytes,
                                        bucket_bytes=self.engine.cfg.bucket_bytes)
 
-    async def send(self, version: int, transfer: WeightTransfer | None) -> None:
+    async def send(self, version: int, transfer: WeightTransfer | None, *, broadcast: bool = True) -> None:
         """Gather the weights of `version` with the other ranks; rank 0
         broadcasts them to the rollout replicas (joining `transfer`, a new
-        generation of the group, first)."""
+        generation of the group, first), unless not to `broadcast`."""
         if transfer is not None:
             self._let_go()
             await self.connect(transfer, first=False)
@@ -545,7 +545,7 @@ class TorchTrainerEngine:
         for old in [v for v in self.snapshots if v <= version]:
             del self.snapshots[old]
             self._published.pop(old, None)
-        group = self.group if self.ranks.lead else None
+        group = self.group if self.ranks.lead and broadcast else None
         try:
             if isinstance(group, NcclGroup):
                 await trio.to_thread.run_sync(self.engine.send_named, snapshot, functools.partial(_send_nccl, group))
