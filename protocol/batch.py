@@ -36,6 +36,12 @@ class Response:
     """float64 [S]"""
     error: str | None = None
     """Why the engine could not generate it (then it is a failed sample in the batch)."""
+    loss_mask: np.ndarray | None = None
+    """uint8 [t]: 1 where the token is the policy's own (an episode's; None: every token is)."""
+    env_rewards: np.ndarray | None = None
+    """float32 [turns]: an episode's reward from its environment at each turn."""
+    failure_kind: str = "engine_error"
+    """`SampleFailure.kind` of a response with an `error`."""
 
     def __post_init__(self) -> None:
         t = len(self.token_ids)
@@ -43,6 +49,8 @@ class Response:
             raise ValueError(
                 f"response has {t} tokens but {len(self.logprobs)} log-probs and {len(self.versions)} versions"
             )
+        if self.loss_mask is not None and len(self.loss_mask) != t:
+            raise ValueError(f"response has {t} tokens but a loss mask of {len(self.loss_mask)}")
 
 
 def build_batch(groups: Sequence[tuple[PromptGroup, Sequence[Response]]]) -> SampleBatch:
@@ -64,10 +72,11 @@ def build_batch(groups: Sequence[tuple[PromptGroup, Sequence[Response]]]) -> Sam
         rows.extend((i, r) for i, r in enumerate(responses))
     lens = [len(r.token_ids) for _, r in rows]
     failures = [
-        SampleFailure(index=row, stage=Stage.ROLLOUT_END, kind="engine_error", message=r.error)
+        SampleFailure(index=row, stage=Stage.ROLLOUT_END, kind=r.failure_kind, message=r.error)
         for row, (_, r) in enumerate(rows)
         if r.error is not None
     ]
+    responses = [r for _, r in rows]
     return SampleBatch(
         groups=infos,
         prompt_ids=Tensor.from_numpy(_cat(prompts, np.int32)),
@@ -84,7 +93,30 @@ def build_batch(groups: Sequence[tuple[PromptGroup, Sequence[Response]]]) -> Sam
             else np.zeros((0, N_STAGES))
         ),
         failures=failures,
+        loss_mask=_masks([(r.loss_mask, len(r.token_ids)) for r in responses]),
+        env_rewards=_turn_rewards([r.env_rewards for r in responses]),
     )
+
+
+def _masks(parts: Sequence[tuple[np.ndarray | None, int]]) -> Tensor | None:
+    """The loss-mask column of samples with these (mask, length): None if no
+    sample has a mask; a sample without one has every token trained on."""
+    if all(mask is None for mask, _ in parts):
+        return None
+    return Tensor.from_numpy(_cat([np.ones(n, np.uint8) if mask is None else mask for mask, n in parts], np.uint8))
+
+
+def _turn_rewards(rows: Sequence[np.ndarray | None]) -> Tensor | None:
+    """The [n, K] column of per-turn rewards (K the most turns; NaN past a
+    sample's last turn and for a sample without any); None if no sample has them."""
+    if all(r is None for r in rows):
+        return None
+    width = max(len(r) for r in rows if r is not None)
+    out = np.full((len(rows), width), np.nan, np.float32)
+    for i, r in enumerate(rows):
+        if r is not None:
+            out[i, : len(r)] = r
+    return Tensor.from_numpy(out)
 
 
 def stamp(batch: SampleBatch, stage: Stage, when: float, rows: np.ndarray | None = None, **fields: Any) -> SampleBatch:
@@ -155,8 +187,15 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
         failures=failures,
         **_topk(opt("teacher_topk_ids"), opt("teacher_topk_logprobs")),
         advantages=opt("advantages"),
+        loss_mask=_masks([(None if b.loss_mask is None else b.loss_mask.numpy(), b.n_tokens) for b in batches]),
+        env_rewards=_turn_rewards([r for b in batches for r in _rows_of(b.env_rewards, b.n_samples)]),
         **{name: opt(name) for name in _CRITIC_COLUMNS},
     )
+
+
+def _rows_of(column: Tensor | None, n: int) -> list[np.ndarray | None]:
+    """The rows of an optional 2-D per-sample column (n times None without it)."""
+    return [None] * n if column is None else list(column.numpy())
 
 
 def _topk(ids: Tensor | None, logprobs: Tensor | None) -> dict[str, Tensor | None]:
@@ -211,6 +250,8 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
             msgspec.structs.replace(f, index=new_index[f.index]) for f in batch.failures if f.index in new_index
         ],
         advantages=per_row(batch.advantages),
+        loss_mask=tok(batch.loss_mask),
+        env_rewards=per_row(batch.env_rewards),
         values=tok(batch.values),
         returns=tok(batch.returns),
         token_advantages=tok(batch.token_advantages),
@@ -256,11 +297,12 @@ _TOKEN_COLUMNS = (
     "ref_logprobs",
     "teacher_topk_ids",
     "teacher_topk_logprobs",
+    "loss_mask",
     "values",
     "returns",
     "token_advantages",
 )
-_ROW_COLUMNS = ("sample_index", "finish_reason", "stamps", "rewards", "critic_versions")
+_ROW_COLUMNS = ("sample_index", "finish_reason", "stamps", "rewards", "env_rewards", "critic_versions")
 #: The columns the critic fills in (kept by `concat` only if every batch has them).
 _CRITIC_COLUMNS = ("values", "returns", "token_advantages", "critic_versions")
 
@@ -297,6 +339,10 @@ class SampleView:
     ref_logprobs: np.ndarray | None
     teacher_topk_ids: np.ndarray | None = None
     teacher_topk_logprobs: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
+    """uint8: 1 where the token is the policy's own (None: every token is)."""
+    env_rewards: np.ndarray | None = None
+    """float32 [K]: the environment's reward at each turn (NaN: no such turn)."""
     values: np.ndarray | None = None
     returns: np.ndarray | None = None
     token_advantages: np.ndarray | None = None
@@ -316,6 +362,8 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
     ref = batch.ref_logprobs.numpy() if batch.ref_logprobs is not None else None
     topk_ids = batch.teacher_topk_ids.numpy() if batch.teacher_topk_ids is not None else None
     topk_lps = batch.teacher_topk_logprobs.numpy() if batch.teacher_topk_logprobs is not None else None
+    mask = batch.loss_mask.numpy() if batch.loss_mask is not None else None
+    env = batch.env_rewards.numpy() if batch.env_rewards is not None else None
     values, returns, token_adv = (_array(batch.values), _array(batch.returns), _array(batch.token_advantages))
     critic = batch.critic_versions.numpy().tolist() if batch.critic_versions is not None else None
     row = 0
@@ -337,6 +385,8 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
                 ref_logprobs=None if ref is None else ref[a:b],
                 teacher_topk_ids=None if topk_ids is None else topk_ids[a:b],
                 teacher_topk_logprobs=None if topk_lps is None else topk_lps[a:b],
+                loss_mask=None if mask is None else mask[a:b],
+                env_rewards=None if env is None else env[row],
                 values=None if values is None else values[a:b],
                 returns=None if returns is None else returns[a:b],
                 token_advantages=None if token_adv is None else token_adv[a:b],

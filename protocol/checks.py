@@ -77,6 +77,12 @@ def validate(batch: Any) -> None:
         raise _disagree(f"rewards must be float32 [{n}]")
     if batch.advantages is not None and (batch.advantages.numel != n or batch.advantages.dtype != "float32"):
         raise _disagree(f"advantages must be float32 [{n}]")
+    mask = batch.loss_mask
+    if mask is not None and (mask.numel != t or mask.dtype != "uint8" or len(mask.shape) != 1):
+        raise _disagree(f"loss_mask must be uint8 [{t}]")
+    env = batch.env_rewards
+    if env is not None and (env.dtype != "float32" or len(env.shape) != 2 or env.shape[0] != n):
+        raise _disagree(f"env_rewards must be float32 [{n}, K]")
     if batch.critic_versions is not None and (batch.critic_versions.numel != n
                                               or batch.critic_versions.dtype != "int32"):
         raise _disagree(f"critic_versions must be int32 [{n}]")

@@ -4,14 +4,17 @@ Messages are frozen msgspec Structs encoded as msgpack arrays whose first
 element is an integer tag. Bulk arrays are `Tensor` fields, which travel as
 raw frames beside the header (see `tensors.py` and SPEC.md).
 
-Three channels, one union each:
+Four channels, one union each:
 
 * data plane (`DataMessage`): columnar sample batches, streamed PUSH ->
   PULL from role to role;
 * control plane (`ControlMessage`): between each service (DEALER) and the
   controller (ROUTER);
 * weights (`WeightsMessage`): a weight payload served by the trainer when
-  the weight transport is ZeroMQ.
+  the weight transport is ZeroMQ;
+* environment (`EnvMessage`): a rollout replica's requests to the env role
+  (reset an episode, take one step of it) and their replies (DEALER ->
+  ROUTER), when the run has environments.
 
 Schema evolution (see SPEC.md): fields are only ever appended, always with a
 default; a field never changes type; a tag is never reused. Breaking any of
@@ -22,7 +25,7 @@ other's messages.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 from msgspec import Meta
@@ -47,7 +50,8 @@ class Role(enum.IntEnum):
     REWARD = 2
     TEACHER = 3
     TRAINER = 4
-    CRITIC = 5
+    ENV = 5
+    CRITIC = 6
 
     @property
     def label(self) -> str:
@@ -61,6 +65,7 @@ class FinishReason(enum.IntEnum):
     LENGTH = 1  #: the length cap
     ABORT = 2  #: aborted (e.g. too stale to be trained on)
     ERROR = 3  #: the engine failed on this request
+    TURNS = 4  #: an episode reached its most turns (`roles.env.max_turns`) before it was done
 
 
 class Stage(enum.IntEnum):
@@ -196,6 +201,11 @@ class SampleBatch(Message, tag=2):
     advantages: Tensor | None = None
     """float32 [n]: each sample's advantage, worked out over its whole group by trainer rank 0 in the
     share of a step it deals to each trainer rank."""
+    loss_mask: Tensor | None = None
+    """uint8 [T]: 1 where a response token is the policy's own (trained on), 0 where it is not (an
+    episode's observations and the chat template's text between turns); nil: every token is the policy's."""
+    env_rewards: Tensor | None = None
+    """float32 [n, K]: the environment's reward at each of an episode's first K turns (NaN: no such turn)."""
     values: Tensor | None = None
     """float32 [T]: the critic's value of the state before each response token (filled in by the critic)."""
     returns: Tensor | None = None
@@ -347,6 +357,16 @@ class Counters(Record):
     timeout, error, crashed)."""
     bytes_shared: NonNegInt = 0
     """Bytes of tensors sent through shared memory instead of the socket (peers on one machine)."""
+    env_requests: NonNegInt = 0
+    """An env replica: requests answered (resets and steps); a rollout replica: answers it received."""
+    env_calls: dict[str, NonNegInt] = {}
+    """An env replica: calls of the environment and of each tool by outcome, as ``reset.<status>``,
+    ``step.<status>``, ``tool.<name>.<status>`` (status: ok, timeout, error, crashed), and tool calls that
+    could not be parsed (``tool.unparsed``) or name no tool (``tool.unknown``)."""
+    episodes: NonNegInt = 0
+    """A rollout replica: episodes finished (every sample of a run with environments is one)."""
+    episode_turns: NonNegInt = 0
+    """A rollout replica: model turns of those episodes."""
     critic_steps: NonNegInt = 0
     """The critic (rank 0, for all its ranks): optimizer steps taken (its version, less the steps it
     resumed from)."""
@@ -361,7 +381,8 @@ class Counters(Record):
     def progress(self) -> int:
         """Work done, for telling a replica that works from one that hangs:
         failed samples do not count."""
-        return self.decode_steps + self.groups + self.tokens + self.samples + self.critic_steps - self.failed_samples
+        return (self.decode_steps + self.groups + self.tokens + self.samples + self.env_requests
+                + self.critic_steps - self.failed_samples)
 
 
 class EngineLoad(Record):
@@ -701,6 +722,119 @@ class EvalDone(Message, tag=27):
     """Policy version held when it ended (weights may change while it runs)."""
 
 
+# ---------------------------------------------------------------------------
+# Environments: request and reply between a rollout replica and the env role
+# ---------------------------------------------------------------------------
+
+
+class ChatMessage(Record):
+    """One chat message of an observation, as the chat template renders it."""
+
+    role: str
+    """``user``, ``tool``, ``system``, ... (the template's roles)."""
+    content: str
+    """The message's text."""
+    name: str = ""
+    """A tool's message: the tool's name."""
+    tool_call_id: str = ""
+    """A tool's message: the id of the call it answers (empty: the call had none)."""
+
+
+class ToolCall(Record):
+    """A tool call the rollout parsed out of a model turn."""
+
+    name: str
+    """The tool's name, as the model wrote it."""
+    arguments: str
+    """Its arguments: a JSON object, as text."""
+    id: str = ""
+    """The call's id, where the model's format has one."""
+
+
+class ToolResult(Record):
+    """How one tool call of a step ended (the observation says what it returned)."""
+
+    name: str
+    """The tool's name, as the model wrote it."""
+    status: str
+    """``ok``, ``timeout``, ``error`` (it raised), ``crashed`` (its worker died), ``unknown`` (no such tool)
+    or ``unparsed`` (the turn's tool calls could not be parsed)."""
+
+
+class EnvReset(Message, tag=50):
+    """Start the episodes of a group (rollout -> env replica): the environment's first
+    observation of the group's dataset row, which every episode of the group starts from."""
+
+    request_id: NonNegInt
+    """Chosen by the requester; the reply carries it back."""
+    group_id: NonNegInt
+    """The group the episodes belong to."""
+    row: dict[str, Any] = {}
+    """The group's dataset row (plain data)."""
+    reference: str = ""
+    """The group's reference answer (`PromptGroup.reference`)."""
+    scripted: bool = False
+    """Also send the environment's scripted model turns for this row, where it has them (`rlflow check`)."""
+
+
+class EnvStep(Message, tag=51):
+    """One model turn of one episode, for the environment to answer (rollout -> env replica).
+    With tool calls, the tools run and their results are the observation; without, the
+    environment's `step` answers."""
+
+    request_id: NonNegInt
+    """Chosen by the requester; the reply carries it back."""
+    group_id: NonNegInt
+    """The episode's group."""
+    index: NonNegInt
+    """The episode's index in its group."""
+    turn: Annotated[int, Meta(ge=1)]
+    """The model turns of the episode so far, this one included."""
+    text: str
+    """This model turn, as text."""
+    calls: list[ToolCall] = []
+    """The tool calls parsed out of it (empty: none, or none could be parsed)."""
+    unparsed: str = ""
+    """Why the turn's tool calls could not be parsed (empty: they were, or it has none)."""
+    state: dict[str, Any] = {}
+    """The episode's state, as the environment's last reply left it."""
+    row: dict[str, Any] = {}
+    """The group's dataset row."""
+    reference: str = ""
+    """The group's reference answer."""
+    turns: list[str] = []
+    """The episode's earlier model turns, as text, in order."""
+
+
+class EnvReply(Message, tag=52):
+    """The answer to an `EnvReset` or `EnvStep` (env replica -> rollout): an observation,
+    as plain text or as chat messages, and for a step the environment's reward and
+    whether the episode is over."""
+
+    request_id: NonNegInt
+    """The request's."""
+    text: str = ""
+    """The observation as text (when it is not `messages`)."""
+    messages: list[ChatMessage] = []
+    """The observation as chat messages."""
+    reward: float = 0.0
+    """A step: the environment's reward for this turn."""
+    done: bool = False
+    """A step: the episode is over (no observation follows)."""
+    state: dict[str, Any] = {}
+    """The episode's state, to send back with its next step."""
+    tools: list[str] = []
+    """A reset: each tool's JSON schema, as text (what the chat template shows the model)."""
+    results: list[ToolResult] = []
+    """A step with tool calls: how each ended."""
+    scripted: list[str] = []
+    """A reset asked for them: the environment's scripted model turns for the row."""
+    error: str = ""
+    """The environment itself failed on this request (its episode fails): what happened (empty: it did not)."""
+    error_kind: str = ""
+    """With `error`: ``timeout``, ``error`` or ``crashed``."""
+
+
 #: `PromptGroup` is on no channel: a task makes it inside a rollout replica (see SPEC.md).
 DataMessage = Union[SampleBatch]
 ControlMessage = Union[
@@ -726,7 +860,8 @@ ControlMessage = Union[
     WeightsGroup,
 ]
 WeightsMessage = Union[WeightsRequest, WeightsPayload]
-AnyMessage = Union[PromptGroup, DataMessage, ControlMessage, WeightsMessage]
+EnvMessage = Union[EnvReset, EnvStep, EnvReply]
+AnyMessage = Union[PromptGroup, DataMessage, ControlMessage, WeightsMessage, EnvMessage]
 
 #: Every message class, by tag.
 MESSAGE_TYPES: dict[int, type[Message]] = {
@@ -756,5 +891,8 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
         WeightsGroup,
         WeightsRequest,
         WeightsPayload,
+        EnvReset,
+        EnvStep,
+        EnvReply,
     )
 }

@@ -49,6 +49,8 @@ def _type_name(t: msgspec.inspect.Type) -> str:
         return "tensor"
     if isinstance(t, insp.StructType):
         return t.cls.__name__
+    if isinstance(t, insp.AnyType):
+        return "any"
     raise NotImplementedError(repr(t))
 
 

@@ -61,7 +61,7 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
 JOIN_ENV = {
     "RLFLOW_CONTROLLER": "the controller's ROUTER address: connect a DEALER to it",
     "RLFLOW_RUN_ID": "the run's name",
-    "RLFLOW_ROLE": "the role to play (`Hello.role`, by its name: rollout, reward, teacher)",
+    "RLFLOW_ROLE": "the role to play (`Hello.role`, by its name: rollout, reward, teacher, env)",
     "RLFLOW_RANK": "the replica's rank within its role (`Hello.rank`)",
     "RLFLOW_REPLICAS": "replicas of the role (`Hello.replicas`)",
     "RLFLOW_SECRET": "the run's secret (`Hello.secret`)",

@@ -1,6 +1,6 @@
 """rlflow's long-lived services, grouped by process: ``rollout/``, ``reward/``,
-``teacher/``, ``critic/`` and ``trainer/``, each with its service and its
-engines, and ``base`` that they share.
+``teacher/``, ``critic/``, ``trainer/`` and ``env/``, each with its service and
+its engines, and ``base`` that they share.
 
 Each service is a trio program that runs one loop under a nursery and speaks
 only the protocol. `main` is what a service process runs. Importing this
@@ -21,6 +21,7 @@ SERVICES = {
     "teacher": "rlflow.services.teacher.service:TeacherService",
     "critic": "rlflow.services.critic.service:CriticService",
     "trainer": "rlflow.services.trainer.service:TrainerService",
+    "env": "rlflow.services.env.service:EnvService",
 }
 
 

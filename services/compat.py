@@ -16,6 +16,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import importlib.metadata
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -195,6 +196,33 @@ def engine_dead(exc: BaseException) -> bool:
     return isinstance(exc, EngineDeadError)
 
 
+def tool_parser(name: str, tokenizer: Any, tools: list[dict[str, Any]]) -> Callable[[str], tuple[list[Any], bool]]:
+    """vLLM's tool-call parser `name` (e.g. "hermes") over `tokenizer`, as a function
+    of a model turn's text -> (its tool calls, each with ``name``, ``arguments`` (JSON
+    text) and ``id``; whether the turn holds the parser's start marker). vLLM's
+    parsers take an OpenAI request beside the text; rlflow has none to give but the tools."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers import ToolParserManager
+
+    parser = ToolParserManager.get_tool_parser(name)(tokenizer)
+    request = ChatCompletionRequest(messages=[], model="rlflow", tools=tools or None)
+    marker = getattr(parser, "tool_call_start_token", None)
+
+    def parse(text: str) -> tuple[list[Any], bool]:
+        found = parser.extract_tool_calls(text, request)
+        calls = [(call.function.name, call.function.arguments, call.id or "") for call in found.tool_calls]
+        return (calls if found.tools_called else []), bool(marker) and marker in text
+
+    return parse
+
+
+def tool_parser_names() -> list[str]:
+    """The tool-call parsers vLLM has."""
+    from vllm.tool_parsers import ToolParserManager
+
+    return sorted(ToolParserManager.list_registered())
+
+
 #: (module, attribute) of every vLLM internal above.
 _VLLM_INTERNALS = (
     ("vllm.v1.metrics.loggers", "StatLoggerBase.record"),
@@ -215,6 +243,9 @@ _VLLM_INTERNALS = (
     ("vllm.distributed.weight_transfer.nccl_common", "NCCLWeightTransferInitInfo"),
     ("vllm.distributed.weight_transfer.nccl_engine", "NCCLWeightTransferUpdateInfo"),
     ("vllm.distributed.weight_transfer.packed_tensor", "packed_nccl_broadcast_producer"),
+    ("vllm.tool_parsers", "ToolParserManager.get_tool_parser"),
+    ("vllm.tool_parsers", "ToolParserManager.list_registered"),
+    ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
 )
 _TORCH_INTERNALS = (
     ("torch.distributed", "ProcessGroupGloo._Options"),

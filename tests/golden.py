@@ -23,11 +23,15 @@ from rlflow.protocol import (
     SCHEMA_VERSION,
     Ack,
     Bye,
+    ChatMessage,
     Codec,
     Counters,
     Credits,
     EngineLoad,
     Dropped,
+    EnvReply,
+    EnvReset,
+    EnvStep,
     ErrorReport,
     EvalDone,
     Evaluate,
@@ -46,6 +50,8 @@ from rlflow.protocol import (
     Stage,
     StepDone,
     Tensor,
+    ToolCall,
+    ToolResult,
     UpdateWeights,
     WeightsLoaded,
     WeightsGloo,
@@ -104,6 +110,22 @@ def _critic_batch():
         token_advantages=Tensor.of([0.75, 0.5, 0.25, -0.125], "float32"),
         critic_versions=Tensor.of([3, 3], "int32"),
     )
+
+
+def _episodes():
+    """A batch of two episodes: the model's turns and an observation between them (masked out)."""
+    group = PromptGroup(group_id=43, prompt_ids=[1, 2], n=2, reference="9", task="add")
+    stamps = np.full(6, np.nan)  # the stages there were when its bytes were saved
+    responses = [
+        Response(token_ids=np.array([5, 6, 7, 8, 9], np.int32),
+                 logprobs=np.array([-0.5, -0.25, 0.0, 0.0, -1.0], np.float32),
+                 versions=np.array([3, 3, 3, 3, 4], np.int32), finish_reason=FinishReason.STOP, stamps=stamps,
+                 loss_mask=np.array([1, 1, 0, 0, 1], np.uint8), env_rewards=np.array([0.0, 0.5], np.float32)),
+        Response(token_ids=np.array([4], np.int32), logprobs=np.array([-2.0], np.float32),
+                 versions=np.array([4], np.int32), finish_reason=FinishReason.TURNS, stamps=stamps,
+                 loss_mask=np.array([1], np.uint8), env_rewards=np.array([0.0], np.float32)),
+    ]
+    return build_batch([(group, responses)])
 
 
 def examples() -> dict[str, object]:
@@ -191,6 +213,18 @@ def examples() -> dict[str, object]:
                               critic_step_s=1.5),
         ),
         "WeightsRequest": WeightsRequest(version=5),
+        "SampleBatch.episodes": _episodes(),
+        "Heartbeat.env": Heartbeat(seq=3, version=0, counters=Counters(env_requests=12, env_calls={
+            "step.ok": 8, "tool.python.ok": 3, "tool.python.timeout": 1, "tool.unparsed": 1})),
+        "Hello.env": Hello(role=Role.ENV, rank=0, replicas=2, schema_version=SCHEMA_VERSION,
+                           endpoints={"env": "tcp://127.0.0.1:5010"}),
+        "EnvReset": EnvReset(request_id=7, group_id=41, row={"a": 57, "b": 68}, reference="125"),
+        "EnvStep": EnvStep(request_id=8, group_id=41, index=1, turn=2, text='<tool_call>{"name": "python"}',
+                           calls=[ToolCall(name="python", arguments='{"code": "print(1)"}', id="c1")],
+                           state={"tries": 1}, row={"a": 57, "b": 68}, reference="125", turns=["7+8=15"]),
+        "EnvReply": EnvReply(request_id=8, messages=[ChatMessage(role="tool", content="1\n", name="python",
+                                                                 tool_call_id="c1")],
+                             reward=0.5, state={"tries": 2}, results=[ToolResult(name="python", status="ok")]),
         "WeightsPayload": WeightsPayload(
             version=5,
             names=["a.weight", "b.bias"],

@@ -76,7 +76,17 @@ def _strategy(t: msgspec.inspect.Type) -> st.SearchStrategy:
         return tensors()
     if isinstance(t, insp.StructType):
         return structs(t.cls)
+    if isinstance(t, insp.AnyType):
+        return _plain
     raise NotImplementedError(f"no strategy for {t!r}")
+
+
+#: Plain data, as an environment's row or state holds (msgpack's own types, no NaN).
+_plain = st.recursive(
+    st.none() | st.booleans() | st.integers(-_I64, _I64) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
 
 
 def structs(cls: type) -> st.SearchStrategy:
@@ -136,6 +146,13 @@ def sample_batches(draw) -> SampleBatch:
             teacher_topk_ids=Tensor.from_numpy(np.zeros((t, k), np.int32)),
             teacher_topk_logprobs=Tensor.from_numpy(np.full((t, k), -1.0, np.float32)),
         )
+    if draw(st.booleans()):
+        mask = draw(st.lists(st.integers(0, 1), min_size=t, max_size=t))
+        batch = msgspec.structs.replace(batch, loss_mask=Tensor.from_numpy(np.asarray(mask, np.uint8)))
+    if draw(st.booleans()):
+        k = draw(st.integers(1, 3))
+        turns = draw(st.lists(st.floats(width=32), min_size=n * k, max_size=n * k))
+        batch = msgspec.structs.replace(batch, env_rewards=Tensor.from_numpy(np.asarray(turns, np.float32).reshape(n, k)))
     if n and draw(st.booleans()):
         failures = [SampleFailure(index=draw(st.integers(0, n - 1)), stage=Stage.REWARD_END, kind="timeout")]
         batch = msgspec.structs.replace(batch, failures=failures)

@@ -259,3 +259,66 @@ async def test_prompt_log_probabilities_for_the_teacher_match_a_hf_forward(engin
     with torch.no_grad():
         logits = weights(input_ids=ids).logits[0, len(prompt) - 1]
     assert top == set(torch.topk(logits, 3).indices.tolist())
+
+
+async def test_episodes_on_vllm_are_the_sequences_vllm_generated_over(engine, tied_model):
+    """Two-turn episodes (the default task's second try) on vLLM: each model
+    token's log-probability, as vLLM sampled it, is vLLM's own log-probability
+    of that token given the episode's stored sequence before it (the hint
+    included), so the stored sequence is exactly what it generated over."""
+    import contextlib
+
+    from rlflow import config as C
+    from rlflow.env import EnvHandler, open_env_pool
+    from rlflow.env.render import EpisodeText
+    from rlflow.protocol import PromptGroup
+    from rlflow.services.base import standalone_context
+    from rlflow.services.rollout.envclient import InlineEnv
+    from rlflow.services.rollout.episodes import EpisodeRunner
+    from rlflow.services.rollout.vllm_engine import VllmEngine
+
+    backend, _ = engine
+    config = C.load(text=f"""
+[pools.p]
+[roles.rollout]
+pool = "p"
+model = "{tied_model}"
+engine = {{ kind = "vllm", max_tokens = 24, kv_cache_bytes = 67108864 }}
+[roles.reward]
+pool = "p"
+[roles.trainer]
+pool = "p"
+[roles.env]
+pool = "p"
+environment = {{ path = "rlflow.env.arith:SecondTry" }}
+max_turns = 2
+max_tokens = 200
+""")
+    ctx = standalone_context(config, "rollout")
+    vllm = VllmEngine(config.roles.rollout.engine, ctx, backend)
+    tokenizer = load_tokenizer(tied_model)
+
+    class Row:
+        def row(self, group_id):
+            return {"a": 57, "b": 68}
+
+    env = config.roles.env
+    async with open_env_pool(env.environment, workers=1) as pool, trio.open_nursery() as nursery:
+        await nursery.start(vllm.run)
+        handler = EnvHandler(pool, tools=[], timeout_s=5, counters=ctx.counters)
+        runner = EpisodeRunner(vllm, InlineEnv(handler, contextlib.nullcontext), Row(), env, turn_tokens=24,
+                               text=EpisodeText(tokenizer), counters=ctx.counters)
+        with trio.fail_after(120):
+            group, responses = await runner.play(PromptGroup(group_id=0, prompt_ids=[], n=4, reference="125"), 0.0)
+            seconds = [r for r in responses if r.loss_mask is not None and (r.loss_mask == 0).any()]
+            assert seconds, "a random model answers 57+68 wrong, and gets a second try"
+            for r in seconds:
+                ids = list(group.prompt_ids) + r.token_ids.tolist()
+                scored = await backend.prompt_logprobs(ids, 1)
+                start = len(group.prompt_ids)
+                own = [start + i for i in np.flatnonzero(r.loss_mask)]
+                vllm_then = [scored[p][ids[p]].logprob for p in own]
+                np.testing.assert_allclose(r.logprobs[r.loss_mask == 1], vllm_then, atol=2e-3)
+                hint = tokenizer.decode(r.token_ids[r.loss_mask == 0].tolist())
+                assert hint.startswith("57+68=7+8=15,")
+        nursery.cancel_scope.cancel()

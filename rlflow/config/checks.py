@@ -12,6 +12,7 @@ from rlflow.config.errors import MISSING, ConfigError
 from rlflow.config.schema import (
     Config,
     DatasetTask,
+    EnvReward,
     FunctionsReward,
     ModelTeacher,
     ReasoningGymTask,
@@ -21,6 +22,7 @@ from rlflow.config.schema import (
     TorchTrainer,
     kind_of,
 )
+from rlflow.env.core import check_tools
 from rlflow.rewards.core import check_specs
 
 
@@ -63,7 +65,8 @@ def check(config: Config) -> None:
                                        or isinstance(reward, FunctionsReward)):
         raise ConfigError("roles.reward.inline", True,
                           "scoring in line is a layout of the simulated rollout with a sim or task reward engine")
-    if isinstance(config.task, (DatasetTask, ReasoningGymTask)) and not isinstance(reward, FunctionsReward):
+    _check_env(config)
+    if isinstance(config.task, (DatasetTask, ReasoningGymTask)) and not isinstance(reward, (FunctionsReward, EnvReward)):
         raise ConfigError(
             "roles.reward.engine.kind", kind_of(reward),
             f"task.kind = {kind_of(config.task)!r} is scored by reward functions: use kind = 'functions'",
@@ -72,6 +75,29 @@ def check(config: Config) -> None:
     if config.roles.critic is not None:
         _check_ranks(config, "critic")
     _check_critic(config)
+
+
+def _check_env(config: Config) -> None:
+    """An env role that can run: tools of distinct names, in line only with the simulated rollout, a reward
+    that reads it."""
+    env, reward = config.roles.env, config.roles.reward
+    if env is None:
+        if isinstance(reward.engine, EnvReward):
+            raise ConfigError("roles.reward.engine.kind", "env", "the environment's reward needs [roles.env]")
+        return
+    try:
+        check_tools(env.tools)
+    except ValueError as exc:
+        raise ConfigError("roles.env.tools", [t.path for t in env.tools], str(exc)) from None
+    if env.inline and not isinstance(config.roles.rollout.engine, SimRollout):
+        raise ConfigError("roles.env.inline", True, "running the environment in line is a layout of the simulated "
+                                                    "rollout")
+    if env.inline and env.pool:
+        raise ConfigError("roles.env.pool", env.pool, "an environment run in line (inline = true) runs on no pool "
+                                                      "of its own: leave it out")
+    if reward.inline:
+        raise ConfigError("roles.reward.inline", True, "episodes (a run with [roles.env]) are scored by the reward "
+                                                       "role")
 
 
 def _check_ranks(config: Config, name: str) -> None:

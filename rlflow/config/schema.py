@@ -15,6 +15,7 @@ import msgspec
 from msgspec import Meta
 
 from rlflow.data.net import is_loopback
+from rlflow.env.core import EnvironmentSpec, ToolSpec
 from rlflow.protocol.spec import field_docs
 from rlflow.rewards.core import FunctionSpec
 
@@ -306,6 +307,15 @@ class FunctionsReward(Table, tag_field="kind", tag="functions"):
     """How long the functions' workers may take to start (importing the functions, loading models)."""
 
 
+class EnvReward(Table, tag_field="kind", tag="env"):
+    """The environment's own reward: the sum of its rewards over an episode's
+    turns, times `roles.env.reward_weight` (a run with `[roles.env]`). With
+    the `functions` engine instead, the functions' reward and this one add up."""
+
+    concurrency: PosInt = 64
+    """Samples scored at once (per replica)."""
+
+
 class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """A torch trainer on the Hugging Face class of the rollout's model: GRPO
     or RLOO advantages, a PPO-clipped objective with off-policy corrections."""
@@ -412,7 +422,7 @@ class TorchCritic(Table, tag_field="kind", tag="torch"):
 
 
 RolloutEngine = Union[SimRollout, VllmRollout]
-RewardEngine = Union[SimReward, TaskReward, FunctionsReward]
+RewardEngine = Union[SimReward, TaskReward, FunctionsReward, EnvReward]
 TeacherEngine = Union[SimTeacher, ModelTeacher]
 TrainerEngine = Union[SimTrainer, TorchTrainer]
 CriticEngine = Union[SimCritic, TorchCritic]
@@ -508,8 +518,70 @@ class CriticRole(Table):
     them without changing its weights, so the values fit the starting policy first)."""
 
 
+class EnvRole(Table):
+    """The role that runs the environment of multi-turn episodes, and its tools, in
+    killable worker processes on a pool of its own; the rollout asks it for each
+    step of each episode (request and reply) and serves other episodes meanwhile.
+    Each sample is then one episode: one token sequence of the model's turns (as
+    generated) and the observations between them (as the chat template renders
+    them, not trained on).
+
+    Staleness and the ledger, for episodes: a group (its episodes) is what the
+    ledger grants, acknowledges and grants again. `run.max_staleness` bounds the
+    version its episodes start on; their later turns run on the newest weights
+    (a weight update applies between two decode steps, mid-episode too), and no
+    finished turn or tool call is run again. With `run.staleness_check =
+    "strict"`, an episode is one sample: a group whose oldest token passes the
+    bound before its next turn is played again from its start, tool calls
+    included. A group whose env replica is lost mid-episode is granted again."""
+
+    environment: EnvironmentSpec
+    """The environment: {path = "package.module:Class", kwargs = {...}} (see `rlflow.env`; e.g.
+    "rlflow.env.chat:Ask" asks the row's question and ends when the model stops calling tools)."""
+    tools: list[ToolSpec] = []
+    """Tools the model may call through the chat template, each {path, name, kwargs, timeout_s} (e.g.
+    {path = "rlflow.env.tools:python"}, which runs the model's program in the code sandbox)."""
+    pool: str = ""
+    """Name of the pool its replicas run on (none with `launch = "external"` or `inline`)."""
+    launch: Literal["ray", "external"] = "ray"
+    """ray: rlflow starts its replicas on their pool; external: the user starts them (any language, any
+    machine: see `rlflow join` and SPEC.md, *Start-up parameters*); rlflow reserves no pool for them,
+    waits for their hellos and supervises them like the others, but cannot restart them."""
+    replicas: PosInt = 1
+    """Replicas; the rollout spreads its requests over them."""
+    workers: PosInt = 2
+    """Worker processes per replica, each with the environment made and the tools imported."""
+    concurrency: PosInt = 1
+    """Calls one worker runs at once: async environments and tools overlap; sync ones take turns."""
+    timeout_s: PosFloat = 30.0
+    """A call of the environment (reset, step) or of a tool that takes longer fails: a tool call's failure is
+    the model's next observation; the environment's fails the episode."""
+    start_timeout_s: PosFloat = 120.0
+    """How long the workers may take to start (making the environment, importing the tools)."""
+    request_timeout_s: PosFloat = 600.0
+    """A rollout replica that has no answer from an env replica for this long gives up on the episode's group,
+    which is granted again."""
+    max_turns: PosInt = 4
+    """Model turns of an episode at most; an episode still going then is cut off (finish reason `turns`)."""
+    max_tokens: PosInt = 1024
+    """Tokens of an episode after its prompt at most (model turns and observations together); an episode
+    that reaches it is cut off (finish reason `length`)."""
+    turn_tokens: NonNegInt = 0
+    """Tokens of one model turn at most (0: the rollout engine's `max_tokens`); a turn cut there ends its
+    episode (finish reason `length`)."""
+    tool_parser: str = "hermes"
+    """vLLM's tool-call parser that reads the model's tool calls (hermes: ``<tool_call>{json}</tool_call>``,
+    as Qwen writes them; see vLLM's list). Used when there are tools."""
+    reward_weight: float = 1.0
+    """Weight of the environment's reward (summed over an episode's turns) in a sample's reward."""
+    inline: bool = False
+    """Run the environment in the rollout process instead, in line with generation: its engine waits
+    while each call runs (what a loop that calls the environment between generations does). A layout to
+    compare against (bench/agent.py); the simulated rollout only, and no env replicas run."""
+
+
 class RolesConfig(Table):
-    """Every role of the pipeline; the teacher and the critic are optional."""
+    """Every role of the pipeline; the teacher, the critic and the env are optional."""
 
     rollout: RolloutRole
     """Generation."""
@@ -521,6 +593,8 @@ class RolesConfig(Table):
     """Teacher / reference log-probabilities (leave out to skip the stage)."""
     critic: CriticRole | None = None
     """A learned value function and GAE advantages, for PPO (leave out to skip the stage)."""
+    env: EnvRole | None = None
+    """The environment of multi-turn episodes, and their tools (leave out for single-turn prompts)."""
 
 
 class RunConfig(Table):
@@ -736,8 +810,12 @@ class Config(Table):
         return [(name, role) for name, role in self.role_items() if getattr(role, "launch", "ray") == "ray"]
 
     def role_items(self) -> list[tuple[str, Any]]:
-        """(name, role config) of every configured role, in pipeline order."""
-        roles = [("rollout", self.roles.rollout), ("reward", self.roles.reward)]
+        """(name, role config) of every configured role, in pipeline order (the env, asked by the rollout,
+        after it; not when it runs in line)."""
+        roles = [("rollout", self.roles.rollout)]
+        if self.roles.env is not None and not self.roles.env.inline:
+            roles.append(("env", self.roles.env))
+        roles.append(("reward", self.roles.reward))
         if self.roles.teacher is not None:
             roles.append(("teacher", self.roles.teacher))
         if self.roles.critic is not None:

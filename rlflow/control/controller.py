@@ -462,8 +462,9 @@ class Controller:
         if kill and not replica.external:
             self._nursery.start_soon(trio.to_thread.run_sync, self.launcher.kill, replica.role, replica.rank)
         rollout = replica.role == "rollout"
-        again = [] if not was_registered else self.ledger.lost(replica.rank) if rollout else \
-            self.ledger.lost_downstream(replica.name)
+        # An asked role (the env) holds no groups: the rollout gives back the episodes it loses.
+        again = [] if not was_registered or not self.topology.streams(replica.role) else \
+            self.ledger.lost(replica.rank) if rollout else self.ledger.lost_downstream(replica.name)
         self._warn(f"{text}; {len(again)} groups granted again")
         if rollout:
             self.outboxes.order(self.weights.left(replica.rank, self.roster.receivers()), self.roster)

@@ -192,7 +192,7 @@ class GroupLedger:
             if held[rank] >= room[rank]:
                 break
             group = self.groups[self._queue.popleft()]
-            group.min_version = max(group.min_version, version - self.max_staleness)
+            group.min_version = max(group.min_version, version - self.max_staleness, self._oldest(group.group_id))
             group.state, group.owner = GroupState.GENERATING, rank
             group.grants += 1
             if group.grants > 1:
@@ -314,13 +314,16 @@ class GroupLedger:
             self._queue = collections.deque(g for g in self._queue if g not in gone)
 
     def _add(self, group_id: int) -> None:
-        # A group made to take a dropped one's place fills a step that is
-        # open now, not the later step its id would say (in sync mode that
-        # step could never start).
-        step = min(group_id // self.batch_size, self.steps_done + self.max_staleness)
-        self.groups[group_id] = Group(group_id, min_version(step * self.batch_size, self.batch_size,
-                                                            self.max_staleness))
+        self.groups[group_id] = Group(group_id, self._oldest(group_id))
         self._queue.append(group_id)
+
+    def _oldest(self, group_id: int) -> int:
+        """The oldest version group `group_id` may start on now. A group made to take a
+        dropped one's place fills a step that is open now, not the later step its id would
+        say (in sync mode that step could never start); a step done since it was made
+        opens a later one, so this is asked again when the group is granted."""
+        step = min(group_id // self.batch_size, self.steps_done + self.max_staleness)
+        return min_version(step * self.batch_size, self.batch_size, self.max_staleness)
 
     # -- checkpoints --------------------------------------------------------
 

@@ -30,11 +30,13 @@ def add_counters(counts: Iterable[Counters]) -> Counters:
     plain: collections.Counter[str] = collections.Counter()
     rejected: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
+    env_calls: collections.Counter[str] = collections.Counter()
     for c in counts:
         plain.update({k: v for k, v in msgspec.structs.asdict(c).items() if not isinstance(v, dict)})
         rejected.update(c.rejected)
         calls.update(c.reward_calls)
-    return Counters(**plain, rejected=dict(rejected), reward_calls=dict(calls))
+        env_calls.update(c.env_calls)
+    return Counters(**plain, rejected=dict(rejected), reward_calls=dict(calls), env_calls=dict(env_calls))
 
 
 def add_loads(loads: Iterable[EngineLoad | None]) -> EngineLoad | None:

@@ -7,6 +7,11 @@ replica streams to every registered replica of the next role that binds an
 the stream. Trainer rank 0 deals each step's shares to the other ranks'
 ``share`` endpoints; critic rank 0 drives its other ranks over their own
 process group, and they bind nothing.
+
+Beside the chain, a role may be asked by request and reply (`ASKED`): the
+env role, asked by the rollout. Each replica of the asking role gets the
+endpoint named after the asked role of every registered replica of it, under
+that name (``env``); the asked role streams to no one.
 """
 
 from __future__ import annotations
@@ -16,33 +21,52 @@ from collections.abc import Iterable
 from rlflow.control.replicas import Replica
 
 
+#: Roles asked by request and reply rather than streamed to: role -> the role that asks it.
+ASKED = {"env": "rollout"}
+
+
 class Topology:
-    """The chain of roles of one run."""
+    """The chain of roles of one run, and the roles asked beside it."""
 
     def __init__(self, roles: list[str]):
-        self.roles = roles
+        self.roles = [role for role in roles if role not in ASKED]
+        self.asked = {role: ASKED[role] for role in roles if role in ASKED}
 
     def next(self, role: str) -> str | None:
-        """The role `role` streams to (None: the last)."""
+        """The role `role` streams to (None: the last, or a role asked beside the chain)."""
+        if role in self.asked:
+            return None
         i = self.roles.index(role)
         return self.roles[i + 1] if i + 1 < len(self.roles) else None
 
     def previous(self, role: str) -> str | None:
-        """The role that streams to `role` (None: the first)."""
+        """The role that streams to `role`, or asks it (None: the first)."""
+        if role in self.asked:
+            return self.asked[role]
         i = self.roles.index(role)
         return self.roles[i - 1] if i > 0 else None
+
+    def streams(self, role: str) -> bool:
+        """Whether `role` is in the chain (what it holds is on its way to the trainer)."""
+        return role in self.roles
 
     def peers(self, role: str, rank: int, replicas: Iterable[Replica]) -> dict[str, list[str]]:
         """``out``: the ``in`` endpoint of every registered replica of the next
         role; to trainer rank 0 (the last role), ``shares``: the ``share``
-        endpoint of each other rank, in rank order."""
+        endpoint of each other rank, in rank order; to a role that asks
+        another (`ASKED`), that role's endpoints under its name."""
         replicas = sorted(replicas, key=lambda r: (r.role, r.rank))
+        if role in self.asked:
+            return {}
+        asked = {name: [r.hello.endpoints[name] for r in replicas
+                        if r.role == name and r.registered and name in r.hello.endpoints]
+                 for name, asker in self.asked.items() if asker == role}
         after = self.next(role)
         if after is None:
             shares = [r.hello.endpoints.get("share", "") for r in replicas if r.role == role and r.rank > 0]
             return {"shares": shares} if rank == 0 and shares else {}
         return {"out": [r.hello.endpoints["in"] for r in replicas
-                        if r.role == after and r.registered and "in" in r.hello.endpoints]}
+                        if r.role == after and r.registered and "in" in r.hello.endpoints], **asked}
 
     @staticmethod
     def shm_peers(replica: Replica, peers: dict[str, list[str]], replicas: Iterable[Replica]) -> list[str]:

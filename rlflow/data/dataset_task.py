@@ -282,6 +282,10 @@ class RowTask:
     def heldout_prompts(self) -> list[list[int]]:
         return self.heldout.ids
 
+    def heldout_rows(self) -> list[tuple[dict[str, Any], str]]:
+        """(row, reference answer) of every held-out row (the episodes of an environment)."""
+        return [(dict(row), self.reference(row)) for row in self.heldout.rows]
+
     def heldout_samples(self, responses: list[list[int]]) -> list[Any]:
         """What reward functions see of each held-out answer."""
         from rlflow.rewards import Sample

@@ -230,6 +230,10 @@ class ArithTaskImpl:
             self.tokenizer.encode(Arith.prompt_text(a, b), add_special_tokens=False) for a, b in self.arith.heldout
         ]
 
+    def heldout_rows(self) -> list[tuple[dict[str, Any], str]]:
+        """(row, reference answer) of every held-out problem (the episodes of an environment)."""
+        return [({"a": a, "b": b}, str(a + b)) for a, b in self.arith.heldout]
+
     def heldout_metrics(self, responses: list[list[int]]) -> dict[str, float]:
         """Accuracy on the held-out set, overall and by number of digits."""
         right: dict[int, list[bool]] = {}

@@ -75,6 +75,11 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     row: dict[str, Any] = {}
     """The dataset row the prompt came from (plain data: str, int, float,
     bool, None, lists and dicts of them)."""
+    turns: tuple[str, ...] = ()
+    """An episode's (a run with an environment): the model's turns, as text, in order
+    (`response` is then the whole episode after the prompt, observations included)."""
+    observations: tuple[str, ...] = ()
+    """An episode's: the observations between its turns, as the model saw them."""
 
 
 class Scored(msgspec.Struct, frozen=True, kw_only=True):

@@ -153,10 +153,7 @@ async def open_pool(
         raise ValueError(f"start_timeout_s must be positive, got {start_timeout_s}")
     if workers is not None:
         specs = [msgspec.structs.replace(spec, workers=workers) for spec in specs]
-    # Workers import from `import_dir`, then from where this process imports;
-    # '' (the current directory) is resolved now, once.
-    sys_path = [os.path.abspath(entry) for entry in ([import_dir, *sys.path] if import_dir else sys.path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys_path)}
+    sys_path, env = worker_env(import_dir)
     lanes = [_Lane(spec, sys_path, env, start_timeout_s) for spec in specs]
     try:
         async with trio.open_nursery() as nursery:
@@ -199,8 +196,27 @@ async def check_references(pool: RewardPool, samples: Sequence[Sample]) -> list[
     return problems
 
 
-class _Broken(Exception):
+class WorkerBroken(Exception):
     """A worker can no longer be used; the message says what happened to it."""
+
+
+async def spawn(boot: str, env: dict[str, str]) -> trio.Process:
+    """A worker process running the Python code `boot`, with the pipes of
+    `WorkerProcess` and a process group of its own (killed as one)."""
+    return await trio.lowlevel.open_process(
+        [sys.executable, "-c", boot],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def worker_env(import_dir: str) -> tuple[list[str], dict[str, str]]:
+    """The import path of the workers (`import_dir` first, then where this
+    process imports from; '' resolved now, once) and their environment."""
+    sys_path = [os.path.abspath(entry) for entry in ([import_dir, *sys.path] if import_dir else sys.path)]
+    return sys_path, {**os.environ, "PYTHONPATH": os.pathsep.join(sys_path)}
 
 
 class _Job:
@@ -216,13 +232,13 @@ class _Job:
         self.abandoned = False  # its caller stopped waiting before it was sent
 
 
-class _Worker:
-    """One worker process and the pipes to it."""
+class WorkerProcess:
+    """One worker process and the pipes to it (its replies of type `replies`)."""
 
-    def __init__(self, process: trio.Process):
+    def __init__(self, process: trio.Process, replies: Any = FromWorker):
         self.process = process
         self._buffer = bytearray()
-        self._decoder = msgspec.msgpack.Decoder(FromWorker)
+        self._decoder = msgspec.msgpack.Decoder(replies)
 
     async def request(self, data: bytes) -> FromWorker:
         """Send a framed message and read the reply."""
@@ -230,7 +246,7 @@ class _Worker:
         try:
             await self.process.stdin.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise _Broken(await self._ended()) from None
+            raise WorkerBroken(await self._ended()) from None
         return await self.receive()
 
     async def receive(self) -> FromWorker:
@@ -246,13 +262,13 @@ class _Worker:
                         return self._decoder.decode(body)
                     except msgspec.DecodeError as error:
                         self.kill()
-                        raise _Broken(f"the worker sent an unreadable reply ({error}); it was killed") from None
+                        raise WorkerBroken(f"the worker sent an unreadable reply ({error}); it was killed") from None
             try:
                 chunk = await self.process.stdout.receive_some(1 << 16)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 chunk = b""
             if not chunk:
-                raise _Broken(await self._ended())
+                raise WorkerBroken(await self._ended())
             buffer += chunk
 
     async def _ended(self) -> str:
@@ -301,11 +317,11 @@ class _Lane:
         self._env = env
         self._start_timeout_s = start_timeout_s
         self._ready: Ready | None = None
-        self._workers: set[_Worker] = set()
+        self._workers: set[WorkerProcess] = set()
         # Jobs rendezvous with the dispatcher; free workers wait in a
         # channel that holds them all.
         self._jobs_in, self._jobs = trio.open_memory_channel[_Job](0)
-        self._free_in, self._free = trio.open_memory_channel[_Worker](spec.workers)
+        self._free_in, self._free = trio.open_memory_channel[WorkerProcess](spec.workers)
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -373,7 +389,7 @@ class _Lane:
             if not job.abandoned:
                 batch.append(job)
 
-    async def _call(self, worker: _Worker, batch: list[_Job]) -> None:
+    async def _call(self, worker: WorkerProcess, batch: list[_Job]) -> None:
         name = self.spec.name
         started = trio.current_time()
         call = frame(Call([job.raw for job in batch], [job.as_reference for job in batch]))
@@ -381,7 +397,7 @@ class _Lane:
         try:
             with trio.move_on_after(self.spec.timeout_s):
                 reply = await worker.request(call)
-        except _Broken as broken:
+        except WorkerBroken as broken:
             failure = Scored(function=name, status=Status.CRASHED, message=str(broken))
             # The worker is gone or useless: replaced below.
         else:
@@ -421,7 +437,7 @@ class _Lane:
             job.result = result
             job.done.set()
 
-    async def _replace(self, worker: _Worker, why: Scored) -> None:
+    async def _replace(self, worker: WorkerProcess, why: Scored) -> None:
         started = trio.current_time()
         self.restarts += 1
         await worker.reap()
@@ -440,16 +456,10 @@ class _Lane:
         worker = await self._start_worker()
         self._free_in.send_nowait(worker)
 
-    async def _start_worker(self) -> _Worker:
+    async def _start_worker(self) -> WorkerProcess:
         spec = self.spec
-        process = await trio.lowlevel.open_process(
-            [sys.executable, "-c", _BOOT],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=self._env,
-            start_new_session=True,  # its own process group, killed as one
-        )
-        worker = _Worker(process)
+        process = await spawn(_BOOT, self._env)
+        worker = WorkerProcess(process)
         self._workers.add(worker)
         try:
             with trio.fail_after(self._start_timeout_s):
@@ -459,7 +469,7 @@ class _Lane:
                 f"a worker of reward function {spec.name!r} ({spec.path}) was not ready within "
                 f"start_timeout_s = {self._start_timeout_s:g} s"
             ) from None
-        except _Broken as broken:
+        except WorkerBroken as broken:
             raise PoolError(
                 f"a worker of reward function {spec.name!r} ({spec.path}) did not start: {broken}"
             ) from None

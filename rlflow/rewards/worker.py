@@ -97,33 +97,40 @@ def frame(message: ToWorker | FromWorker) -> bytes:
     return len(body).to_bytes(HEADER, "big") + body
 
 
-def main() -> None:
-    """The worker's whole life (run as `python -c`, by `pool.py`)."""
-    # The protocol's pipes, moved out of the way of the function's own I/O.
+def take_pipes() -> tuple[int, int]:
+    """The descriptors of the parent's pipes (incoming, outgoing), moved out
+    of the way of the worker's own I/O: stdin reads nothing, stdout goes to
+    stderr. A segfault leaves the Python stack on stderr."""
     incoming, outgoing = os.dup(0), os.dup(1)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
     os.dup2(2, 1)
+    faulthandler.enable()
+    return incoming, outgoing
+
+
+def main() -> None:
+    """The worker's whole life (run as `python -c`, by `pool.py`)."""
     # A segfault in the function leaves its Python stack on stderr, then
     # kills the worker as before (the parent reports CRASHED).
-    faulthandler.enable()
+    incoming, outgoing = take_pipes()
     decoder = msgspec.msgpack.Decoder(ToWorker)
-    hello = decoder.decode(_read(incoming) or b"")
+    hello = decoder.decode(read_message(incoming) or b"")
     assert isinstance(hello, Hello)
-    _die_with_parent(hello.parent_pid)
+    die_with_parent(hello.parent_pid)
     sys.path[:] = hello.sys_path
     function = _Function(hello)
     try:
         ready = function.start()
     except (Exception, SystemExit) as error:
-        _write(outgoing, frame(Failed(_describe(error))))
+        write_message(outgoing, frame(Failed(describe(error))))
         os._exit(1)
-    _write(outgoing, frame(ready))
-    while (data := _read(incoming)) is not None:
+    write_message(outgoing, frame(ready))
+    while (data := read_message(incoming)) is not None:
         call = decoder.decode(data)
         assert isinstance(call, Call)
-        _write(outgoing, frame(Returned(function.call(call))))
+        write_message(outgoing, frame(Returned(function.call(call))))
     os._exit(0)
 
 
@@ -194,9 +201,9 @@ class _Function:
         except BadReturn as error:
             return None, Outcome(Status.ERROR, message=str(error))
         except TimeoutError as error:
-            return None, Outcome(Status.TIMEOUT, message=_describe(error))
+            return None, Outcome(Status.TIMEOUT, message=describe(error))
         except (Exception, SystemExit) as error:
-            return None, Outcome(Status.ERROR, message=_describe(error))
+            return None, Outcome(Status.ERROR, message=describe(error))
 
     def _await(self, result: Any) -> Any:
         """`result`, or what it resolves to if it is awaitable: run on one
@@ -216,7 +223,7 @@ class _Function:
         return self.runner.run(wait())
 
 
-def _describe(error: BaseException) -> str:
+def describe(error: BaseException) -> str:
     """The exception's type and message, and where it was raised."""
     kind = type(error)
     name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
@@ -228,7 +235,7 @@ def _describe(error: BaseException) -> str:
     return text if len(text) <= 2000 else text[:1997] + "..."
 
 
-def _read(fd: int) -> bytes | None:
+def read_message(fd: int) -> bytes | None:
     """One message's body, or None at end of input."""
     header = _read_exactly(fd, HEADER)
     if header is None:
@@ -252,13 +259,13 @@ def _read_exactly(fd: int, n: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def _write(fd: int, data: bytes) -> None:
+def write_message(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view) :]
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
     """SIGKILL this worker's process group when its parent dies, even mid-call.
 
     A thread watches the parent: PR_SET_PDEATHSIG would fire when the

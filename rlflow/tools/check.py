@@ -6,9 +6,16 @@ It prints how many rows loaded and how many were left out (and why), what
 looked wrong in rows that loaded, three prompts exactly as the model will
 see them, prompt-length statistics in tokens, the rows that have no
 reference answer, and the reward of each row's reference answer scored as
-if it were a response; its last line is
+if it were a response. With an environment (`[roles.env]`), it plays a few
+episodes with its scripted model turns (`reference_turns`, where it has
+them) and prints each as the model will see it: the prompt (with the tools'
+schemas, as the chat template shows them), each scripted turn, and each
+observation rendered as it follows the turn; with the environment's reward
+of each turn. Its last line is
 
     RESULT check rows=N skipped=N reference_reward_mean=X failures=N
+
+(with ``episodes=N episode_reward_mean=X`` after it, with an environment).
 
 A bad config, data that cannot be used (the message names the file, the
 row and the field) or a reward function that cannot be loaded is an error
@@ -62,10 +69,16 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
         lengths = np.array([len(ids) for ids in train.ids])
         say(f"prompt tokens: min {lengths.min()}, median {np.median(lengths):g}, p95 {np.percentile(lengths, 95):g}, "
             f"max {lengths.max()}")
+    figures: dict[str, float] = {}
+    if config.roles.env is not None:
+        try:
+            figures = trio.run(_play_scripted, config, task, tokenizer, say)
+        except PoolError as exc:
+            raise CheckError(f"environment: {exc}") from None
     reward = config.roles.reward.engine
     if not isinstance(reward, FunctionsReward) or not task.scored_by_functions:
-        say("the reward is the task's own verifier: no reward functions to check")
-        return {"rows": loaded, "skipped": skipped, "reference_reward_mean": math.nan, "failures": 0}
+        say("the reward is the task's own verifier or the environment's: no reward functions to check")
+        return {"rows": loaded, "skipped": skipped, "reference_reward_mean": math.nan, "failures": 0, **figures}
     for spec in reward.functions:
         try:
             function = load_function(spec.path, spec.kwargs)
@@ -92,7 +105,61 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
             f"{failures} not scored")
     else:
         say("the rows have no reference answers to score (task.answer)")
-    return {"rows": loaded, "skipped": skipped, "reference_reward_mean": mean, "failures": failures}
+    return {"rows": loaded, "skipped": skipped, "reference_reward_mean": mean, "failures": failures, **figures}
+
+
+#: Episodes `check` plays with the environment's scripted turns.
+EPISODES_SHOWN = 2
+
+
+async def _play_scripted(config: Config, task, tokenizer, say: Callable[[str], None]) -> dict[str, float]:
+    """Play `EPISODES_SHOWN` episodes with the environment's scripted turns, printing each as the
+    model will see it; the episodes played and their mean reward."""
+    from collections import Counter
+
+    from rlflow.env import EnvHandler, open_env_pool
+    from rlflow.env.pool import plain
+    from rlflow.env.render import EpisodeText, RenderError
+    from rlflow.protocol import EnvReset, EnvStep
+
+    env = config.roles.env
+    text = EpisodeText(tokenizer)
+    show = text.tokenizer.decode if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    rewards = []
+    async with open_env_pool(env.environment, env.tools, workers=1, start_timeout_s=env.start_timeout_s,
+                             import_dir=config.run.import_dir) as pool:
+        handler = EnvHandler(pool, tools=env.tools, timeout_s=env.timeout_s, counters=Counter())
+        for group_id in range(EPISODES_SHOWN):
+            group = task.prompt(group_id, 1)
+            row = plain(dict(task.row(group_id)))
+            reset = await handler.answer(EnvReset(request_id=0, group_id=group_id, row=row,
+                                                  reference=group.reference, scripted=True))
+            if reset.error:
+                raise CheckError(f"environment: the reset of group {group_id}'s row failed: {reset.error}")
+            try:
+                say(f"--- episode of group {group_id}, as the model sees it ---")
+                say(show(text.first(reset)))
+                if not reset.scripted:
+                    say("[the environment has no reference_turns: its first observation only]")
+                total, state, turns = 0.0, reset.state, []
+                for turn, said in enumerate(reset.scripted[: env.max_turns], start=1):
+                    say(f"[model turn {turn}] {said}")
+                    reply = await handler.answer(EnvStep(request_id=turn, group_id=group_id, index=0, turn=turn,
+                                                         text=said, state=state, row=row,
+                                                         reference=group.reference, turns=turns))
+                    turns.append(said)
+                    if reply.error:
+                        raise CheckError(f"environment: the step of turn {turn} of group {group_id} failed: "
+                                         f"{reply.error}")
+                    total, state = total + reply.reward, reply.state
+                    say(f"[reward {reply.reward:g}{', done' if reply.done else ''}]")
+                    if reply.done:
+                        break
+                    say(show(text.observation(reply, reset.tools)))
+            except RenderError as exc:
+                raise CheckError(f"environment: {exc}") from None
+            rewards.append(total)
+    return {"episodes": len(rewards), "episode_reward_mean": float(np.mean(rewards)) if rewards else math.nan}
 
 
 #: Rows without a reference answer named by line (or record) at most.

@@ -344,9 +344,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     except (ConfigError, CheckError) as exc:
         print(exc, file=sys.stderr)
         return 2
+    episodes = (f" episodes={figures['episodes']} episode_reward_mean={figures['episode_reward_mean']:.4g}"
+                if "episodes" in figures else "")
     print(
         f"RESULT check rows={figures['rows']} skipped={figures['skipped']} "
-        f"reference_reward_mean={figures['reference_reward_mean']:.4g} failures={figures['failures']}"
+        f"reference_reward_mean={figures['reference_reward_mean']:.4g} failures={figures['failures']}{episodes}"
     )
     return 0
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from rlflow.config import FunctionsReward, SimReward, TaskReward
+from rlflow.config import EnvReward, FunctionsReward, SimReward, TaskReward
 from rlflow.distributions import draw
 from rlflow.protocol import SampleBatch, SampleFailure, SampleView, Stage, Tensor, samples, stamp
 from rlflow.rewards import Sample, Status
@@ -26,8 +26,11 @@ from rlflow.rewards import Sample, Status
 class Scorer:
     """Fills in a batch's `rewards`, `reward_details` and failures."""
 
-    def __init__(self, engine: Any, task: Any, counters: Counter[str], seed: tuple[int, ...]):
+    def __init__(self, engine: Any, task: Any, counters: Counter[str], seed: tuple[int, ...],
+                 env_weight: float | None = None):
+        """`env_weight`: the weight of an episode's environment rewards in its reward (None: no environment)."""
         self.engine = engine
+        self.env_weight = env_weight
         self.task = task
         self.counters = counters
         self.rng = np.random.default_rng(seed)
@@ -72,7 +75,9 @@ class Scorer:
                 if i in failed_before:
                     continue
                 delay = None if delays is None else float(delays[i])
-                if delay is not None and delay <= 0:
+                if isinstance(self.engine, EnvReward):
+                    scored(i, 0.0, {})  # the environment's reward alone, added below
+                elif delay is not None and delay <= 0:
                     # A simulated score that takes no time needs no task of
                     # its own (at scale, thousands of samples a second).
                     try:
@@ -84,6 +89,8 @@ class Scorer:
                 else:
                     nursery.start_soon(one, i, delay)
         failures.sort(key=lambda f: f.index)
+        if batch.env_rewards is not None and self.env_weight is not None:
+            add_env_rewards(rewards, details, batch.env_rewards.numpy(), self.env_weight)
         self.counters["scored_samples"] += len(rows) - len(failed_before)
         self.counters["failed_samples"] += len(failures)
         out = stamp(
@@ -146,6 +153,18 @@ class Scorer:
         raise ScoringFailed(f"{first.function}:{first.status.value}", first.message[:300])
 
 
+def add_env_rewards(rewards: np.ndarray, details: dict[str, np.ndarray], per_turn: np.ndarray, weight: float) -> None:
+    """Add each episode's environment rewards (summed over its turns, times `weight`) to its reward
+    (where it has one), and each turn's as a detail (``env`` the sum, ``env.turn<k>`` turn k, NaN past
+    an episode's last turn)."""
+    total = np.nansum(per_turn, axis=1).astype(np.float32)
+    scored = ~np.isnan(rewards)
+    rewards[scored] += weight * total[scored]
+    details["env"] = np.where(scored, total, np.nan).astype(np.float32)
+    for k in range(per_turn.shape[1]):
+        details[f"env.turn{k + 1}"] = per_turn[:, k].astype(np.float32)
+
+
 class ScoringFailed(Exception):
     """A sample could not be scored; `kind` and `message` go in-band."""
 
@@ -171,12 +190,22 @@ def fallback(scored: list, specs: tuple, value: float) -> tuple[float, dict[str,
 
 
 def sample_of(task: Any, row: SampleView) -> Sample:
-    """What a reward function sees of one row of a batch."""
+    """What a reward function sees of one row of a batch (an episode: every turn)."""
     group_id = row.group.group_id
+    turns: list[str] = []
+    observations: list[str] = []
+    if row.loss_mask is not None:
+        # Runs of the mask: the model's turns (1) and what it was shown between them (0).
+        edges = np.flatnonzero(np.diff(row.loss_mask.astype(np.int8))) + 1
+        for part, mask in zip(np.split(row.response_ids, edges), np.split(row.loss_mask, edges)):
+            if len(part):
+                (turns if mask[0] else observations).append(task.decode(part))
     return Sample(
-        prompt=task.prompt_text(group_id),
+        prompt=task.decode(row.prompt_ids) if row.loss_mask is not None else task.prompt_text(group_id),
         response=task.decode(row.response_ids),
         response_ids=tuple(row.response_ids.tolist()),
         reference=row.group.reference,
         row=dict(task.row(group_id)),
+        turns=tuple(turns),
+        observations=tuple(observations),
     )

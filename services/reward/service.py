@@ -38,7 +38,9 @@ class RewardService(StageService):
         super().__init__(spec)
         self.engine = spec.config.roles.reward.engine
         self.task = self.load_task()
-        self.scorer = Scorer(self.engine, self.task, self.counters, (spec.config.run.seed, spec.rank, 11))
+        env = spec.config.roles.env
+        self.scorer = Scorer(self.engine, self.task, self.counters, (spec.config.run.seed, spec.rank, 11),
+                             env_weight=env.reward_weight if env is not None else None)
         # Enough whole batches in flight to keep `concurrency` samples busy
         # while a batch waits for its slowest sample (a long tail of latency).
         self.max_batches = 2 * max(1, self.engine.concurrency // spec.config.run.samples_per_prompt) + 1

@@ -5,7 +5,8 @@ An engine gets an `EngineContext` (config, rank, clock, counters), never the
 service. It generates the groups it is given with continuous batching and
 hands each finished group, with one `Response` per sample, to the service
 through its `finished` channel, together with any others that finished at
-the same time. Weights reach it between two of its steps.
+the same time; or, for an episode's turns (`generate`), one response at a
+time to whoever awaits it. Weights reach it between two of its steps.
 """
 
 from __future__ import annotations
@@ -50,6 +51,12 @@ class RolloutEngine(Protocol):
 
     def submit(self, group: PromptGroup, issued_at: float) -> None:
         """Generate `group` (not before its `min_version` is held)."""
+
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, min_version: int = 0,
+                       temperature: float | None = None) -> Response:
+        """One response to `prompt_ids` (an episode's turn: its whole token sequence so far), of at
+        most `max_tokens` tokens, batched with the engine's other work; not started on weights older
+        than `min_version`; at the configured temperature unless `temperature` is given."""
 
     async def update_weights(self, version: int, transfer: WeightTransfer | None) -> int:
         """Receive `version` (joining `transfer` first, if given) and apply it

@@ -9,10 +9,16 @@ then (one message and one acknowledgement however many: when this process
 is behind, it catches up in fewer, larger messages). Weight updates arrive while
 requests are in flight; the engine applies them between two decode steps and
 tags later tokens with the new version.
+
+With an environment (`[roles.env]`) each group is `n` multi-turn episodes
+instead (`episodes.EpisodeRunner`): the env role is asked for every step,
+over the env channel, while the engine serves other episodes; a group whose
+env replica is lost mid-episode is given back (`Expired`), to be granted again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import numpy as np
@@ -29,6 +35,7 @@ from rlflow.protocol import (
     Credits,
     EvalDone,
     Evaluate,
+    Expired,
     Peers,
     SampleBatch,
     Shutdown,
@@ -40,6 +47,7 @@ from rlflow.protocol import (
 )
 from rlflow.services.base import Control, EngineContext, Service, follow, shm_settings
 from rlflow.services.rollout.engine import Finished, RolloutEngine
+from rlflow.services.rollout.episodes import EpisodeRunner
 from rlflow.errors import WeightGroupBroken
 
 
@@ -54,6 +62,8 @@ class RolloutService(Service):
         self._scored: dict[int, SampleBatch] = {}
         self._wanted: UpdateWeights | None = None
         self._update = trio.Event()
+        #: Multi-turn episodes, in a run with an environment.
+        self.episodes: EpisodeRunner | None = None
 
     async def main(self, control: Control) -> None:
         task = self.load_task()
@@ -97,11 +107,16 @@ class RolloutService(Service):
                     shm=shm_settings(self.config, self.spec.run_id),
                     shm_peers=welcome.shm_peers,
                 ) as out,
+                contextlib.AsyncExitStack() as stack,
                 trio.open_nursery() as nursery,
             ):
                 await nursery.start(engine.run)
+                episodes = self.episodes = await self._episodes(engine, task, welcome, stack, nursery)
+                work = episodes or engine
                 nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
-                nursery.start_soon(self.send_finished, out, control)
+                nursery.start_soon(self.send_finished, out, control, (episodes or engine).finished)
+                if episodes is not None:
+                    nursery.start_soon(self.give_back, episodes, control)
                 nursery.start_soon(self.apply_updates, control)
                 await control.ready(engine.version)
                 peers = welcome.peers["out"]
@@ -109,10 +124,12 @@ class RolloutService(Service):
                     match msg:
                         case Peers():
                             peers = follow(out, peers, msg.peers.get("out", []), msg.shm_peers)
+                            if episodes is not None:
+                                episodes.env.follow(msg.peers.get("env", []))
                         case Credits(group_ids=ids, min_versions=mins):
                             now = time.time()
                             for group_id, min_version in zip(ids, mins, strict=True):
-                                engine.submit(task.prompt(group_id, run.samples_per_prompt, min_version), now)
+                                work.submit(task.prompt(group_id, run.samples_per_prompt, min_version), now)
                         case UpdateWeights():
                             self._wanted = msg
                             self._update.set()
@@ -127,7 +144,60 @@ class RolloutService(Service):
                 await engine.close()
 
     def queues(self) -> dict[str, int]:
-        return self.engine.queues() if self.engine is not None else {}
+        out = self.engine.queues() if self.engine is not None else {}
+        if self.episodes is not None:
+            out["episode_groups"] = self.episodes.groups
+        return out
+
+    async def _episodes(self, engine: RolloutEngine, task: Task, welcome, stack: contextlib.AsyncExitStack,
+                        nursery: trio.Nursery) -> EpisodeRunner | None:
+        """The episodes of a run with an environment (None without): asked of the env replicas the
+        welcome names, or of an env pool of this process (`roles.env.inline`)."""
+        env = self.config.roles.env
+        if env is None:
+            return None
+        from rlflow.env.render import EpisodeText
+        from rlflow.services.rollout.envclient import EnvClient, InlineEnv
+
+        if env.inline:
+            from rlflow.env import EnvHandler, open_env_pool
+
+            pool = await stack.enter_async_context(open_env_pool(
+                env.environment, env.tools, workers=env.workers, concurrency=env.concurrency,
+                start_timeout_s=env.start_timeout_s, import_dir=self.config.run.import_dir))
+            client = InlineEnv(EnvHandler(pool, tools=env.tools, timeout_s=env.timeout_s, counters=self.counters),
+                               engine.hold)
+        else:
+            client = EnvClient(curve=self.spec.curve, name=self.spec.name, timeout_s=env.request_timeout_s,
+                               watch=self.sockets.append, counters=self.counters)
+            await nursery.start(client.run, welcome.peers.get("env", []))
+        run = self.config.run
+        tokenizer = getattr(task, "tokenizer", None)
+
+        def make_parser(tools):  # vLLM's, only once a turn is to be read for tool calls
+            from rlflow.services import compat
+
+            return compat.tool_parser(env.tool_parser, tokenizer, tools)
+
+        runner = EpisodeRunner(engine, client, task, env, text=EpisodeText(tokenizer, make_parser, env.tool_parser),
+                               turn_tokens=getattr(self.config.roles.rollout.engine, "max_tokens", env.max_tokens),
+                               counters=self.counters, strict=run.staleness_check == "strict",
+                               staleness=run.staleness)
+        await nursery.start(runner.run)
+        return runner
+
+    async def give_back(self, episodes: EpisodeRunner, control: Control) -> None:
+        """Tell the controller of each group whose env replica was lost with it: it is granted again."""
+        async for group_id, why in episodes.lost:
+            lost = [(group_id, why)]
+            while True:
+                try:
+                    lost.append(episodes.lost.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            self.log.warning("[%s] %d groups given back: %s", self.spec.name, len(lost), why)
+            await control.send(Expired(group_ids=[g for g, _ in lost], reason="env replica lost",
+                                       errors=[w[:500] for _, w in lost]))
 
     def engine_load(self) -> EngineLoad | None:
         return self.engine.load() if self.engine is not None else None
@@ -144,12 +214,12 @@ class RolloutService(Service):
 
         engine.inline = inline
 
-    async def send_finished(self, out: transport.Push, control: Control) -> None:
+    async def send_finished(self, out: transport.Push, control: Control, source: trio.MemoryReceiveChannel) -> None:
         """Send finished groups on, and tell the controller they left."""
-        async for finished in self.engine.finished:
+        async for finished in source:
             while True:  # and whatever else has finished by now
                 try:
-                    finished += self.engine.finished.receive_nowait()
+                    finished += source.receive_nowait()
                 except trio.WouldBlock:
                     break
             batch = self._batch(finished)
@@ -203,8 +273,17 @@ class RolloutService(Service):
             await control.send(WeightsLoaded(version=self.version, seconds=seconds))
 
     async def evaluate(self, msg: Evaluate, task: Task, control: Control) -> None:
-        """Answer every held-out prompt once, alongside training traffic."""
+        """Answer every held-out prompt once (play one episode of each, with an environment),
+        alongside training traffic."""
         started, version = time.monotonic(), self.engine.version
+        if self.episodes is not None:
+            metrics = await self.episodes.evaluate(task.heldout_rows(), self.engine.eval_concurrency, msg.temperature)
+            seconds = time.monotonic() - started
+            self.say("eval v%d: accuracy %.3f over %d episodes in %.1f s", version, metrics["accuracy"],
+                     int(metrics["problems"]), seconds)
+            await control.send(EvalDone(version=version, metrics=metrics, seconds=seconds,
+                                        version_end=self.engine.version))
+            return
         prompts = task.heldout_prompts()
         responses: list[list[int] | None] = [None] * len(prompts)
         limit = trio.CapacityLimiter(self.engine.eval_concurrency)

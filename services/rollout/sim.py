@@ -49,6 +49,9 @@ from rlflow.services.rollout.engine import Finished
 
 T = TypeVar("T")
 
+#: Ids of episodes' turns in the batcher start here (above any group id).
+_TURNS_FROM = 1 << 62
+
 #: Longest the engine sleeps while it decodes (seconds), however far off the
 #: next finish is, so that its `decode_steps` counter keeps moving.
 PROGRESS_WAKE_S = 0.5
@@ -65,6 +68,8 @@ class _Request:
     started_at: float = math.nan
     spans: list[tuple[int, int]] = field(default_factory=list)
     """(version, first token index) of each weight version it was generated under."""
+    cap: float = math.inf
+    """Its length cap (an episode's turn: what is left of its budget)."""
 
     def generated(self, step: int) -> int:
         return step - self.start_step
@@ -185,16 +190,27 @@ class SimBatcher:
 
     # -- inputs ---------------------------------------------------------------
 
-    def submit(self, group: PromptGroup, issued_at: float, now: float) -> None:
-        """Line up `group`'s samples (none starts before `now`)."""
+    def submit(self, group: PromptGroup, issued_at: float, now: float, max_tokens: int | None = None) -> None:
+        """Line up `group`'s samples (none starts before `now`; none longer than `max_tokens`)."""
         self.advance(now)
         state = _GroupState(group, [None] * group.n, group.n)
         self.groups[group.group_id] = state
+        cap = math.inf if max_tokens is None else max_tokens
         for i, n in enumerate(draw_lengths(self.cfg.response_len, self.rng, group.n).tolist()):
-            req = _Request(group, i, n, issued_at)
+            req = _Request(group, i, int(min(n, cap)), issued_at, cap=cap)
             state.waiting.append(req)
             self.pending.push(req, group.min_version)
         self._track(state)
+
+    def cancel(self, group_id: int, now: float) -> None:
+        """Forget `group_id`: its sequences leave their slots, its samples not started never start."""
+        self.advance(now)
+        state = self.groups.pop(group_id, None)
+        if state is None:
+            return
+        for req in state.running:
+            self.active.discard(req)  # its entry in the heap of ends is dropped when it comes up
+        self.admit(now)
 
     def advance(self, now: float) -> None:
         """Play every whole step up to `now` (the part of a step that has
@@ -219,7 +235,7 @@ class SimBatcher:
     def admit(self, now: float) -> None:
         """Start requests in line on free slots, at the current step (`now`
         if the clock stands)."""
-        if self.draining or len(self.active) >= self.cfg.slots or not self.pending:
+        if self.paused or self.draining or len(self.active) >= self.cfg.slots or not self.pending:
             return
         if self.mark is None:
             self.mark = now
@@ -229,6 +245,8 @@ class SimBatcher:
         # In order, skipping requests that wait for newer weights (a reissued
         # group may start on the weights held now, behind ones that may not).
         while free > 0 and (req := self.pending.pop(self.version)) is not None:
+            if req.group.group_id not in self.groups:  # cancelled
+                continue
             req.start_step, req.started_at = self.step, wall
             req.spans = [(self.version, 0)]
             state = started[req.group.group_id] = self.groups[req.group.group_id]
@@ -421,7 +439,7 @@ class SimBatcher:
             token_ids=token_ids,
             logprobs=logprobs,
             versions=versions,
-            finish_reason=FinishReason.LENGTH if n >= self._cap else FinishReason.STOP,
+            finish_reason=FinishReason.LENGTH if n >= min(self._cap, req.cap) else FinishReason.STOP,
             stamps=stamps,
         )
 
@@ -480,6 +498,10 @@ class SimEngine:
         self._server: str | None = None
         self._weights: transport.Dealer | None = None
         self._sockets: contextlib.AsyncExitStack | None = None
+        #: An episode's turns in the batcher, by their own ids (beyond any group's): [done, response].
+        self._turns: dict[int, list] = {}
+        self._turn_ids = itertools.count(_TURNS_FROM)
+        self._held = 0
 
     eval_concurrency = 1
 
@@ -517,6 +539,38 @@ class SimEngine:
         self.batcher.submit(group, issued_at, trio.current_time())
         self._wake.set()  # it may start now, or finish sooner than the engine's next wake
 
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, min_version: int = 0,
+                       temperature: float | None = None) -> Response:
+        """One response (an episode's turn) of at most `max_tokens` tokens, batched with everything else."""
+        turn = next(self._turn_ids)
+        waiter = self._turns[turn] = [trio.Event(), None]
+        self.batcher.submit(PromptGroup(group_id=turn, prompt_ids=[], n=1, min_version=min_version), time.time(),
+                            trio.current_time(), max_tokens=max_tokens)
+        self._wake.set()
+        try:
+            await waiter[0].wait()
+        finally:
+            if self._turns.pop(turn, None) is not None and not waiter[0].is_set():  # abandoned: free its slot
+                self.batcher.cancel(turn, trio.current_time())
+                self._wake.set()
+        return waiter[1]
+
+    @contextlib.asynccontextmanager
+    async def hold(self):
+        """No decode step runs while any task is in this block (an environment run in line,
+        `roles.env.inline`: the engine waits while a call runs)."""
+        if not self._held:
+            self.batcher.advance(trio.current_time())
+            self.batcher.pause()
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+            if not self._held:
+                self.batcher.resume()
+                self._wake.set()
+
     async def update_weights(self, version: int, transfer: WeightTransfer | None) -> int:
         """Fetch the weights over the wire, then apply them between two steps."""
         if transfer is not None:
@@ -549,7 +603,9 @@ class SimEngine:
             while True:
                 batcher.advance(trio.current_time())
                 if batcher.outbox:
-                    finished, batcher.outbox = batcher.outbox, []
+                    finished, batcher.outbox = self._turns_done(batcher.outbox), []
+                    if not finished:
+                        continue
                     if self.inline is not None:
                         await self._score_inline(finished)
                     with self.clock.state("blocked"):
@@ -573,6 +629,18 @@ class SimEngine:
                 with trio.move_on_at(min(batcher.wake_time(), trio.current_time() + PROGRESS_WAKE_S)):
                     await self._wake.wait()
 
+    def _turns_done(self, outbox: list[Finished]) -> list[Finished]:
+        """Hand each finished turn to its episode; the groups, to send on."""
+        groups = []
+        for group, responses in outbox:
+            waiter = self._turns.get(group.group_id)
+            if waiter is not None:
+                waiter[1] = responses[0]
+                waiter[0].set()
+            elif group.group_id < _TURNS_FROM:
+                groups.append((group, responses))
+        return groups
+
     async def _score_inline(self, finished: list[Finished]) -> None:
         """Score finished groups in this process (`roles.reward.inline`); the
         clock stands meanwhile: no decode step runs while it scores."""
@@ -589,6 +657,8 @@ class SimEngine:
             if self.cfg.apply_weights_s:
                 await trio.sleep(self.cfg.apply_weights_s)
         self.batcher.apply(version, time.time())
+        if self._held:  # an environment run in line holds the engine still
+            self.batcher.pause()
         self._applied.set()
 
     async def _fetch(self, version: int) -> WeightsPayload:

@@ -381,10 +381,13 @@ class VllmEngine:
         self._weights: WeightsGloo | WeightsNccl | None = None
         self._layout: list[ParamSpec] = []
         self._weights_ready = trio.Event()
+        self._weights_changed = trio.Event()
         if joined is not None:
             (self._weights, self._layout) = joined
             self._weights_ready.set()
         self._updating = False
+        #: Episodes' turns being generated.
+        self._turns = 0
 
     @property
     def eval_concurrency(self) -> int:
@@ -457,6 +460,7 @@ class VllmEngine:
         if self.strict:
             self._evict_stale()
         self._wake.set()
+        self._weights_changed.set()
         return self.version
 
     def _evict_stale(self) -> None:
@@ -486,7 +490,7 @@ class VllmEngine:
     def _retime(self) -> None:
         if self._updating:
             return
-        if self.running:
+        if self.running or self._turns:
             self.clock.set("busy")
         elif self.pending:
             self.clock.set("loading")  # waiting for the weights a barrier asks for
@@ -517,6 +521,30 @@ class VllmEngine:
             self._wake.set()
         await self._send.send([(item.group, responses)])
 
+    async def generate(self, prompt_ids: list[int], *, max_tokens: int, min_version: int = 0,
+                       temperature: float | None = None) -> Response:
+        """One response (an episode's turn) to `prompt_ids`, of at most `max_tokens` tokens, not
+        started on weights older than `min_version` (`temperature`: the config's if None)."""
+        while self.version < min_version:  # a barrier: the weights it may start on are on their way
+            self._weights_changed = trio.Event()
+            await self._weights_changed.wait()
+        temperature = self.cfg.temperature if temperature is None else temperature
+        item = _Group(PromptGroup(group_id=0, prompt_ids=[], n=1), time.time(), submitted_version=self.version)
+        self._turns += 1
+        self._retime()
+        started = time.time()
+        try:
+            output = await self.backend.generate(prompt_ids, 1, temperature, max_tokens=max_tokens)
+        except Exception as exc:
+            if compat.engine_dead(exc):
+                raise EngineDead(f"vLLM's engine died while generating an episode's turn: {exc}") from exc
+            self.ctx.counters["failed_requests"] += 1
+            return _failed(item, started, exc)
+        finally:
+            self._turns -= 1
+            self._retime()
+        return self._responses(output, item, started)[0]
+
     async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
         """One answer to `prompt_ids` (for evaluation: not a training sample)."""
         output = await self.backend.generate(prompt_ids, 1, temperature)
@@ -530,7 +558,7 @@ class VllmEngine:
                 (lp[token].logprob for token, lp in zip(completion.token_ids, completion.logprobs or [])),
                 dtype=np.float32,
                 count=len(ids),
-            )
+            ) if completion.logprobs else np.zeros(len(ids), np.float32)  # greedy: none asked for
             versions = np.full(len(ids), item.submitted_version, dtype=np.int32)
             for span in completion.weight_versions or ():
                 versions[span.start : span.end] = int(span.version)

@@ -35,6 +35,7 @@ from rlflow.protocol import (
     Ack,
     ErrorReport,
     Expired,
+    FinishReason,
     SampleBatch,
     SendWeights,
     Shutdown,
@@ -187,6 +188,7 @@ class TrainerService(Service):
                     staleness_mean=float(staleness[0]),
                     staleness_max=float(staleness[1]),
                 )
+                metrics.update(episode_stats(batch))
                 self.counters["samples"] += batch.n_samples
                 self.counters["tokens"] += batch.n_tokens
                 await control.send(StepDone(step=self.step - 1, version=self.version, acked=ids, metrics=metrics))
@@ -358,6 +360,24 @@ class TrainerService(Service):
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed", errors=errors))
         if received:
             await control.send(Ack(stage=Stage.TRAINER_RECEIVED, group_ids=received))
+
+
+def episode_stats(batch: SampleBatch) -> dict[str, float]:
+    """A step's episodes (a run with an environment; else nothing): their turns, the share cut
+    off (at the turn or token limit), and the environment's mean reward at each turn."""
+    if batch.env_rewards is None:
+        return {}
+    per_turn = batch.env_rewards.numpy()
+    played = (~np.isnan(per_turn)).sum(axis=1)
+    finish = batch.finish_reason.numpy()
+    out = {"episode_turns_mean": float(played.mean()) if len(played) else 0.0,
+           "episode_cut_share": float(np.isin(finish, (FinishReason.LENGTH, FinishReason.TURNS)).mean())
+           if len(finish) else 0.0}
+    for k in range(per_turn.shape[1]):
+        column = per_turn[:, k]
+        if (~np.isnan(column)).any():
+            out[f"env_reward_turn{k + 1}"] = float(np.nanmean(column))
+    return out
 
 
 class GroupIds:

@@ -142,7 +142,8 @@ class TorchEngine:
         advantages = group_advantages(rewards, group, kind=cfg.advantage, normalize_std=cfg.normalize_std)
         # Distillation has a signal at every token: only pure RL leaves out groups without one.
         uniform = uniform_groups(rewards, group) if cfg.skip_uniform_groups and w == 0 else torch.zeros(len(rows), dtype=torch.bool)
-        responses = torch.tensor([len(r.response_ids) for r in rows], dtype=torch.long)
+        # Tokens trained on per sample: an episode's observations (loss mask 0) are not.
+        responses = torch.tensor([_trained(r) for r in rows], dtype=torch.long)
         trained_mask = ~uniform & (responses > 0)
         chosen = trained_mask.nonzero().flatten().tolist()
         stats["mixed_sample_share"] = float((~uniform).float().mean()) if len(rows) else 0.0
@@ -192,7 +193,7 @@ class TorchEngine:
         # Every rank takes as many passes (the collectives pair up), and
         # divides by the tokens of the whole step.
         passes = self.ranks.max(len(micro))
-        (tokens,) = self.ranks.sum([float(sum(len(r.response_ids) for r in rows))])
+        (tokens,) = self.ranks.sum([float(sum(_trained(r) for r in rows))])
         self._set_lr()
         if tokens == 0:
             # Nothing to learn from; the version still advances, so that the
@@ -232,6 +233,9 @@ class TorchEngine:
         """Forward and backward over one micro-batch, its loss scaled by 1 / `tokens`."""
         cfg, w, device = self.cfg, self.cfg.distill_coef, self.ranks.device
         ids, mask, targets, where = self._pack(part)
+        keep = _loss_mask(part)
+        if keep is not None:  # the loss mask: an episode's observations are not trained on
+            targets, where = targets[keep], (where[0][keep], where[1][keep])
         logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[
             where[0].to(device), where[1].to(device)
         ]
@@ -239,27 +243,28 @@ class TorchEngine:
         if w > 0 and cfg.distill == "topk":
             # The sampled token and the teacher's top k from one log-softmax: a single
             # [tokens, vocabulary] gradient in the backward pass, as for plain GRPO.
-            topk = _column(part, "teacher_topk_ids").long().to(device)
+            topk = _column(part, "teacher_topk_ids", keep).long().to(device)
             both = logprobs_at(logits, torch.cat([targets.unsqueeze(-1), topk], dim=-1), self.temperature)
             logprobs, student = both[:, 0], both[:, 1:]
         else:
             logprobs = token_logprobs(logits, targets, self.temperature)
-        behaviour = _column(part, "logprobs").to(device)
-        adv = torch.cat([a.repeat(len(r.response_ids)) for a, r in zip(advantages, part)]).to(device)
+        behaviour = _column(part, "logprobs", keep).to(device)
+        adv = torch.cat([a.repeat(len(r.response_ids)) for a, r in zip(advantages, part)])
+        adv = (adv if keep is None else adv[keep]).to(device)
         if cfg.advantage == "gae":  # per token, from the critic
-            adv = _column(part, "token_advantages").to(device)
+            adv = _column(part, "token_advantages", keep).to(device)
         if w > 0 and cfg.distill == "sampled":
             # The sampled token's reverse KL to the teacher, as an advantage.
-            adv = (1 - w) * adv + w * (_column(part, "teacher_logprobs").to(device) - behaviour)
+            adv = (1 - w) * adv + w * (_column(part, "teacher_logprobs", keep).to(device) - behaviour)
         out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg)
         loss = out.loss
         if w > 0 and cfg.distill == "topk":
-            per_token = topk_reverse_kl(student, _column(part, "teacher_topk_logprobs").to(device))
+            per_token = topk_reverse_kl(student, _column(part, "teacher_topk_logprobs", keep).to(device))
             distill = (out.weight * per_token).sum()
             loss = (1 - w) * loss + w * distill
             sums["distill_loss"] += distill.item()
         if cfg.kl_coef > 0 and cfg.kl_in == "loss":
-            reference = _column(part, "teacher_logprobs").to(device)
+            reference = _column(part, "teacher_logprobs", keep).to(device)
             kl = (out.weight * kl_to_reference(logprobs, reference, cfg.kl_estimator)).sum()
             loss = loss + cfg.kl_coef * kl
             sums["kl_loss"] += kl.item()
@@ -445,9 +450,27 @@ def _by_name(state: dict[str, Any], specs: list[ParamSpec]) -> dict[str, Any]:
     }
 
 
-def _column(part: list, name: str) -> torch.Tensor:
-    """A per-token column of the samples `part`, concatenated (float32, or int32 ids)."""
-    return torch.cat([torch.from_numpy(np.ascontiguousarray(getattr(r, name))) for r in part])
+def _column(part: list, name: str, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """A per-token column of the samples `part`, concatenated (float32, or int32 ids); only the
+    tokens `keep` says are trained on, if given."""
+    column = torch.cat([torch.from_numpy(np.ascontiguousarray(getattr(r, name))) for r in part])
+    return column if keep is None else column[keep]
+
+
+# -- the loss mask (a run with an environment: observations are not trained on) ----------
+
+
+def _trained(sample) -> int:
+    """Tokens of a sample that are trained on: its loss mask's ones (every token without one)."""
+    return len(sample.response_ids) if sample.loss_mask is None else int(sample.loss_mask.sum())
+
+
+def _loss_mask(part: list) -> torch.Tensor | None:
+    """Which tokens of `part`'s responses, concatenated, are trained on (None: all of them)."""
+    if all(r.loss_mask is None for r in part):
+        return None
+    return torch.cat([torch.ones(len(r.response_ids), dtype=torch.bool) if r.loss_mask is None
+                      else torch.from_numpy(r.loss_mask.astype(bool)) for r in part])
 
 
 def _token_mean(rows: list, per_sample) -> float:

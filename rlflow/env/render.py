@@ -1,0 +1,131 @@
+"""An episode's text and tokens: the prompt and each observation rendered once,
+as the model will see them, and each model turn read back as text and tool calls.
+
+* Text observations are tokenized as they are.
+* Chat messages go through the tokenizer's chat template (with the tools'
+  schemas, `tools=`): the first observation with the generation prompt; a
+  later one as what the template writes after an assistant turn, then the
+  observation's messages, then the next generation prompt. That is the
+  template's rendering of a fixed conversation with and without the
+  observation (their difference), after the text the template puts between
+  the end of an assistant turn and the next message (its glue, where the
+  model's own end-of-turn token is not part of it). So a model turn's tokens
+  stay exactly as generated, and no text is ever tokenized again.
+* Tool calls are read out of a model turn by the parser the rollout gives
+  (vLLM's tool-call parser named in the config, `services.compat.tool_parser`),
+  never by a pattern of rlflow's.
+
+A run without a tokenizer (the simulated task) reads and writes text as
+UTF-8 bytes, one token each.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from rlflow.protocol import ChatMessage, EnvReply, ToolCall
+
+#: The fixed conversation an observation is rendered after.
+_BEFORE = [{"role": "user", "content": "question"}, {"role": "assistant", "content": "answer"}]
+
+
+class RenderError(ValueError):
+    """An observation cannot be rendered as the model would see it."""
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens: the text of a run whose task has no tokenizer."""
+
+    eos_token = None
+    chat_template = None
+
+    @staticmethod
+    def encode(text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode())
+
+    @staticmethod
+    def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i % 256 for i in ids).decode(errors="replace")
+
+
+#: Makes a tool-call parser from the tools' schemas: a function of a model turn's text ->
+#: ((name, arguments as JSON text, id) of each call; whether the turn holds the parser's start marker).
+ParserMaker = Callable[[list[dict[str, Any]]], Callable[[str], tuple[list[tuple[str, str, str]], bool]]]
+
+
+class EpisodeText:
+    """Rendering and reading for one run: its tokenizer (None: UTF-8 bytes), and what
+    makes its tool-call parser (`parser_name` names it in messages)."""
+
+    def __init__(self, tokenizer: Any, make_parser: ParserMaker | None = None, parser_name: str = ""):
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.make_parser, self.parser_name = make_parser, parser_name
+        self._parse = None
+        self._glue: str | None = None
+
+    def first(self, reply: EnvReply) -> list[int]:
+        """The tokens of an episode's prompt: the reset's observation."""
+        if not reply.messages:
+            return self.encode(reply.text)
+        return self.encode(self._render(_dicts(reply.messages), reply.tools, generation=True))
+
+    def observation(self, reply: EnvReply, tools: list[str]) -> list[int]:
+        """The tokens of a step's observation, as they follow the model's turn."""
+        if not reply.messages:
+            return self.encode(reply.text)
+        before = self._render(_BEFORE, tools, generation=False)
+        after = self._render(_BEFORE + _dicts(reply.messages), tools, generation=True)
+        if not after.startswith(before):
+            raise RenderError("the chat template renders a conversation differently once an observation follows "
+                              "it, so the observation's tokens cannot be told apart; return text instead")
+        return self.encode(self.glue(before) + after[len(before):])
+
+    def glue(self, before: str) -> str:
+        """What the template writes between the end of an assistant turn and the next message,
+        less the model's own end-of-turn token (which the model generated)."""
+        if self._glue is None:
+            tail = before[before.rindex(_BEFORE[-1]["content"]) + len(_BEFORE[-1]["content"]):]
+            eos = self.tokenizer.eos_token or ""
+            self._glue = tail[len(eos):] if eos and tail.startswith(eos) else tail
+        return self._glue
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        """A model turn as the environment reads it (special tokens left out)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def calls(self, ids: list[int], tools: list[str]) -> tuple[list[ToolCall], str]:
+        """The tool calls of a model turn, and why they could not be parsed (empty: they could,
+        or there are none)."""
+        if self._parse is None:
+            if self.make_parser is None:
+                raise RenderError("the model's turns cannot be read for tool calls here: no tool-call parser")
+            self._parse = self.make_parser([json.loads(t) for t in tools])
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
+        found, marked = self._parse(text)
+        if not found and marked:
+            return [], f"the {self.parser_name} parser found no well-formed tool call in the turn"
+        return [ToolCall(name=name, arguments=arguments, id=call_id) for name, arguments, call_id in found], ""
+
+    def _render(self, messages: list[dict[str, str]], tools: list[str], *, generation: bool) -> str:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RenderError("the environment answered with chat messages, but the tokenizer has no chat template: "
+                              "return text instead")
+        return self.tokenizer.apply_chat_template(messages, tools=[json.loads(t) for t in tools] or None,
+                                                  add_generation_prompt=generation, tokenize=False)
+
+
+def _dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    out = []
+    for m in messages:
+        item = {"role": m.role, "content": m.content}
+        if m.name:
+            item["name"] = m.name
+        if m.tool_call_id:
+            item["tool_call_id"] = m.tool_call_id
+        out.append(item)
+    return out
