@@ -20,6 +20,8 @@ from .errors import (
 from .messages import (
     MESSAGE_TYPES,
     Ack,
+    Adapter,
+    AdapterUpdate,
     SCHEMA_VERSION,
     REPLACED,
     UNAUTHENTICATED,
@@ -76,5 +78,6 @@ from .messages import (
     Welcome,
 )
 from .tensors import DTYPE_SIZES, Tensor
+from .checksum import payload_checksum, weights_checksum
 
 __all__ = [name for name in dir() if not name.startswith("_")]

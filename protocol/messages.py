@@ -299,6 +299,29 @@ class WeightsNccl(_Collective, tag=3):
 WeightTransfer = Union[WeightsZmq, WeightsGloo, WeightsNccl]
 
 
+class AdapterUpdate(enum.IntEnum):
+    """How a replica that loads a LoRA adapter takes a new version (see SPEC.md, *Adapters*)."""
+
+    IN_PLACE = 0  #: the new adapter replaces the one served, between two engine steps
+    PER_REQUEST = 1  #: each request keeps the adapter version it started with until it ends
+
+
+class Adapter(Record):
+    """A LoRA adapter (PEFT's format) on a frozen base model: weight updates
+    carry only its tensors, and every replica serves the base with it."""
+
+    rank: Annotated[int, Meta(ge=1)]
+    """The adapter's rank ``r`` (PEFT's ``r``)."""
+    alpha: NonNegFloat
+    """PEFT's ``lora_alpha``: the update is scaled by ``alpha / rank``."""
+    targets: list[str]
+    """Names of the modules it adapts (PEFT's ``target_modules``, e.g. ``q_proj``)."""
+    update: AdapterUpdate = AdapterUpdate.IN_PLACE
+    """How a receiver takes each new version."""
+    versions: Annotated[int, Meta(ge=1)] = 1
+    """Adapter versions a receiver keeps loaded at most (1 in place; ``max_staleness + 1`` per request)."""
+
+
 # ---------------------------------------------------------------------------
 # Control plane
 # ---------------------------------------------------------------------------
@@ -441,6 +464,9 @@ class Hello(Message, tag=10):
     shm: str = ""
     """Which processes' shared memory it can map, as ``<boot id>/<PID namespace>/<user id>`` (see SPEC.md,
     *Tensors in shared memory*); empty: it neither sends nor takes tensors in shared memory."""
+    adapter: Adapter | None = None
+    """The trainer (rank 0): the LoRA adapter its weight updates carry instead of the whole model (nil:
+    the whole model); `layout` then lists the adapter's tensors, named as in PEFT's adapter file."""
 
 
 class Welcome(Message, tag=11):
@@ -464,6 +490,9 @@ class Welcome(Message, tag=11):
     shm_peers: list[str] = []
     """The addresses in `peers` whose replicas take tensors in shared memory from this one (their `Hello.shm`
     is its own)."""
+    adapter: Adapter | None = None
+    """To a replica that loads weights: the LoRA adapter it serves on the base model, as the trainer's
+    `Hello` offered it (nil: weight updates are the whole model)."""
 
 
 class Ready(Message, tag=12):
@@ -546,6 +575,9 @@ class WeightsReady(Message, tag=17):
     """The new policy version."""
     nbytes: NonNegInt = 0
     """Size of the weights in bytes."""
+    checksum: str = ""
+    """The weights' checksum (SPEC.md, *Checksums*) when they are an adapter or travel over ZeroMQ; empty:
+    not checked."""
 
 
 class UpdateWeights(Message, tag=18):
@@ -564,6 +596,9 @@ class WeightsLoaded(Message, tag=19):
     """The policy version now in use."""
     seconds: NonNegFloat = 0.0
     """Time from the update command to generation resumed."""
+    checksum: str = ""
+    """The checksum (SPEC.md, *Checksums*) of the weights of `version` as the replica received them and
+    handed them to its engine; the controller fails the run when it is not the trainer's."""
 
 
 class Shutdown(Message, tag=22):

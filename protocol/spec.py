@@ -16,7 +16,9 @@ import textwrap
 
 import msgspec
 
-from .messages import CONTROLLER_ERROR_KINDS, MESSAGE_TYPES, WEIGHT_GROUP_BROKEN, FinishReason, Record, Role, Stage
+from .messages import (
+    CONTROLLER_ERROR_KINDS, MESSAGE_TYPES, WEIGHT_GROUP_BROKEN, AdapterUpdate, FinishReason, Record, Role, Stage,
+)
 from .shm import CONTROL_BYTES, CONTROL_FIELDS
 from .tensors import DTYPE_SIZES, Tensor
 
@@ -120,7 +122,7 @@ def generate() -> str:
     out += [f"| `{WEIGHT_GROUP_BROKEN}` | false | trainer, rollout | a weight broadcast failed (a member of the "
             "collective group died mid-way): the group must be made anew |", ""]
     out += ["### Enumerations", ""]
-    for enum_cls in (Role, FinishReason, Stage):
+    for enum_cls in (Role, FinishReason, Stage, AdapterUpdate):
         members = ", ".join(f"{m.name} = {m.value}" for m in enum_cls)
         out += [f"- `{enum_cls.__name__}`: {members}"]
     out += ["", "### Tensor dtypes", "", "| name | bytes per element |", "| --- | --- |"]

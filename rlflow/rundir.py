@@ -307,6 +307,9 @@ class Summary(Record):
     """Sessions the run took: one, and one more for each resume."""
     session: SessionTotals | None = None
     """This session alone (None in a summary written before sessions were told apart)."""
+    weights_checked: int = 0
+    """Weight updates a replica reported with the checksum the trainer sent (adapters, and weights over
+    ZeroMQ; a checksum that differs fails the run)."""
 
 
 class JoinInfo(Record):

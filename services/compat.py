@@ -152,6 +152,72 @@ def _refresh_cpu_embeddings(model: Any) -> None:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
+#: The ranks vLLM's LoRA kernels are built for (its `max_lora_rank` takes one of these).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_max_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds an adapter of `rank`."""
+    return next(r for r in LORA_RANKS if r >= rank)
+
+
+def register_adapter(model_runner: Any, lora_id: int, tensors: dict[str, torch.Tensor], rank: int, alpha: float,
+                     targets: list[str], *, replace: bool) -> None:
+    """Hand a LoRA adapter (tensors named as in PEFT's adapter file) to the
+    worker's LoRA manager as adapter `lora_id`, as vLLM's own loader would
+    from a directory (its name mapping, prefixes skipped, checks). `replace`:
+    one of that id is served now, and this one takes its place (and its
+    slot) at once. vLLM has no public way to add an adapter from memory."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    workers = model_runner.lora_manager
+    manager = workers._adapter_manager
+    helper = PEFTHelper.from_dict({"r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+                                   "vllm_max_position_embeddings": workers.max_position_embeddings})
+    helper.validate_legal(workers.lora_config)
+    mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(
+        lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device="cpu",
+        dtype=workers.lora_config.lora_dtype, model_vocab_size=workers.vocab_size,
+        # Renames only, as vLLM's own loader: the packing of q, k, v is the manager's.
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(manager.model, "lora_skip_prefixes", None),
+    )
+    active = lora_id in manager._active_adapters
+    if replace:
+        manager.remove_adapter(lora_id)
+    manager.add_adapter(lora)
+    if replace and active:
+        manager.activate_adapter(lora_id)
+
+
+def unregister_adapter(model_runner: Any, lora_id: int) -> bool:
+    """Let go of adapter `lora_id` (no request may use it any more)."""
+    return model_runner.lora_manager.remove_adapter(lora_id)
+
+
+def adapter_ids(model_runner: Any) -> set[int]:
+    """The adapters the worker's LoRA manager holds."""
+    return model_runner.lora_manager.list_adapters()
+
+
+def nccl_receive_packed(engine: Any, named: list[tuple[str, list[int], torch.dtype]]) -> list[tuple[str, torch.Tensor]]:
+    """Receive the tensors `named` over the NCCL group of vLLM's `nccl`
+    weight-transfer `engine`, in its packed chunks (what `nccl_send_packed`
+    sends), as copies of their own (the chunk buffers are reused)."""
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_consumer
+
+    out: list[tuple[str, torch.Tensor]] = []
+    packed_nccl_broadcast_consumer(
+        iterator=((name, (shape, dtype)) for name, shape, dtype in named), group=engine.model_update_group, src=0,
+        post_unpack_func=lambda part: out.extend((n, t.clone()) for n, t in part),
+        buffer_size_bytes=engine.packed_buffer_size_bytes, num_buffers=engine.packed_num_buffers,
+        device=engine.device,
+    )
+    return out
+
+
 class SchedulerLoad:
     """The latest of vLLM's scheduler statistics (running and waiting requests,
     KV-cache use) and its preemptions so far, written by vLLM's output loop
@@ -243,6 +309,17 @@ _VLLM_INTERNALS = (
     ("vllm.distributed.weight_transfer.nccl_common", "NCCLWeightTransferInitInfo"),
     ("vllm.distributed.weight_transfer.nccl_engine", "NCCLWeightTransferUpdateInfo"),
     ("vllm.distributed.weight_transfer.packed_tensor", "packed_nccl_broadcast_producer"),
+    ("vllm.distributed.weight_transfer.packed_tensor", "packed_nccl_broadcast_consumer"),
+    ("vllm.distributed.weight_transfer.nccl_engine", "NCCLWeightTransferEngine"),
+    ("vllm.lora.lora_model", "LoRAModel.from_lora_tensors"),
+    ("vllm.lora.peft_helper", "PEFTHelper.from_dict"),
+    ("vllm.lora.peft_helper", "PEFTHelper.validate_legal"),
+    ("vllm.lora.worker_manager", "LRUCacheWorkerLoRAManager.remove_adapter"),
+    ("vllm.lora.worker_manager", "LRUCacheWorkerLoRAManager.list_adapters"),
+    ("vllm.lora.model_manager", "LRUCacheLoRAModelManager.add_adapter"),
+    ("vllm.lora.model_manager", "LRUCacheLoRAModelManager.activate_adapter"),
+    ("vllm.lora.model_manager", "LoRAModelManager.remove_adapter"),
+    ("vllm.v1.worker.lora_model_runner_mixin", "LoRAModelRunnerMixin.reset_lora_state"),
     ("vllm.tool_parsers", "ToolParserManager.get_tool_parser"),
     ("vllm.tool_parsers", "ToolParserManager.list_registered"),
     ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from rlflow.protocol import ParamSpec, WeightsNccl
+from rlflow.protocol import ParamSpec, WeightsNccl, weights_checksum
 from rlflow.services import compat
 
 from rlflow.data.net import local_address
@@ -65,6 +65,15 @@ def unpack(flat: torch.Tensor, specs: list[ParamSpec], base: int = 0) -> list[tu
         start = spec.offset - base
         out.append((spec.name, flat[start : start + size].view(dtype).view(spec.shape)))
     return out
+
+
+def tensors_checksum(specs: list[ParamSpec], tensors: Iterable[torch.Tensor]) -> str:
+    """The checksum (SPEC.md, *Checksums*) of `tensors`, whole and in the layout's order."""
+    return weights_checksum((s.name, s.dtype, s.shape, _bytes(t)) for s, t in zip(specs, tensors, strict=True))
+
+
+def _bytes(tensor: torch.Tensor):
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 class Piece(NamedTuple):

@@ -22,6 +22,8 @@ import numpy as np
 from rlflow.protocol import (
     SCHEMA_VERSION,
     Ack,
+    Adapter,
+    AdapterUpdate,
     Bye,
     ChatMessage,
     Codec,
@@ -230,6 +232,23 @@ def examples() -> dict[str, object]:
             names=["a.weight", "b.bias"],
             tensors=[Tensor("float32", (2, 2), weights[:16]), Tensor("bfloat16", (4,), weights[16:])],
         ),
+        "Hello.adapter": Hello(
+            role=Role.TRAINER, rank=0, replicas=1, schema_version=SCHEMA_VERSION,
+            weights=WeightsGloo(host="10.0.0.2", port=29500, nbytes=256, bucket_bytes=1024),
+            layout=[ParamSpec(name="base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", dtype="float32",
+                              shape=[4, 8], offset=0),
+                    ParamSpec(name="base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight", dtype="float32",
+                              shape=[8, 4], offset=128)],
+            adapter=Adapter(rank=4, alpha=8.0, targets=["q_proj", "v_proj"], update=AdapterUpdate.PER_REQUEST,
+                            versions=3),
+        ),
+        "Welcome.adapter": Welcome(
+            schema_version=SCHEMA_VERSION, run_id="run-1", version=2,
+            weights=WeightsGloo(host="10.0.0.2", port=29500, world_size=2, rank=1, nbytes=256),
+            adapter=Adapter(rank=4, alpha=8.0, targets=["q_proj"]),
+        ),
+        "WeightsReady.checksum": WeightsReady(version=6, nbytes=256, checksum="crc32:0badcafe"),
+        "WeightsLoaded.checksum": WeightsLoaded(version=6, seconds=0.01, checksum="crc32:0badcafe"),
     }
 
 

@@ -181,3 +181,29 @@ def weights_of(model_holder) -> dict[str, np.ndarray] | None:
         return None
     names = {name for name, _ in model_holder.model.named_parameters()}
     return {k: v.detach().float().numpy().copy() for k, v in state.items() if k in names}
+
+
+def lora_step_and_checkpoint(ranks, cfg, model_path, frames, folder) -> dict[str, Any]:
+    """A LoRA step and a checkpoint: the adapter and its checksum as rank 0 would send them."""
+    import pathlib
+
+    engine = _engine(ranks, cfg, model_path)
+    _step(engine, frames)
+    snapshot = engine.snapshot()
+    engine.save(pathlib.Path(folder), {"step": 1, "version": 1})
+    return {"adapter": [t.numpy().copy() for t in snapshot] if ranks.lead else None,
+            "checksum": engine.checksum(snapshot)}
+
+
+def lora_resume_and_step(ranks, cfg, model_path, frames, folder) -> dict[str, Any]:
+    """Resume a LoRA checkpoint (base from `model_path`, adapter and optimizer from `folder`), step again."""
+    import pathlib
+
+    from rlflow.services.trainer.torch_engine import TorchEngine
+
+    engine = TorchEngine(cfg, str(model_path), ranks=ranks, adapter=str(pathlib.Path(folder) / "adapter"))
+    engine.load_state(pathlib.Path(folder))
+    resumed = engine.snapshot()
+    _step(engine, frames)
+    after = engine.snapshot()
+    return {"resumed": [t.numpy().copy() for t in resumed], "after": [t.numpy().copy() for t in after]}

@@ -491,3 +491,23 @@ def test_every_rejection_the_spec_names_is_raised_by_decode_itself():
         with pytest.raises(P.ProtocolError) as caught:
             P.decode(breaking[kind])
         assert caught.value.kind == kind, (kind, caught.value)
+
+
+def test_the_weights_checksum_is_the_one_spec_md_defines():
+    """CRC-32 over each tensor's ``name:dtype:shape`` line and its bytes, in
+    order: what a peer in another language computes from SPEC.md."""
+    import zlib
+
+    from rlflow.protocol import Tensor, payload_checksum, weights_checksum
+
+    w, b = np.arange(4, dtype=np.float32), np.array([7], np.int32)
+    crc = zlib.crc32(b"w:float32:2,2\n")
+    crc = zlib.crc32(w.tobytes(), crc)
+    crc = zlib.crc32(b"b:int32:1\n", crc)
+    crc = zlib.crc32(b.tobytes(), crc)
+    got = weights_checksum([("w", "float32", [2, 2], w), ("b", "int32", [1], b)])
+    assert got == f"crc32:{crc:08x}" == "crc32:31c1b0d8"
+    assert payload_checksum(["w", "b"], [Tensor("float32", (2, 2), w), Tensor.from_numpy(b)]) == got
+    # Another order, name or shape of the same bytes is another checksum.
+    assert weights_checksum([("w", "float32", [4], w), ("b", "int32", [1], b)]) != got
+    assert weights_checksum([("b", "int32", [1], b), ("w", "float32", [2, 2], w)]) != got

@@ -370,9 +370,11 @@ async def test_a_rollout_told_to_load_a_version_it_holds_says_so():
             await trainer.publish(1)
             await trainer.publish(2)
             await router.send(identity, UpdateWeights(version=1))
-            assert (await answer(WeightsLoaded)).version == 2
+            loaded = await answer(WeightsLoaded)
+            # What it fetched over ZeroMQ is what the trainer published: the same checksum.
+            assert (loaded.version, loaded.checksum) == (2, trainer.checksum) and trainer.checksum.startswith("crc32:")
             await router.send(identity, UpdateWeights(version=2))
-            assert await answer(WeightsLoaded) == WeightsLoaded(version=2, seconds=0.0)
+            assert await answer(WeightsLoaded) == WeightsLoaded(version=2, seconds=0.0, checksum=trainer.checksum)
             await router.send(identity, Shutdown(reason="done"))
             await answer(Bye)
         nursery.cancel_scope.cancel()

@@ -18,8 +18,8 @@ from rlflow.control.rounds import Weights
 from rlflow.control.status import add_counters, add_loads, role_status
 from rlflow.control.topology import Topology
 from rlflow.protocol import (
-    REPLACED, SCHEMA_VERSION, UNAUTHENTICATED, UNEXPECTED_HELLO, WRONG_VERSION, Counters, EngineLoad, Heartbeat,
-    Hello, Role, SendWeights, UpdateWeights, WeightsGloo, WeightsZmq,
+    REPLACED, SCHEMA_VERSION, UNAUTHENTICATED, UNEXPECTED_HELLO, WRONG_VERSION, Adapter, Counters, EngineLoad,
+    Heartbeat, Hello, Role, SendWeights, UpdateWeights, WeightsGloo, WeightsZmq,
 )
 from rlflow.rundir import Shares
 
@@ -168,9 +168,9 @@ async def test_a_lost_external_replica_is_waited_for_then_given_up_on(autojump_c
 def test_generations_regroup_after_a_receiver_leaves_and_a_replacement_catches_up():
     weights = Weights(0, max_rebuilds=2)
     weights.offered(WeightsGloo(host="h", port=1, nbytes=8), [], receivers=2)
-    transfer, _ = weights.welcome("rollout", 1, first=True, receivers=2)
+    transfer = weights.welcome("rollout", 1, first=True, receivers=2)["weights"]
     assert (transfer.rank, transfer.world_size) == (2, 3)
-    assert weights.welcome("rollout", 1, first=False, receivers=2)[0] is None  # joins the next generation
+    assert "weights" not in weights.welcome("rollout", 1, first=False, receivers=2)  # joins the next generation
     first = weights.publish(1, {0, 1})
     assert [(o.role, o.rank, type(o.message)) for o in first] == [
         ("trainer", None, SendWeights), ("rollout", 0, UpdateWeights), ("rollout", 1, UpdateWeights)]
@@ -231,9 +231,47 @@ def test_a_generation_replaced_before_the_trainer_hosted_it_gets_no_members():
 def test_with_the_zmq_transfer_a_replacement_is_sent_the_newest_version_moved():
     weights = Weights(3, max_rebuilds=1)
     weights.offered(WeightsZmq(address="tcp://t:1"), [], receivers=2)
-    assert weights.welcome("rollout", 0, first=True, receivers=2) == (WeightsZmq(address="tcp://t:1"), [])
+    assert weights.welcome("rollout", 0, first=True, receivers=2) == {"weights": WeightsZmq(address="tcp://t:1"),
+                                                                       "adapter": None}
     (order,) = weights.joined(0, {1})
     assert (order.rank, order.message) == (0, UpdateWeights(version=3))
+
+
+def test_a_replica_whose_checksum_is_not_the_trainers_fails_the_run_naming_both():
+    from rlflow.errors import RunFailed
+
+    adapter = Adapter(rank=4, alpha=8.0, targets=["q_proj"])
+    weights = Weights(0, max_rebuilds=1)
+    weights.offered(WeightsGloo(host="h", port=1, nbytes=8), [], receivers=2, adapter=adapter)
+    assert weights.welcome("rollout", 0, first=True, receivers=2)["adapter"] == adapter
+    assert "adapter" not in weights.welcome("trainer", 0, first=True, receivers=2)
+    weights.publish(1, {0, 1}, "crc32:00000001")
+    weights.loaded(0, 1, {0, 1}, "crc32:00000001")
+    assert weights.checksums.matched == 1
+    with pytest.raises(RunFailed, match=r"rollout-1 serves weights v1 with checksum crc32:0000dead, but the trainer "
+                                        r"sent checksum crc32:00000001"):
+        weights.loaded(1, 1, {0, 1}, "crc32:0000dead")
+    # A replica that reports none where the trainer gave one: the adapter never arrived.
+    weights.publish(2, {0, 1}, "crc32:00000002")
+    with pytest.raises(RunFailed, match=r"rollout-0 serves weights v2 with checksum \(none reported\)"):
+        weights.loaded(0, 2, {0, 1}, "")
+
+
+def test_a_report_ahead_of_the_trainers_checksum_waits_for_it_and_whole_weights_are_not_checked():
+    from rlflow.errors import RunFailed
+
+    weights = Weights(3, max_rebuilds=1)
+    weights.offered(WeightsZmq(address="tcp://t:1"), [], receivers=1)
+    weights.loaded(0, 3, {0}, "")  # the version it started with, from disk: nothing to check
+    weights.loaded(0, 4, {0}, "crc32:0000beef")  # a weight server handed out v4 before its WeightsReady was read
+    assert weights.checksums.waiting == [("rollout-0", 4, "crc32:0000beef")]
+    with pytest.raises(RunFailed, match="rollout-0 serves weights v4 with checksum crc32:0000beef"):
+        weights.publish(4, {0}, "crc32:00000004")
+    weights = Weights(0, max_rebuilds=1)
+    weights.offered(WeightsGloo(host="h", port=1, nbytes=8), [], receivers=1)
+    weights.publish(1, {0})  # whole weights over gloo: no checksum
+    weights.loaded(0, 1, {0}, "")
+    assert weights.checksums.matched == 0 and not weights.checksums.waiting
 
 
 # -- topology and status -------------------------------------------------------------------

@@ -20,6 +20,7 @@ from rlflow.config.checks import check
 from rlflow.config.errors import ConfigError
 from rlflow.config.loading import apply_override, from_dict, load, resolve_run_dir, to_toml
 from rlflow.config.schema import (
+    ADAPTER_DIR,
     ArithTask,
     ClusterConfig,
     Config,
@@ -34,6 +35,7 @@ from rlflow.config.schema import (
     Fraction,
     FunctionsReward,
     LogNormal,
+    Lora,
     MetricsConfig,
     ModelTeacher,
     NonNegFloat,
@@ -72,6 +74,7 @@ from rlflow.config.schema import (
 )
 
 __all__ = [
+    "ADAPTER_DIR",
     "ArithTask",
     "ClusterConfig",
     "Config",
@@ -87,6 +90,7 @@ __all__ = [
     "Fraction",
     "FunctionsReward",
     "LogNormal",
+    "Lora",
     "MetricsConfig",
     "ModelTeacher",
     "NonNegFloat",

@@ -140,7 +140,10 @@ def _check_teacher(config: Config) -> None:
     """The trainer's teacher terms need a teacher that sends what they read,
     scored at the temperature the rollout samples at."""
     trainer, teacher = config.roles.trainer.engine, config.roles.teacher
-    needs = isinstance(trainer, TorchTrainer) and (trainer.kl_coef > 0 or trainer.distill_coef > 0)
+    _check_lora(config)
+    base_reference = config.lora is not None and config.lora.reference == "base"
+    needs = isinstance(trainer, TorchTrainer) and ((trainer.kl_coef > 0 and not base_reference)
+                                                   or trainer.distill_coef > 0)
     if needs and (teacher is None or not isinstance(teacher.engine, ModelTeacher)):
         key = "roles.trainer.engine.distill_coef" if trainer.distill_coef > 0 else "roles.trainer.engine.kl_coef"
         value = trainer.distill_coef if trainer.distill_coef > 0 else trainer.kl_coef
@@ -155,3 +158,15 @@ def _check_teacher(config: Config) -> None:
                 f"must equal the rollout's sampling temperature ({rollout_t:g}): the teacher scores the distribution "
                 "the student samples from",
             )
+
+
+def _check_lora(config: Config) -> None:
+    """A KL penalty to the base in the reward is worked out by trainer rank 0
+    alone, before the step is dealt to the ranks: one rank only."""
+    trainer, lora = config.roles.trainer, config.lora
+    if lora is None or lora.reference != "base" or trainer.engine.kl_coef == 0 or trainer.engine.kl_in != "reward":
+        return
+    if trainer.replicas > 1:
+        raise ConfigError("roles.trainer.engine.kl_in", "reward",
+                          "with lora.reference = 'base' and several trainer ranks the KL penalty goes in the loss "
+                          "(kl_in = 'loss'): the base's log-probabilities are worked out by every rank on its share")

@@ -25,6 +25,9 @@ PosFloat = Annotated[float, Meta(gt=0)]
 NonNegFloat = Annotated[float, Meta(ge=0)]
 Fraction = Annotated[float, Meta(ge=0, le=1)]
 
+#: A checkpoint's LoRA adapter, in PEFT's format, is this folder of it.
+ADAPTER_DIR = "adapter"
+
 
 class Table(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """Base of every config table."""
@@ -307,6 +310,36 @@ class FunctionsReward(Table, tag_field="kind", tag="functions"):
     """How long the functions' workers may take to start (importing the functions, loading models)."""
 
 
+class Lora(Table):
+    """A LoRA adapter (the `peft` library) trained on the frozen base model:
+    the optimizer holds only the adapter, weight updates carry only its
+    tensors, and the rollout serves the base with the adapter (vLLM's LoRA)."""
+
+    rank: Annotated[int, Meta(ge=1, le=512)] = 16
+    """The adapter's rank r."""
+    alpha: PosFloat = 32.0
+    """The update is scaled by alpha / rank (PEFT's lora_alpha)."""
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    """Dropout on the adapter's input while training (PEFT's lora_dropout); it makes the trainer's
+    log-probabilities noisy against the rollout's, so 0 is the default."""
+    targets: Annotated[tuple[str, ...], Meta(min_length=1)] = (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    """Names of the linear modules to adapt (PEFT's target_modules; vLLM serves adapters of linear layers)."""
+    adapter_update: Literal["in_place", "per_request"] = "in_place"
+    """How the rollout takes each new adapter. in_place: it replaces the adapter served between two decode
+    steps, as whole weights do (requests in flight go on with it; their later tokens carry the new
+    version). per_request: up to max_staleness + 1 versions stay loaded and each request finishes under
+    the version it started with (every token of a sample has one version); a request still running when
+    its version falls out of that window is started again on the newest."""
+    reference: Literal["base", "teacher"] = "base"
+    """The reference of a KL penalty (kl_coef > 0). base: the base model with the adapter turned off, in
+    the trainer's own process (no teacher role, no second copy of the model); teacher: the teacher role's
+    log-probabilities, as without LoRA."""
+    save_merged: bool = False
+    """Checkpoints also hold the base with the adapter merged in, as a Hugging Face model directory (the
+    adapter alone, in PEFT's format, is always saved, under adapter/)."""
+
+
 class EnvReward(Table, tag_field="kind", tag="env"):
     """The environment's own reward: the sum of its rewards over an episode's
     turns, times `roles.env.reward_weight` (a run with `[roles.env]`). With
@@ -379,6 +412,9 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     distill: Literal["sampled", "topk"] = "sampled"
     """sampled: the reverse KL at the sampled token as a per-token advantage; topk: a loss over the
     teacher's top-k tokens (roles.teacher.engine.top_k > 0)."""
+    lora: Lora | None = None
+    """Train a LoRA adapter on the frozen base instead of the whole model, e.g. {rank = 16, alpha = 32}
+    (none: full fine-tuning)."""
     whiten_advantages: bool = True
     """advantage = "gae": whiten the critic's per-token advantages over the step's batch (mean 0, std 1)."""
 
@@ -792,8 +828,22 @@ class Config(Table):
     @property
     def policy_path(self) -> str:
         """The directory the policy starts from: the checkpoint resumed from,
-        else the rollout's model (absolute once the launcher has resolved it)."""
+        else the rollout's model (absolute once the launcher has resolved it).
+        With LoRA, always the rollout's model: the frozen base (the adapter
+        resumed from is `adapter_path`)."""
+        if self.lora is not None:
+            return self.roles.rollout.model
         return self.run.resume or self.roles.rollout.model
+
+    @property
+    def lora(self) -> Lora | None:
+        """The trainer's LoRA settings (None: full fine-tuning)."""
+        return getattr(self.roles.trainer.engine, "lora", None)
+
+    @property
+    def adapter_path(self) -> str:
+        """The PEFT adapter directory the policy's adapter starts from (empty: a new adapter)."""
+        return f"{self.run.resume}/{ADAPTER_DIR}" if self.lora is not None and self.run.resume else ""
 
     @property
     def needs_model(self) -> bool:

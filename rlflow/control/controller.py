@@ -203,7 +203,7 @@ class Controller:
         if (disagree := probes_disagree(self.roster.role("teacher"))) is not None:
             raise RunFailed(disagree)
         trainer = self.roster.replicas[("trainer", 0)].hello
-        self.weights.offered(trainer.weights, trainer.layout, len(self.roster.role("rollout")))
+        self.weights.offered(trainer.weights, trainer.layout, len(self.roster.role("rollout")), trainer.adapter)
         self._welcomed = True
         for replica in self.roster:
             if replica.registered:
@@ -277,15 +277,15 @@ class Controller:
                 gone = self.ledger.drop(ids, reason)
                 log.warning("[controller] %s dropped %d groups: %s", replica.name, len(gone), reason or "no reason")
                 self._grant()
-            case WeightsReady(version=version):
+            case WeightsReady(version=version, checksum=checksum):
                 self.version = replica.version = version
-                self.outboxes.order(self.weights.publish(version, receivers), self.roster)
+                self.outboxes.order(self.weights.publish(version, receivers, checksum), self.roster)
             case WeightsGroup(transfer=transfer):
                 self.outboxes.order(self.weights.hosted(transfer, receivers), self.roster)
-            case WeightsLoaded(version=version, seconds=seconds):
+            case WeightsLoaded(version=version, seconds=seconds, checksum=checksum):
                 replica.version = version
                 self.stats.weights_loaded(seconds)
-                self.outboxes.order(self.weights.loaded(replica.rank, version, receivers), self.roster)
+                self.outboxes.order(self.weights.loaded(replica.rank, version, receivers, checksum), self.roster)
                 self._grant()
                 self._changed.set()
             case EvalDone():
@@ -506,13 +506,13 @@ def welcome(controller: Controller, replica: Replica) -> Welcome:
     """What `replica` is welcomed with: who it streams to, the clock, and how
     weights reach it (a replacement loads the version it starts with, then catches up)."""
     first = replica.restarts == 0
-    transfer, layout = controller.weights.welcome(replica.role, replica.rank, first=first,
-                                                  receivers=len(controller.roster.role("rollout")))
+    weights = controller.weights.welcome(replica.role, replica.rank, first=first,
+                                         receivers=len(controller.roster.role("rollout")))
     peers = controller.topology.peers(replica.role, replica.rank, controller.roster)
     return Welcome(schema_version=SCHEMA_VERSION, run_id=controller.run_id,
                    version=controller.version if first else controller.start_version, peers=peers,
                    shm_peers=Topology.shm_peers(replica, peers, controller.roster),
-                   heartbeat_s=controller.config.cluster.heartbeat_s, weights=transfer, layout=layout)
+                   heartbeat_s=controller.config.cluster.heartbeat_s, **weights)
 
 
 async def _within(event: trio.Event, timeout: float, what: Callable[[], str]) -> None:

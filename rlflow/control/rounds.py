@@ -14,8 +14,11 @@ from dataclasses import dataclass
 
 import msgspec
 
+from rlflow.control.checksums import Checksums
 from rlflow.errors import RunFailed
-from rlflow.protocol import ParamSpec, SendWeights, UpdateWeights, WeightsGloo, WeightsNccl, WeightTransfer
+from rlflow.protocol import (
+    Adapter, ParamSpec, SendWeights, UpdateWeights, WeightsGloo, WeightsNccl, WeightTransfer,
+)
 
 
 class WeightRounds:
@@ -103,7 +106,9 @@ class Weights:
     rank in it). A replacement rollout replica is caught up before it gets
     work. A broken broadcast abandons the round and moves the newest version
     again through a new generation, at most `max_rebuilds` times in a row.
-    Every method returns the orders to send, and changes nothing else.
+    Every replica's report of a version it loaded is checked against the
+    trainer's checksum of it (`checksums`). Every method returns the orders
+    to send, and changes nothing else (or raises `RunFailed`).
     """
 
     def __init__(self, version: int, *, max_rebuilds: int):
@@ -112,6 +117,9 @@ class Weights:
         #: The trainer's offer (from its hello) and the layout of its flat buffer.
         self.offer: WeightTransfer | None = None
         self.layout: list[ParamSpec] = []
+        #: The LoRA adapter the trainer's updates carry (None: whole weights).
+        self.adapter: Adapter | None = None
+        self.checksums = Checksums(version)
         self.generation = 0
         #: The receivers of the current generation, in member order (member i + 1 is members[i]).
         self.members: list[int] = []
@@ -124,10 +132,13 @@ class Weights:
         #: Rollout replicas being caught up (replacements): no work for them yet.
         self.catching_up: set[int] = set()
 
-    def offered(self, transfer: WeightTransfer | None, layout: list[ParamSpec], receivers: int) -> None:
-        """The trainer's rank 0 said how it sends weights; `receivers` rollout
-        replicas make the first generation of a collective group."""
+    def offered(self, transfer: WeightTransfer | None, layout: list[ParamSpec], receivers: int,
+                adapter: Adapter | None = None) -> None:
+        """The trainer's rank 0 said how it sends weights (an `adapter`'s, or
+        whole ones); `receivers` rollout replicas make the first generation
+        of a collective group."""
         self.offer, self.layout, self.members = transfer, layout, list(range(receivers))
+        self.adapter = adapter
 
     @property
     def collective(self) -> bool:
@@ -137,30 +148,36 @@ class Weights:
     def busy(self) -> bool:
         return self.rounds.busy
 
-    def welcome(self, role: str, rank: int, *, first: bool, receivers: int) -> tuple[WeightTransfer | None, list]:
-        """The transfer and layout a replica is welcomed with: the trainer's
-        rank 0 hosts the group of 1 + `receivers` members; a first rollout
-        replica joins it as member 1 + rank; a replacement joins the next
-        generation (when it is caught up); with the zmq transfer every
-        rollout replica gets the trainer's address."""
-        offer = self.offer
+    def welcome(self, role: str, rank: int, *, first: bool, receivers: int) -> dict:
+        """The fields of the `Welcome` about weights (`weights`, `layout`,
+        `adapter`): the trainer's rank 0 hosts the group of 1 + `receivers`
+        members; a first rollout replica joins it as member 1 + rank; a
+        replacement joins the next generation (when it is caught up); with the
+        zmq transfer every rollout replica gets the trainer's address. Every
+        rollout replica gets the adapter it serves."""
+        offer, adapter = self.offer, self.adapter if role == "rollout" else None
         if self.collective:
             group = msgspec.structs.replace(offer, world_size=1 + receivers)
             if role == "trainer" and rank == 0:
-                return group, []
+                return {"weights": group}
             if role == "rollout" and first:
-                return msgspec.structs.replace(group, rank=1 + rank), self.layout
+                return {"weights": msgspec.structs.replace(group, rank=1 + rank), "layout": self.layout,
+                        "adapter": adapter}
             if role == "rollout":
-                return None, self.layout
-            return None, []
-        return (offer, []) if role == "rollout" else (None, [])
+                return {"layout": self.layout, "adapter": adapter}
+            return {}
+        return {"weights": offer, "adapter": adapter} if role == "rollout" else {}
 
-    def publish(self, version: int, receivers: set[int]) -> list[Order]:
-        """The trainer has `version`."""
+    def publish(self, version: int, receivers: set[int], checksum: str = "") -> list[Order]:
+        """The trainer has `version`, whose weights have `checksum` (empty: not checked)."""
+        self.checksums.publish(version, checksum)
         return self._move(self.rounds.publish(version), receivers)
 
-    def loaded(self, rank: int, version: int, receivers: set[int]) -> list[Order]:
-        """Rollout replica `rank` holds `version` now (it may take work, if it was catching up)."""
+    def loaded(self, rank: int, version: int, receivers: set[int], checksum: str = "") -> list[Order]:
+        """Rollout replica `rank` holds `version` now, received with `checksum`
+        (it may take work, if it was catching up). Raises `RunFailed` if the
+        checksum is not the trainer's."""
+        self.checksums.served(f"rollout-{rank}", version, checksum)
         if version >= self.rounds.moved:
             self.catching_up.discard(rank)
         return self._move(self.rounds.loaded(rank, version, receivers), receivers)

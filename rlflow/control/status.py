@@ -157,4 +157,5 @@ def run_summary(controller: Any) -> Summary:
         state=controller.state, error=controller.error, stop_reason=controller.stop_reason, mode=run.mode,
         max_staleness=run.staleness, staleness_check=run.staleness_check, steps=controller.ledger.steps_done,
         groups=group_counts(controller.ledger), controller=controller_stats(controller),
+        weights_checked=controller.weights.checksums.matched,
     )

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import trio
 
-from rlflow.protocol import EngineLoad, ParamSpec, PromptGroup, Response, WeightTransfer
+from rlflow.protocol import Adapter, EngineLoad, ParamSpec, PromptGroup, Response, WeightTransfer
 
 #: What an engine hands the service: a group and one response per sample.
 Finished = tuple[PromptGroup, list[Response]]
@@ -30,6 +30,8 @@ class RolloutEngine(Protocol):
     """Each group, the moment its last sample is done (with the others done by then)."""
     eval_concurrency: int
     """Held-out prompts to have in flight at once."""
+    checksum: str
+    """The checksum of the weights it received last and serves (SPEC.md, *Checksums*; empty: none)."""
 
     async def start(self) -> None:
         """Load the model (blocking work goes to a thread)."""
@@ -43,8 +45,11 @@ class RolloutEngine(Protocol):
     async def set_version(self, version: int) -> None:
         """Label the weights held now (above 0 when the run resumes)."""
 
-    async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec]) -> None:
-        """Get ready to receive weights as the controller's welcome says."""
+    async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec],
+                           adapter: Adapter | None = None) -> None:
+        """Get ready to receive weights as the controller's welcome says (with
+        `adapter`: serve the base with that LoRA adapter, whose tensors the
+        updates carry)."""
 
     async def run(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """The engine's loop, until cancelled."""

@@ -95,7 +95,7 @@ class RolloutService(Service):
             welcome = await control.hello(endpoints={}, **engine.hello_fields())
             await engine.set_version(welcome.version)  # above 0 when resuming
             self.version = welcome.version
-            await engine.join_weights(welcome.weights, welcome.layout)
+            await engine.join_weights(welcome.weights, welcome.layout, welcome.adapter)
             if self.config.roles.reward.inline:
                 self._score_inline(engine, task)
             self.say("up: %s, sending to %s", type(engine).__name__, ", ".join(welcome.peers["out"]))
@@ -254,7 +254,8 @@ class RolloutService(Service):
             if msg.version <= self.engine.version and msg.transfer is None:
                 # Held already (a weight server gave a newer version than the
                 # one asked for): say so, or the controller's round waits.
-                await control.send(WeightsLoaded(version=self.engine.version, seconds=0.0))
+                await control.send(WeightsLoaded(version=self.engine.version, seconds=0.0,
+                                                 checksum=self.engine.checksum))
                 continue
             started = time.monotonic()
             try:
@@ -270,7 +271,7 @@ class RolloutService(Service):
             seconds = time.monotonic() - started
             self.counters["weight_updates"] += 1
             self.say("weights v%d loaded in %.0f ms", self.version, 1000 * seconds)
-            await control.send(WeightsLoaded(version=self.version, seconds=seconds))
+            await control.send(WeightsLoaded(version=self.version, seconds=seconds, checksum=self.engine.checksum))
 
     async def evaluate(self, msg: Evaluate, task: Task, control: Control) -> None:
         """Answer every held-out prompt once (play one episode of each, with an environment),

@@ -30,6 +30,7 @@ from rlflow.config import SimRollout
 from rlflow.data import transport
 from rlflow.distributions import draw_lengths
 from rlflow.protocol import (
+    Adapter,
     EngineLoad,
     Codec,
     FinishReason,
@@ -42,6 +43,7 @@ from rlflow.protocol import (
     WeightsRequest,
     WeightsZmq,
     WeightTransfer,
+    payload_checksum,
 )
 from rlflow.protocol.batch import N_STAGES
 from rlflow.services.base import EngineContext, shm_token
@@ -498,6 +500,8 @@ class SimEngine:
         self._server: str | None = None
         self._weights: transport.Dealer | None = None
         self._sockets: contextlib.AsyncExitStack | None = None
+        #: The checksum of the payload fetched last (what it serves).
+        self.checksum = ""
         #: An episode's turns in the batcher, by their own ids (beyond any group's): [done, response].
         self._turns: dict[int, list] = {}
         self._turn_ids = itertools.count(_TURNS_FROM)
@@ -514,8 +518,10 @@ class SimEngine:
     async def start(self) -> None:
         """Nothing to load."""
 
-    async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec]) -> None:
-        """Weights come over ZeroMQ, on request, from the trainer's weight server."""
+    async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec],
+                           adapter: Adapter | None = None) -> None:
+        """Weights come over ZeroMQ, on request, from the trainer's weight server
+        (an adapter's too: the simulated engine has no model to put it on)."""
         if not isinstance(transfer, WeightsZmq):
             raise ValueError(f"the simulated rollout fetches weights over ZeroMQ; the trainer offers {transfer!r}")
         self._server = transfer.address
@@ -584,6 +590,7 @@ class SimEngine:
         finally:
             self._fetching = False
         self.ctx.counters["weight_bytes"] += sum(t.nbytes for t in payload.tensors)
+        self.checksum = payload_checksum(payload.names, payload.tensors)
         self.batcher.advance(trio.current_time())  # what ran before it arrived ran as before
         self.batcher.incoming = payload.version
         self._applied = trio.Event()

@@ -43,7 +43,7 @@ import trio
 from rlflow.algo.staleness import too_stale
 from rlflow.config import VllmRollout
 from rlflow.protocol import (
-    EngineLoad,
+    Adapter, AdapterUpdate, EngineLoad,
     FinishReason, ParamSpec, PromptGroup, Response, Stage, WeightsGloo, WeightsNccl, WeightTransfer
 )
 from rlflow.protocol.batch import N_STAGES
@@ -55,6 +55,12 @@ from rlflow.services.weights import NCCL_BUFFERS, nccl_chunk_bytes, nccl_ranks
 
 #: vLLM's own weight-transfer backend over NCCL (CUDA).
 NCCL = "nccl"
+#: The LoRA id of the one adapter served with `AdapterUpdate.IN_PLACE`.
+IN_PLACE_ID = 1
+#: What a request's adapter claims as its directory: adapters reach vLLM from
+#: memory, never from a file, so if vLLM ever looked here (an adapter let go
+#: of while a request used it) it would fail naming this.
+ADAPTER_PATH = "/rlflow/adapter-received-over-the-weight-group"
 
 
 class AsyncioBridge:
@@ -111,10 +117,17 @@ class VllmBackend:
     """
 
     def __init__(self, cfg: VllmRollout, model_path: str, seed: int = 0, *, max_logprobs: int = 20,
-                 weights: str | None = None):
+                 weights: str | None = None, lora_rank: int = 0, lora_slots: int = 1):
         """`weights`: the weight-transfer backend, vLLM's "nccl" or rlflow's
-        gloo one (`vllm_worker.BACKEND`); None: "nccl" on CUDA, else gloo."""
+        gloo one (`vllm_worker.BACKEND`); None: "nccl" on CUDA, else gloo.
+        `lora_rank`: serve LoRA adapters of up to this rank, `lora_slots` of
+        them at once (0: no LoRA)."""
         self.cfg = cfg
+        self.lora_rank, self.lora_slots = lora_rank, lora_slots
+        #: Asyncio side: requests running per adapter, and adapters to let go of once none does.
+        self._users: dict[int, int] = {}
+        self._retired: set[int] = set()
+        self._unloading: set[asyncio.Task] = set()
         self.weights = weights
         self.model_path = model_path
         self.seed = seed
@@ -148,7 +161,15 @@ class VllmBackend:
             seed=self.seed,
             disable_log_stats=True,
             enable_prefix_caching=False,
+            **self.lora_args(),
         )
+
+    def lora_args(self) -> dict[str, Any]:
+        """vLLM's LoRA settings: an adapter of up to `lora_rank` in each of `lora_slots` slots."""
+        if not self.lora_rank:
+            return {}
+        return {"enable_lora": True, "max_lora_rank": compat.lora_max_rank(self.lora_rank),
+                "max_loras": self.lora_slots, "max_cpu_loras": self.lora_slots}
 
     def weight_backend(self) -> str:
         """The weight-transfer backend this engine starts with (see `__init__`)."""
@@ -243,6 +264,53 @@ class VllmBackend:
         finally:
             await self.call(llm.resume_generation)
 
+    async def load_adapter(self, info: dict[str, Any], *, pause: bool = False, kv: str | None = None,
+                           version: int | None = None) -> str:
+        """Hand a LoRA adapter to every worker (`vllm_worker.WorkerExtension.
+        rlflow_load_adapter`, which takes it from the weight group, a file or
+        zeros as `info` says); its checksum as received. With `pause`: between
+        two engine steps, requests kept (their KV cache as `kv` says, default
+        the config's `kv_on_update`), and the tokens after it labelled `version`."""
+        llm = self.llm
+        if pause:
+            clear = (kv or self.cfg.kv_on_update) == "recompute"
+            await self.call(lambda: llm.pause_generation(mode="keep", clear_cache=clear))
+        try:
+            checksums = await self.call(lambda: llm.collective_rpc("rlflow_load_adapter", args=(info,)))
+            if version is not None:
+                await self.call(lambda: llm.update_weight_version(str(version)))
+        finally:
+            if pause:
+                await self.call(llm.resume_generation)
+        # Every tensor-parallel worker takes the whole adapter: they must agree.
+        return checksums[0] if len(set(checksums)) == 1 else "workers disagree: " + ", ".join(checksums)
+
+    async def retire_adapter(self, lora_id: int) -> None:
+        """Let go of adapter `lora_id` once no request uses it (requests on it
+        may be ending: their aborts reach vLLM before it is let go of)."""
+        llm = self.llm
+
+        async def retire() -> None:
+            if self._users.get(lora_id, 0):
+                self._retired.add(lora_id)
+            else:
+                await llm.collective_rpc("rlflow_unload_adapter", args=(lora_id,))
+
+        await self.call(retire)
+
+    def _release(self, lora_id: int) -> None:
+        """Asyncio side: a request on adapter `lora_id` has ended (after vLLM's
+        abort, if it was cancelled); the last one lets go of a retired adapter."""
+        self._users[lora_id] -= 1
+        if self._users[lora_id] == 0:
+            del self._users[lora_id]
+            if lora_id in self._retired:
+                self._retired.discard(lora_id)
+                task = asyncio.get_running_loop().create_task(
+                    self.llm.collective_rpc("rlflow_unload_adapter", args=(lora_id,)))
+                self._unloading.add(task)
+                task.add_done_callback(self._unloading.discard)
+
     async def generate(
         self,
         prompt_ids: list[int],
@@ -252,10 +320,12 @@ class VllmBackend:
         max_tokens: int | None = None,
         ignore_eos: bool = False,
         first_token: trio.Event | None = None,
+        lora_id: int = 0,
     ):
         """The final RequestOutput of one request with `n` samples (`ignore_eos`:
         run to `max_tokens` without changing the sampling distribution;
-        `first_token` is set once every sample has its first token)."""
+        `first_token` is set once every sample has its first token; `lora_id`:
+        under that adapter, 0: the base alone)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -274,13 +344,22 @@ class VllmBackend:
         llm = self.llm
         trio_token = trio.lowlevel.current_trio_token()
 
+        lora = lora_request(lora_id) if lora_id else None
+
         async def run():
             final, told = None, first_token is None
-            async for out in llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
-                final = out
-                if not told and len(out.outputs) == n and all(c.token_ids for c in out.outputs):
-                    trio_token.run_sync_soon(first_token.set)
-                    told = True
+            if lora_id:
+                self._users[lora_id] = self._users.get(lora_id, 0) + 1
+            try:
+                async for out in llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id,
+                                              lora_request=lora):
+                    final = out
+                    if not told and len(out.outputs) == n and all(c.token_ids for c in out.outputs):
+                        trio_token.run_sync_soon(first_token.set)
+                        told = True
+            finally:
+                if lora_id:
+                    self._release(lora_id)
             return final
 
         return await self.call(run)
@@ -305,6 +384,13 @@ class VllmBackend:
             return final.prompt_logprobs
 
         return await self.call(run)
+
+
+def lora_request(lora_id: int):
+    """vLLM's handle of adapter `lora_id` (which reaches it from memory, never from `ADAPTER_PATH`)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(lora_name=f"rlflow-adapter-{lora_id}", lora_int_id=lora_id, lora_path=ADAPTER_PATH)
 
 
 def gloo_update_info(layout: list[ParamSpec], nbytes: int, bucket_bytes: int) -> dict[str, Any]:
@@ -371,7 +457,10 @@ class VllmEngine:
         run = ctx.config.run
         self.staleness = run.staleness
         self.strict = run.staleness_check == "strict"
-        self.backend = backend or VllmBackend(cfg, ctx.config.policy_path, run.seed + ctx.rank)
+        lora = ctx.config.lora
+        slots = adapter_slots(lora.adapter_update, run.staleness) if lora else 1
+        self.backend = backend or VllmBackend(cfg, ctx.config.policy_path, run.seed + ctx.rank,
+                                              lora_rank=lora.rank if lora else 0, lora_slots=slots)
         self._owns_backend = backend is None
         self.version = 0
         self.pending: deque[_Group] = deque()
@@ -386,6 +475,11 @@ class VllmEngine:
             (self._weights, self._layout) = joined
             self._weights_ready.set()
         self._updating = False
+        #: LoRA: the adapter served on the base (None: whole weights), the
+        #: LoRA id of each version loaded, and the checksum of the newest.
+        self.adapter: Adapter | None = None
+        self._lora_ids: dict[int, int] = {}
+        self.checksum = ""
         #: Episodes' turns being generated.
         self._turns = 0
 
@@ -417,13 +511,17 @@ class VllmEngine:
         if self._owns_backend:
             await trio.to_thread.run_sync(self.backend.close)
 
-    async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec], *,
-                           first: bool = True) -> None:
+    async def join_weights(self, transfer: WeightTransfer | None, layout: list[ParamSpec],
+                           adapter: Adapter | None = None, *, first: bool = True) -> None:
         """Join the trainer's weight group (returns once the trainer has joined
         too); none: a replacement, which joins the next generation of the group.
         The first group waits as long as a start may take; a later generation
-        `cluster.weight_timeout_s`."""
+        `cluster.weight_timeout_s`. With `adapter`, serve the base with it from
+        now on, starting with the adapter of the version held (zeros, or the
+        checkpoint resumed from)."""
         self._layout = layout or self._layout
+        if adapter is not None and self.adapter is None:
+            await self._first_adapter(adapter)
         if transfer is None:
             return
         check_offer(self.backend.weight_backend(), transfer)
@@ -450,18 +548,83 @@ class VllmEngine:
         self._updating = True
         self.clock.set("loading")
         try:
-            await self.backend.update(version, self._layout, self._weights.nbytes, kv=self.cfg.kv_on_update,
-                                      bucket_bytes=self._weights.bucket_bytes)
+            if self.adapter is not None:
+                await self._load_adapter(version)
+            else:
+                await self.backend.update(version, self._layout, self._weights.nbytes, kv=self.cfg.kv_on_update,
+                                          bucket_bytes=self._weights.bucket_bytes)
         except RuntimeError as exc:  # gloo: "Connection closed by peer", a timeout; an NCCL error
             raise WeightGroupBroken(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self._updating = False
         self.version = version
+        if self.per_request:
+            await self._keep_window()
         if self.strict:
             self._evict_stale()
         self._wake.set()
         self._weights_changed.set()
         return self.version
+
+    # -- LoRA ---------------------------------------------------------------------
+
+    @property
+    def per_request(self) -> bool:
+        """Each request keeps the adapter version it started with (`AdapterUpdate.PER_REQUEST`)."""
+        return self.adapter is not None and self.adapter.update == AdapterUpdate.PER_REQUEST
+
+    def _lora_id(self, version: int) -> int:
+        """The LoRA id requests started on `version` run under (0: no adapter)."""
+        if self.adapter is None:
+            return 0
+        return self._lora_ids[version] if self.per_request else IN_PLACE_ID
+
+    def _adapter_info(self, source: str, lora_id: int, path: str = "") -> dict[str, Any]:
+        adapter, weights = self.adapter, self._weights
+        nbytes, bucket_bytes = (weights.nbytes, weights.bucket_bytes) if weights is not None else (0, 0)
+        return {**gloo_update_info(self._layout, nbytes, bucket_bytes), "source": source, "path": path,
+                "lora_id": lora_id, "rank": adapter.rank, "alpha": adapter.alpha, "targets": list(adapter.targets),
+                "replace": True}
+
+    async def _first_adapter(self, adapter: Adapter) -> None:
+        """Serve the adapter of the version held now: a checkpoint's resumed
+        from (PEFT's format, read by the engine), else zeros (version 0: the
+        base itself, which PEFT's B = 0 makes it)."""
+        if self.backend.lora_rank < adapter.rank:
+            raise ValueError(f"the trainer sends a LoRA adapter of rank {adapter.rank}, but this rollout's vLLM "
+                             f"serves adapters of rank {self.backend.lora_rank} at most (0: none); both read "
+                             "roles.trainer.engine.lora")
+        self.adapter = adapter
+        path = self.ctx.config.adapter_path
+        lora_id = IN_PLACE_ID if not self.per_request else self.version + 1
+        self.checksum = await self.backend.load_adapter(self._adapter_info("file" if path else "zeros", lora_id, path))
+        self._lora_ids[self.version] = lora_id
+
+    async def _load_adapter(self, version: int) -> None:
+        """Take adapter `version` from the weight group. In place: it replaces
+        the one served between two steps. Per request: it is loaded beside the
+        others (and `_keep_window` lets go of the oldest)."""
+        lora_id = version + 1 if self.per_request else IN_PLACE_ID
+        info = self._adapter_info("group", lora_id)
+        if not self.per_request:
+            self.checksum = await self.backend.load_adapter(info, pause=True, kv=self.cfg.kv_on_update,
+                                                            version=version)
+            return
+        self.checksum = await self.backend.load_adapter(info)
+        self._lora_ids[version] = lora_id
+
+    async def _keep_window(self) -> None:
+        """Per request, with the newest version held: let go of the versions
+        before the last `Adapter.versions`, starting the groups still running
+        on them again (on the newest)."""
+        old = [v for v in self._lora_ids if self.version - v >= self.adapter.versions]
+        for item in list(self.running.values()):
+            if item.submitted_version in old and item.scope is not None and not item.scope.cancel_called:
+                self.ctx.counters["restarted_groups"] += 1
+                item.scope.cancel()
+                self.pending.appendleft(item)
+        for v in old:
+            await self.backend.retire_adapter(self._lora_ids.pop(v))
 
     def _evict_stale(self) -> None:
         """Restart groups whose first tokens are already too old to be trained on."""
@@ -503,7 +666,8 @@ class VllmEngine:
             with scope:
                 started = time.time()
                 try:
-                    output = await self.backend.generate(item.group.prompt_ids, item.group.n, self.cfg.temperature)
+                    output = await self.backend.generate(item.group.prompt_ids, item.group.n, self.cfg.temperature,
+                                                         lora_id=self._lora_id(item.submitted_version))
                     responses = self._responses(output, item, started)
                 except Exception as exc:
                     if compat.engine_dead(exc):  # nothing more can be served: the replica ends, to be restarted
@@ -534,7 +698,8 @@ class VllmEngine:
         self._retime()
         started = time.time()
         try:
-            output = await self.backend.generate(prompt_ids, 1, temperature, max_tokens=max_tokens)
+            output = await self.backend.generate(prompt_ids, 1, temperature, max_tokens=max_tokens,
+                                                 lora_id=self._lora_id(item.submitted_version))
         except Exception as exc:
             if compat.engine_dead(exc):
                 raise EngineDead(f"vLLM's engine died while generating an episode's turn: {exc}") from exc
@@ -547,7 +712,7 @@ class VllmEngine:
 
     async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
         """One answer to `prompt_ids` (for evaluation: not a training sample)."""
-        output = await self.backend.generate(prompt_ids, 1, temperature)
+        output = await self.backend.generate(prompt_ids, 1, temperature, lora_id=self._lora_id(self.version))
         return list(output.outputs[0].token_ids)
 
     def _responses(self, output, item: _Group, started: float) -> list[Response]:
@@ -560,7 +725,8 @@ class VllmEngine:
                 count=len(ids),
             ) if completion.logprobs else np.zeros(len(ids), np.float32)  # greedy: none asked for
             versions = np.full(len(ids), item.submitted_version, dtype=np.int32)
-            for span in completion.weight_versions or ():
+            # Per request, every token is the adapter version it started on, whatever vLLM's label.
+            for span in () if self.per_request else completion.weight_versions or ():
                 versions[span.start : span.end] = int(span.version)
             out.append(
                 Response(
@@ -572,6 +738,13 @@ class VllmEngine:
                 )
             )
         return out
+
+
+def adapter_slots(update: str, staleness: int) -> int:
+    """vLLM's LoRA slots for `lora.adapter_update`: one adapter in place; per
+    request, the max_staleness + 1 kept and two more for versions let go of
+    while their last requests end (they are unloaded after those)."""
+    return 1 if update == "in_place" else staleness + 3
 
 
 class EngineDead(RuntimeError):

@@ -15,7 +15,7 @@ import pathlib
 from typing import Protocol
 
 import trio
-from rlflow.protocol import ParamSpec, SampleBatch, WeightTransfer
+from rlflow.protocol import Adapter, ParamSpec, SampleBatch, WeightTransfer
 from rlflow.services.base import EngineContext
 
 from rlflow.config import SimTrainer, TorchTrainer
@@ -26,6 +26,8 @@ class TrainerEngine(Protocol):
 
     checkpoint_every: int
     """Save a checkpoint every this many steps (0: only at the end)."""
+    adapter: Adapter | None
+    """The LoRA adapter its weight updates carry instead of the whole model (None: the whole model)."""
 
     def offer(self) -> tuple[WeightTransfer, list[ParamSpec]]:
         """How its weights are sent, and the layout of a collective transfer's buffer."""
@@ -44,8 +46,9 @@ class TrainerEngine(Protocol):
         """This rank's part of one optimizer step, on its `share` (every rank
         at once); the step's statistics (whole, at rank 0)."""
 
-    async def publish(self, version: int) -> int:
-        """Make the current weights `version`, ready to send; their size in bytes."""
+    async def publish(self, version: int) -> tuple[int, str]:
+        """Make the current weights `version`, ready to send; their size in bytes, and
+        their checksum (SPEC.md, *Checksums*; empty: not checked)."""
 
     def new_group(self, transfer: WeightTransfer) -> WeightTransfer:
         """Where it will host a new generation of a collective group (its port

@@ -72,6 +72,7 @@ class TrainerService(Service):
         self._arrived = trio.Event()
         self.engine: TrainerEngine | None = None
         self._nbytes = 0
+        self._checksum = ""
         #: The newest generation of the weight group the controller asked for (0: the first).
         self._asked = 0
 
@@ -103,7 +104,7 @@ class TrainerService(Service):
                     weights, layout = engine.offer()
                     if isinstance(weights, WeightsZmq):
                         endpoints["weights"] = weights.address
-                    hello = {"weights": weights, "layout": layout}
+                    hello = {"weights": weights, "layout": layout, "adapter": engine.adapter}
                 welcome = await control.hello(endpoints=endpoints, **hello)
                 # Above 0 when resuming (the controller has cut the record of later steps: control.record).
                 self.step = self.version = welcome.version
@@ -174,7 +175,7 @@ class TrainerService(Service):
                         metrics.update(await self.engine.train(parts[0]))
                     metrics["train_s"] = time.monotonic() - started
                 await self._stepped()
-                await control.send(WeightsReady(version=self.version, nbytes=self._nbytes))
+                await control.send(WeightsReady(version=self.version, nbytes=self._nbytes, checksum=self._checksum))
                 if await self._checkpoint():
                     metrics["checkpoint"] = float(self.step)
                 rewards = batch.rewards.numpy() if batch.rewards is not None else np.zeros(0)
@@ -224,7 +225,7 @@ class TrainerService(Service):
         self.step += 1
         self.version = self.step
         with self.clock.state("loading"):
-            self._nbytes = await self.engine.publish(self.version)
+            self._nbytes, self._checksum = await self.engine.publish(self.version)
 
     async def _checkpoint(self) -> bool:
         """A checkpoint, if one is due at this step (every rank takes part); whether one was written."""

@@ -27,6 +27,7 @@ from rlflow.protocol import (
     WeightsRequest,
     WeightsZmq,
     WeightTransfer,
+    payload_checksum,
     take,
 )
 from rlflow.services.base import EngineContext, shm_settings, shm_token
@@ -52,6 +53,9 @@ class SimTrainerEngine:
         chunks = range(0, cfg.weights_bytes, SIM_TENSOR_BYTES)
         self.names = [f"layers.{i}.weight" for i in range(len(chunks))]
         self.tensors = [Tensor.from_numpy(data[a : a + SIM_TENSOR_BYTES]) for a in chunks]
+        #: The same bytes at every version, so one checksum.
+        self.checksum = payload_checksum(self.names, self.tensors)
+        self.adapter = None
         self.latest: WeightsPayload | None = None
         self._published = trio.Event()
         self.address = ""
@@ -99,10 +103,10 @@ class SimTrainerEngine:
             await trio.sleep(seconds)
         return {"loss": 0.0}
 
-    async def publish(self, version: int) -> int:
+    async def publish(self, version: int) -> tuple[int, str]:
         self.latest = WeightsPayload(version=version, names=self.names, tensors=self.tensors)
         self._published.set()
-        return sum(t.nbytes for t in self.tensors)
+        return sum(t.nbytes for t in self.tensors), self.checksum
 
     def new_group(self, transfer: WeightTransfer) -> WeightTransfer:
         """No group: the weights are served."""

@@ -28,6 +28,13 @@ backend). Checkpoints are Hugging Face
 directories (the full weights, written by rank 0) plus the optimizer's state
 as a torch distributed checkpoint (every rank writes its shards; any number
 of ranks reads it), RNG and run state.
+
+With LoRA (`TorchTrainer.lora`, see `lora`) the base is frozen: the
+optimizer holds only the adapter, a version's snapshot is the adapter whole
+(gathered when it is published: it is small), so that its checksum goes
+with `WeightsReady` and rank 0 sends it without the other ranks; a KL
+penalty may take the base itself as its reference (the adapter turned off
+for one more forward pass); checkpoints hold the adapter in PEFT's format.
 """
 
 from __future__ import annotations
@@ -47,10 +54,13 @@ import msgspec
 import numpy as np
 import torch
 import trio
-from rlflow.protocol import ParamSpec, SampleBatch, Tensor, WeightsGloo, WeightsNccl, WeightTransfer, samples, take
+from rlflow.protocol import (
+    Adapter, ParamSpec, SampleBatch, Tensor, WeightsGloo, WeightsNccl, WeightTransfer, samples, take,
+)
 from rlflow.services.base import EngineContext
 from rlflow.services.trainer.fsdp import Sharded, Solo
-from rlflow.services.weights import GlooGroup, NcclGroup, layout, pieces
+from rlflow.services.trainer.lora import adapter_offer, save_adapter, trained_parameters, wrap
+from rlflow.services.weights import GlooGroup, NcclGroup, layout, pieces, tensors_checksum
 
 from rlflow.algo.balance import deal, micro_batches
 from rlflow.algo.values import whiten
@@ -77,8 +87,9 @@ class TorchEngine:
     """Holds the policy (this rank's shards of it) and its optimizer."""
 
     def __init__(self, cfg: TorchTrainer, model_path: str, *, temperature: float = 1.0, seed: int = 0,
-                 ranks: Solo | None = None, total_steps: int = 0):
-        """`total_steps`: the run's steps, which a decaying learning rate needs."""
+                 ranks: Solo | None = None, total_steps: int = 0, adapter: str = ""):
+        """`total_steps`: the run's steps, which a decaying learning rate needs; `adapter`: with LoRA, the
+        PEFT adapter directory to start from (empty: a new adapter)."""
         from transformers import AutoModelForCausalLM
 
         if cfg.lr_decay != "none" and total_steps < 1:
@@ -94,16 +105,30 @@ class TorchEngine:
         self.ranks = ranks or Solo()
         self.temperature = temperature if temperature > 0 else 1.0
         self.dtype = getattr(torch, cfg.dtype)
-        self.model = self.ranks.shard(AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype))
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        #: LoRA: only the adapter trains, and only it is sent (`_sent`); the base stays frozen.
+        self.lora = cfg.lora
+        if self.lora is not None:
+            model = wrap(model, self.lora, adapter)
+        self.model = self.ranks.shard(model)
         self.model.train()
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas),
+            weight_decay=cfg.weight_decay,
         )
         self.loss_cfg = LossConfig(
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, decoupled=cfg.decoupled, tis_cap=cfg.tis_cap
         )
         self.steps = 0
-        self.specs, self.nbytes = layout(self.model.named_parameters())
+        named = list(self.model.named_parameters())
+        #: Indices (among the model's parameters) and names of the parameters that leave the trainer.
+        self._sent, names = trained_parameters(self.model) if self.lora else (range(len(named)), [n for n, _ in named])
+        self.specs, self.nbytes = layout((name, named[i][1]) for i, name in zip(self._sent, names))
+
+    @property
+    def base_reference(self) -> bool:
+        """Whether a KL penalty's reference is the base with the adapter off (LoRA, `reference = "base"`)."""
+        return self.lora is not None and self.lora.reference == "base" and self.cfg.kl_coef > 0
 
     # -- one step ---------------------------------------------------------------
 
@@ -120,7 +145,7 @@ class TorchEngine:
         cfg = self.cfg
         rows = list(samples(batch))
         w = cfg.distill_coef
-        teacher_terms = w > 0 or cfg.kl_coef > 0
+        teacher_terms = w > 0 or (cfg.kl_coef > 0 and not self.base_reference)
         if teacher_terms and any(r.teacher_logprobs is None for r in rows):
             raise ValueError("a sample without the teacher's log-probabilities reached a trainer that needs them")
         rewards = torch.tensor([r.reward if r.reward is not None else math.nan for r in rows], dtype=torch.float32)
@@ -130,9 +155,10 @@ class TorchEngine:
         if teacher_terms:
             stats["kl_teacher"] = _token_mean(rows, lambda r: r.logprobs - r.teacher_logprobs)
         if cfg.kl_coef > 0 and cfg.kl_in == "reward":
+            references = self._base_rows(rows) if self.base_reference else [r.teacher_logprobs for r in rows]
             penalty = torch.tensor([
-                float(kl_to_reference(torch.from_numpy(r.logprobs), torch.from_numpy(r.teacher_logprobs),
-                                      cfg.kl_estimator).sum()) for r in rows
+                float(kl_to_reference(torch.from_numpy(r.logprobs), torch.as_tensor(ref), cfg.kl_estimator).sum())
+                for r, ref in zip(rows, references)
             ])
             rewards = rewards - cfg.kl_coef * penalty
             stats["kl_penalty_mean"] = float(penalty.mean()) if len(rows) else 0.0
@@ -264,7 +290,8 @@ class TorchEngine:
             loss = (1 - w) * loss + w * distill
             sums["distill_loss"] += distill.item()
         if cfg.kl_coef > 0 and cfg.kl_in == "loss":
-            reference = _column(part, "teacher_logprobs", keep).to(device)
+            reference = (self._base_logprobs(ids, mask, targets, where) if self.base_reference
+                         else _column(part, "teacher_logprobs", keep).to(device))
             kl = (out.weight * kl_to_reference(logprobs, reference, cfg.kl_estimator)).sum()
             loss = loss + cfg.kl_coef * kl
             sums["kl_loss"] += kl.item()
@@ -281,7 +308,38 @@ class TorchEngine:
         """A pass of nothing, for a rank with fewer micro-batches than another:
         its gathers and scatters pair with theirs; its gradient is zero."""
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.ranks.device)
+        if self.base_reference and self.cfg.kl_in == "loss":  # as a real pass: the base's forward first
+            with torch.no_grad(), self.model.disable_adapter():
+                self.model(input_ids=ids)
         (self.model(input_ids=ids).logits.sum() * 0.0).backward()
+
+    # -- the reference: the base with the adapter off (LoRA) ---------------------------
+
+    def _base_logprobs(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor,
+                       where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The base model's log-probabilities of `targets` (the packed inputs of
+        `_pack`), with the adapter turned off: the reference of a KL penalty."""
+        device = self.ranks.device
+        with torch.no_grad(), self.model.disable_adapter():
+            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[
+                where[0].to(device), where[1].to(device)
+            ]
+            return token_logprobs(logits, targets.to(device), self.temperature)
+
+    def _base_rows(self, rows: list) -> list[np.ndarray]:
+        """The base's log-probabilities of every sample's response tokens, in
+        micro-batches (a trainer of one rank: every rank would have to join)."""
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(rows)
+        lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
+        for micro in micro_batches(lengths, self.cfg.micro_batch_tokens):
+            chosen = [j for j in micro if len(rows[j].response_ids)]
+            if not chosen:
+                continue
+            flat = self._base_logprobs(*self._pack([rows[j] for j in chosen])).float().cpu().numpy()
+            offsets = np.cumsum([0] + [len(rows[j].response_ids) for j in chosen])
+            for k, j in enumerate(chosen):
+                out[j] = flat[offsets[k] : offsets[k + 1]]
+        return out
 
     def _pack(self, part: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Right-padded ids and mask, the response tokens, and where their
@@ -311,19 +369,38 @@ class TorchEngine:
     # -- weights out ------------------------------------------------------------
 
     def snapshot(self) -> list[torch.Tensor]:
-        """This rank's part of every parameter now (a copy: training goes on)."""
+        """This rank's part of every parameter sent now (a copy: training goes
+        on). With LoRA, the adapter whole instead, gathered now (it is small;
+        every rank takes part) and kept by rank 0 (the others keep nothing):
+        its sends gather nothing more."""
         with torch.no_grad():
-            return [self.ranks.local(p).detach().clone() for p in self.model.parameters()]
+            params = list(self.model.parameters())
+            local = [self.ranks.local(params[i]).detach().clone() for i in self._sent]
+            if self.lora is None:
+                return local
+            whole = [self.ranks.full(t, i) for t, i in zip(local, self._sent)]
+            return whole if self.ranks.lead else []
+
+    def checksum(self, snapshot: list[torch.Tensor]) -> str:
+        """The checksum (SPEC.md, *Checksums*) of an adapter's `snapshot` at rank 0; empty for whole weights
+        (not checked) and at the other ranks."""
+        return tensors_checksum(self.specs, snapshot) if self.lora is not None and self.ranks.lead else ""
+
+    def _full(self, snapshot: list[torch.Tensor], j: int) -> torch.Tensor:
+        """Sent parameter `j` whole (collective, but for an adapter's snapshot, which is whole already)."""
+        return snapshot[j] if self.lora is not None else self.ranks.full(snapshot[j], self._sent[j])
 
     def pieces(self, snapshot: list[torch.Tensor]) -> Iterator[torch.Tensor | None]:
         """The flat buffer of `snapshot`'s weights, piece by piece, each piece
         gathered when it is asked for (every rank iterates, in step; rank 0
         gets the bytes, on the CPU, the others None)."""
         lead = self.ranks.lead
+        if self.lora is not None and not lead:  # an adapter's send gathers nothing
+            return
         for piece in pieces(self.specs, self.nbytes, self.cfg.bucket_bytes):
             buffer = torch.zeros(piece.nbytes, dtype=torch.uint8) if lead else None
             for j in range(piece.first, piece.stop):
-                full = self.ranks.full(snapshot[j], j)
+                full = self._full(snapshot, j)
                 if buffer is not None:
                     data = full.detach().contiguous().reshape(-1).view(torch.uint8)
                     start = self.specs[j].offset - piece.start
@@ -335,8 +412,10 @@ class TorchEngine:
         """(name, whole parameter on this rank's device) of `snapshot`, in the
         layout's order, each gathered when it is asked for (every rank
         iterates, in step)."""
+        if self.lora is not None and not self.ranks.lead:  # an adapter's send gathers nothing
+            return
         for j, spec in enumerate(self.specs):
-            yield spec.name, self.ranks.full(snapshot[j], j)
+            yield spec.name, self._full(snapshot, j)
 
     def send_named(self, snapshot: list[torch.Tensor], send: Callable[[Iterator[tuple[str, torch.Tensor]]], None] | None) -> None:
         """Gather `snapshot` parameter by parameter (every rank) and hand them
@@ -376,7 +455,9 @@ class TorchEngine:
     # -- checkpoints ---------------------------------------------------------------
 
     def save(self, folder: pathlib.Path, run_state: dict[str, Any]) -> None:
-        """A Hugging Face model directory plus optimizer, RNG and run state (every rank)."""
+        """A Hugging Face model directory (with LoRA: the adapter in PEFT's
+        format under adapter/, and the merged model only if asked for) plus
+        optimizer, RNG and run state (every rank)."""
         ranks = self.ranks
         tmp = folder.with_name(folder.name + ".tmp")
         if ranks.lead:
@@ -385,11 +466,17 @@ class TorchEngine:
             tmp.mkdir(parents=True)
         ranks.barrier()
         ranks.save_optimizer(self.model, self.optimizer, tmp / TRAINER_OPTIMIZER)
-        weights = ranks.full_state(self.model)
-        if not ranks.lead:
-            return
-        self.model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-        del weights
+        if self.lora is not None:  # the adapter in PEFT's format (and the merged model, if asked for)
+            adapter = self.snapshot()
+            if not ranks.lead:
+                return
+            save_adapter(tmp, self.lora, self.specs, adapter, self.model_path, self.dtype)
+        else:
+            weights = ranks.full_state(self.model)
+            if not ranks.lead:
+                return
+            self.model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+            del weights
         for name in os.listdir(self.model_path):
             if "token" in name or name in ("generation_config.json", "vocab.json", "merges.txt"):
                 src = pathlib.Path(self.model_path) / name
@@ -498,7 +585,10 @@ class TorchTrainerEngine:
             seed=config.run.seed,
             ranks=self.ranks,
             total_steps=config.run.steps,
+            adapter=config.adapter_path,
         )
+        #: With LoRA, the adapter its weight updates carry (its `Hello.adapter`).
+        self.adapter: Adapter | None = adapter_offer(cfg.lora, config.run.staleness) if cfg.lora else None
         self.checkpoint_every = cfg.checkpoint_every
         self.cluster = config.cluster
         self.host = ctx.host
@@ -543,10 +633,10 @@ class TorchTrainerEngine:
     async def train(self, share: SampleBatch) -> dict[str, float]:
         return await trio.to_thread.run_sync(self.engine.step, share)
 
-    async def publish(self, version: int) -> int:
-        self.snapshots[version] = await trio.to_thread.run_sync(self.engine.snapshot)
+    async def publish(self, version: int) -> tuple[int, str]:
+        snapshot = self.snapshots[version] = await trio.to_thread.run_sync(self.engine.snapshot)
         self._event(version).set()
-        return self.engine.nbytes
+        return self.engine.nbytes, await trio.to_thread.run_sync(self.engine.checksum, snapshot)
 
     def _event(self, version: int) -> trio.Event:
         return self._published.setdefault(version, trio.Event())
