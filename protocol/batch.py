@@ -140,7 +140,7 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
     """One batch with the rows of all `batches`, in order.
 
     Optional per-token and per-sample columns (rewards, teacher log-probs,
-    reward details) are kept only if every batch has them.
+    reward details, the critic's columns) are kept only if every batch has them.
     """
     if len(batches) == 1:
         return batches[0]
@@ -189,6 +189,7 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
         advantages=opt("advantages"),
         loss_mask=_masks([(None if b.loss_mask is None else b.loss_mask.numpy(), b.n_tokens) for b in batches]),
         env_rewards=_turn_rewards([r for b in batches for r in _rows_of(b.env_rewards, b.n_samples)]),
+        **{name: opt(name) for name in _CRITIC_COLUMNS},
     )
 
 
@@ -251,6 +252,10 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
         advantages=per_row(batch.advantages),
         loss_mask=tok(batch.loss_mask),
         env_rewards=per_row(batch.env_rewards),
+        values=tok(batch.values),
+        returns=tok(batch.returns),
+        token_advantages=tok(batch.token_advantages),
+        critic_versions=per_row(batch.critic_versions),
     )
 
 
@@ -293,8 +298,13 @@ _TOKEN_COLUMNS = (
     "teacher_topk_ids",
     "teacher_topk_logprobs",
     "loss_mask",
+    "values",
+    "returns",
+    "token_advantages",
 )
-_ROW_COLUMNS = ("sample_index", "finish_reason", "stamps", "rewards", "env_rewards")
+_ROW_COLUMNS = ("sample_index", "finish_reason", "stamps", "rewards", "env_rewards", "critic_versions")
+#: The columns the critic fills in (kept by `concat` only if every batch has them).
+_CRITIC_COLUMNS = ("values", "returns", "token_advantages", "critic_versions")
 
 
 def _array(t: Tensor | None) -> np.ndarray | None:
@@ -333,6 +343,10 @@ class SampleView:
     """uint8: 1 where the token is the policy's own (None: every token is)."""
     env_rewards: np.ndarray | None = None
     """float32 [K]: the environment's reward at each turn (NaN: no such turn)."""
+    values: np.ndarray | None = None
+    returns: np.ndarray | None = None
+    token_advantages: np.ndarray | None = None
+    critic_version: int | None = None
 
 
 def samples(batch: SampleBatch) -> Iterator[SampleView]:
@@ -350,6 +364,8 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
     topk_lps = batch.teacher_topk_logprobs.numpy() if batch.teacher_topk_logprobs is not None else None
     mask = batch.loss_mask.numpy() if batch.loss_mask is not None else None
     env = batch.env_rewards.numpy() if batch.env_rewards is not None else None
+    values, returns, token_adv = (_array(batch.values), _array(batch.returns), _array(batch.token_advantages))
+    critic = batch.critic_versions.numpy().tolist() if batch.critic_versions is not None else None
     row = 0
     for g, info in enumerate(batch.groups):
         prompt = prompt_ids[p_off[g] : p_off[g + 1]]
@@ -371,6 +387,10 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
                 teacher_topk_logprobs=None if topk_lps is None else topk_lps[a:b],
                 loss_mask=None if mask is None else mask[a:b],
                 env_rewards=None if env is None else env[row],
+                values=None if values is None else values[a:b],
+                returns=None if returns is None else returns[a:b],
+                token_advantages=None if token_adv is None else token_adv[a:b],
+                critic_version=None if critic is None else critic[row],
             )
             row += 1
 

@@ -57,7 +57,7 @@ def validate(batch: Any) -> None:
     for name in ("logprobs", "versions"):
         if getattr(batch, name).shape[0] != t:
             raise _disagree(f"{name} has {getattr(batch, name).numel} entries for {t} tokens")
-    for name in ("teacher_logprobs", "ref_logprobs"):
+    for name in ("teacher_logprobs", "ref_logprobs", "values", "returns", "token_advantages"):
         tensor = getattr(batch, name)
         if tensor is not None and (tensor.numel != t or tensor.dtype != "float32"):
             raise _disagree(f"{name} must be float32 [{t}]")
@@ -83,6 +83,9 @@ def validate(batch: Any) -> None:
     env = batch.env_rewards
     if env is not None and (env.dtype != "float32" or len(env.shape) != 2 or env.shape[0] != n):
         raise _disagree(f"env_rewards must be float32 [{n}, K]")
+    if batch.critic_versions is not None and (batch.critic_versions.numel != n
+                                              or batch.critic_versions.dtype != "int32"):
+        raise _disagree(f"critic_versions must be int32 [{n}]")
     for key, tensor in batch.reward_details.items():
         if tensor.numel != n:
             raise _disagree(f"reward_details[{key!r}] must have {n} entries")

@@ -51,6 +51,7 @@ class Role(enum.IntEnum):
     TEACHER = 3
     TRAINER = 4
     ENV = 5
+    CRITIC = 6
 
     @property
     def label(self) -> str:
@@ -81,6 +82,7 @@ class Stage(enum.IntEnum):
     REWARD_END = 3  #: the reward was computed
     TEACHER_END = 4  #: teacher / reference log-probabilities were computed
     TRAINER_RECEIVED = 5  #: the trainer took the sample off its stream
+    CRITIC_END = 6  #: the critic attached its values, advantages and returns
 
 
 class Message(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
@@ -204,6 +206,16 @@ class SampleBatch(Message, tag=2):
     episode's observations and the chat template's text between turns); nil: every token is the policy's."""
     env_rewards: Tensor | None = None
     """float32 [n, K]: the environment's reward at each of an episode's first K turns (NaN: no such turn)."""
+    values: Tensor | None = None
+    """float32 [T]: the critic's value of the state before each response token (filled in by the critic)."""
+    returns: Tensor | None = None
+    """float32 [T]: the return at each response token by GAE, `token_advantages` + `values` (the critic's
+    regression target)."""
+    token_advantages: Tensor | None = None
+    """float32 [T]: each response token's advantage by GAE over the critic's values (before any
+    whitening: the trainer whitens over its step)."""
+    critic_versions: Tensor | None = None
+    """int32 [n]: the critic version (its optimizer steps so far) that computed each sample's values."""
 
     def __post_init__(self) -> None:
         # The columns must agree (offsets in range, lengths, dtypes), so that
@@ -378,13 +390,22 @@ class Counters(Record):
     """A rollout replica: episodes finished (every sample of a run with environments is one)."""
     episode_turns: NonNegInt = 0
     """A rollout replica: model turns of those episodes."""
+    critic_steps: NonNegInt = 0
+    """The critic (rank 0, for all its ranks): optimizer steps taken (its version, less the steps it
+    resumed from)."""
+    critic_tokens: NonNegInt = 0
+    """The critic (rank 0): response tokens trained on."""
+    value_s: NonNegFloat = 0.0
+    """The critic (rank 0): seconds spent computing values (forward passes)."""
+    critic_step_s: NonNegFloat = 0.0
+    """The critic (rank 0): seconds spent training (forward, backward and optimizer step)."""
 
     @property
     def progress(self) -> int:
         """Work done, for telling a replica that works from one that hangs:
         failed samples do not count."""
         return (self.decode_steps + self.groups + self.tokens + self.samples + self.env_requests
-                - self.failed_samples)
+                + self.critic_steps - self.failed_samples)
 
 
 class EngineLoad(Record):
@@ -487,7 +508,8 @@ class Heartbeat(Message, tag=13):
     seq: NonNegInt
     """Counts heartbeats from 0."""
     version: NonNegInt
-    """Policy version of the weights the service holds."""
+    """Policy version of the weights the service holds (a critic: the version of its own weights, its
+    optimizer steps so far)."""
     busy_s: NonNegFloat = 0.0
     """Doing its work."""
     starved_s: NonNegFloat = 0.0

@@ -15,6 +15,8 @@ the typed records in the JSON files.
                          ROLE-RANK.events.jsonl while one runs); trace/lengths-RANK.jsonl the trained lengths
     checkpoints/step-NNNNNN/   a Hugging Face model directory plus trainer (optimizer/: a torch
                          distributed checkpoint) and controller state
+    checkpoints/critic-step-NNNNNN/   the critic at its step NNNNNN (runs with a critic role): its
+                         Hugging Face directory (a value head), optimizer and step
     tensorboard/         event files, when TensorBoard is installed
     timeline.png, trace.json, curves.png   written by `rlflow report`
 
@@ -235,7 +237,8 @@ class Status(Record):
     waiting_for: list[str] = []
     """External replicas (``role-rank``) the run waits for: not up (`rlflow join` says what each needs)."""
     trends: dict[str, Trend] = {}
-    """Training statistics to watch as they move (``kl_teacher``: the per-token KL to the teacher)."""
+    """Training statistics to watch as they move (``kl_teacher``: the per-token KL to the teacher;
+    ``critic_value_loss`` and ``critic_explained_var``: how the critic fits the returns)."""
 
 
 class SessionTotals(Record):
@@ -449,9 +452,17 @@ class RunDir:
     def checkpoint(self, step: int) -> pathlib.Path:
         return self.checkpoints / f"step-{step:06d}"
 
+    def critic_checkpoint(self, step: int) -> pathlib.Path:
+        """The critic's checkpoint at its step `step` (beside the trainer's of that step)."""
+        return critic_beside(self.checkpoint(step))
+
     def latest_checkpoint(self) -> pathlib.Path | None:
-        """The newest checkpoint that both trainer and controller finished."""
+        """The newest checkpoint that both trainer and controller finished and,
+        in a run whose critic has written checkpoints, the critic too."""
         done = sorted(p.parent for p in self.checkpoints.glob(f"step-*/{CONTROLLER_STATE}"))
+        critics = {p.parent.name.removeprefix("critic-") for p in self.checkpoints.glob(f"critic-step-*/{RUN_STATE}")}
+        if critics:
+            done = [p for p in done if p.name in critics]
         return done[-1].resolve() if done else None
 
     # -- records ---------------------------------------------------------------
@@ -492,6 +503,16 @@ TRAINER_STATE = "trainer_state.pt"
 TRAINER_OPTIMIZER = "optimizer"
 #: Beside a checkpoint's model: the trainer's step and version.
 RUN_STATE = "run_state.json"
+
+
+#: Beside a critic checkpoint's model: the critic's RNG and step.
+CRITIC_STATE = "critic_state.pt"
+
+
+def critic_beside(checkpoint: pathlib.Path) -> pathlib.Path:
+    """The critic's checkpoint of the same step as the trainer's `checkpoint` (a
+    folder of its own: the trainer replaces its folder whole when it writes)."""
+    return checkpoint.with_name(f"critic-{checkpoint.name}")
 
 
 _encoder = msgspec.json.Encoder()

@@ -1,6 +1,6 @@
 """rlflow's long-lived services, grouped by process: ``rollout/``, ``reward/``,
-``teacher/``, ``trainer/`` and ``env/``, each with its service and its engines, and
-``base`` that they share.
+``teacher/``, ``critic/``, ``trainer/`` and ``env/``, each with its service and
+its engines, and ``base`` that they share.
 
 Each service is a trio program that runs one loop under a nursery and speaks
 only the protocol. `main` is what a service process runs. Importing this
@@ -19,6 +19,7 @@ SERVICES = {
     "rollout": "rlflow.services.rollout.service:RolloutService",
     "reward": "rlflow.services.reward.service:RewardService",
     "teacher": "rlflow.services.teacher.service:TeacherService",
+    "critic": "rlflow.services.critic.service:CriticService",
     "trainer": "rlflow.services.trainer.service:TrainerService",
     "env": "rlflow.services.env.service:EnvService",
 }

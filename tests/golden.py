@@ -69,9 +69,10 @@ from rlflow.protocol import (
 DATA = pathlib.Path(__file__).parent / "data" / "wire" / f"v{SCHEMA_VERSION}"
 
 
-def _batch():
+def _batch(stages: int = 6):
+    """The example batch, with `stages` stamp columns (6: the stages there were when its bytes were saved)."""
     group = PromptGroup(group_id=41, prompt_ids=[1, 7, 7, 2], n=2, reference="14", task="add", min_version=3)
-    stamps = np.full(len(Stage), np.nan)
+    stamps = np.full(stages, np.nan)
     stamps[Stage.ISSUED] = 1_700_000_000.25
     responses = [
         Response(
@@ -98,10 +99,25 @@ def _batch():
     )
 
 
+def _critic_batch():
+    """The example batch as the critic sends it on: its stage stamped, its four columns filled in."""
+    batch = _batch(len(Stage))
+    stamps = batch.stamps.numpy().copy()
+    stamps[:, Stage.CRITIC_END] = 1_700_000_001.5
+    return msgspec.structs.replace(
+        batch,
+        stamps=Tensor.from_numpy(stamps),
+        values=Tensor.of([0.25, 0.5, 0.75, 0.125], "float32"),
+        returns=Tensor.of([1.0, 1.0, 1.0, 0.0], "float32"),
+        token_advantages=Tensor.of([0.75, 0.5, 0.25, -0.125], "float32"),
+        critic_versions=Tensor.of([3, 3], "int32"),
+    )
+
+
 def _episodes():
     """A batch of two episodes: the model's turns and an observation between them (masked out)."""
     group = PromptGroup(group_id=43, prompt_ids=[1, 2], n=2, reference="9", task="add")
-    stamps = np.full(len(Stage), np.nan)
+    stamps = np.full(6, np.nan)  # the stages there were when its bytes were saved
     responses = [
         Response(token_ids=np.array([5, 6, 7, 8, 9], np.int32),
                  logprobs=np.array([-0.5, -0.25, 0.0, 0.0, -1.0], np.float32),
@@ -191,6 +207,12 @@ def examples() -> dict[str, object]:
             version=8,
             transfer=WeightsNccl(host="10.0.0.2", port=29502, world_size=3, nbytes=4096, generation=3,
                                  bucket_bytes=1024, ranks_per_receiver=2),
+        ),
+        "SampleBatch.critic": _critic_batch(),
+        "Heartbeat.critic": Heartbeat(
+            seq=4, version=2, busy_s=2.5, starved_s=0.5, queues={"pending": 1},
+            counters=Counters(samples=16, groups=16, tokens=200, critic_steps=2, critic_tokens=150, value_s=0.75,
+                              critic_step_s=1.5),
         ),
         "WeightsRequest": WeightsRequest(version=5),
         "SampleBatch.episodes": _episodes(),

@@ -1,4 +1,4 @@
-"""Trainer ranks as real processes, for tests: `run_ranks` starts one process
+"""Trainer and critic ranks as real processes, for tests: `run_ranks` starts one process
 per rank (spawned: nothing of the test process is inherited), each joins a
 gloo process group on loopback and runs a job of this module; their
 results come back, and every process is ended however the test goes.
@@ -135,6 +135,52 @@ def resume_send_and_step(ranks, cfg, folder, frames, weight_port: int, receivers
     step = _step(engine, frames)
     return {"resumed": resumed, "moments": moments, "second": step, "after_second": weights(engine),
             "specs": [(s.name, s.offset) for s in engine.specs], "nbytes": engine.nbytes}
+
+
+def _critic(ranks, cfg, model_path):
+    from rlflow.services.critic.torch_engine import CriticModel
+
+    return CriticModel(cfg, str(model_path), ranks=ranks)
+
+
+def critic_values_step_checkpoint_step(ranks, cfg, model_path, frames, folder) -> dict[str, Any]:
+    """The critic: values, a step, a checkpoint into `folder`, another step (each rank its share)."""
+    import pathlib
+
+    from rlflow.protocol import Codec
+
+    critic = _critic(ranks, cfg, model_path)
+    batch = Codec().decode(frames)
+    values = critic.values(batch)
+    first = critic.step(batch)
+    after_first = weights_of(critic)
+    critic.save(pathlib.Path(folder), {"version": 1})
+    moments = optimizer_state(critic)
+    second = critic.step(batch)
+    return {"values": values, "first": first, "second": second, "after_first": after_first,
+            "after_second": weights_of(critic), "moments": moments}
+
+
+def critic_resume_and_step(ranks, cfg, folder, frames) -> dict[str, Any]:
+    """The critic resumed from `folder`: its weights, moments and step count, and one more step."""
+    import pathlib
+
+    from rlflow.protocol import Codec
+
+    critic = _critic(ranks, cfg, folder)
+    critic.load_state(pathlib.Path(folder))
+    resumed, moments = weights_of(critic), optimizer_state(critic)
+    critic.step(Codec().decode(frames))
+    return {"resumed": resumed, "moments": moments, "steps": critic.steps - 1, "after_second": weights_of(critic)}
+
+
+def weights_of(model_holder) -> dict[str, np.ndarray] | None:
+    """Every parameter whole, by name (at rank 0; None elsewhere)."""
+    state = model_holder.ranks.full_state(model_holder.model)
+    if not model_holder.ranks.lead:
+        return None
+    names = {name for name, _ in model_holder.model.named_parameters()}
+    return {k: v.detach().float().numpy().copy() for k, v in state.items() if k in names}
 
 
 def lora_step_and_checkpoint(ranks, cfg, model_path, frames, folder) -> dict[str, Any]:

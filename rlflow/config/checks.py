@@ -16,7 +16,9 @@ from rlflow.config.schema import (
     FunctionsReward,
     ModelTeacher,
     ReasoningGymTask,
+    SimCritic,
     SimRollout,
+    SimTrainer,
     TorchTrainer,
     kind_of,
 )
@@ -69,7 +71,10 @@ def check(config: Config) -> None:
             "roles.reward.engine.kind", kind_of(reward),
             f"task.kind = {kind_of(config.task)!r} is scored by reward functions: use kind = 'functions'",
         )
-    _check_trainer(config)
+    _check_ranks(config, "trainer")
+    if config.roles.critic is not None:
+        _check_ranks(config, "critic")
+    _check_critic(config)
 
 
 def _check_env(config: Config) -> None:
@@ -95,20 +100,40 @@ def _check_env(config: Config) -> None:
                                                        "role")
 
 
-def _check_trainer(config: Config) -> None:
-    """Trainer ranks on GPUs take a GPU each (NCCL refuses two ranks of one group on one device)."""
-    trainer = config.roles.trainer
-    pool = config.pools[trainer.pool]
-    if trainer.replicas == 1 or pool.gpus_per_bundle == 0:
+def _check_ranks(config: Config, name: str) -> None:
+    """Ranks of a sharded model (trainer, critic) on GPUs take a GPU each (NCCL refuses two ranks of one
+    group on one device)."""
+    ranked = dict(config.role_items())[name]
+    pool = config.pools[ranked.pool]
+    if ranked.replicas == 1 or pool.gpus_per_bundle == 0:
         return
     # As placement shares them: replicas round-robin over the bundles, the first bundle the most crowded.
-    crowd = sum(math.ceil(role.replicas / pool.bundles) for _, role in config.role_items() if role.pool == trainer.pool)
+    crowd = sum(math.ceil(role.replicas / pool.bundles) for _, role in config.role_items() if role.pool == ranked.pool)
     if pool.gpus_per_bundle / crowd < 1:
         raise ConfigError(
-            "roles.trainer.replicas", trainer.replicas,
-            f"trainer ranks on GPUs need a GPU each; pool {trainer.pool!r} gives each replica "
+            f"roles.{name}.replicas", ranked.replicas,
+            f"{name} ranks on GPUs need a GPU each; pool {ranked.pool!r} gives each replica "
             f"{pool.gpus_per_bundle / crowd:g} (raise its gpus_per_bundle or bundles_per_node, or run fewer ranks)",
         )
+
+
+def _check_critic(config: Config) -> None:
+    """GAE advantages come from a critic role, and a critic role's advantages are used."""
+    trainer, critic = config.roles.trainer.engine, config.roles.critic
+    if isinstance(trainer, TorchTrainer):
+        if trainer.advantage == "gae" and critic is None:
+            raise ConfigError("roles.trainer.engine.advantage", "gae",
+                              "needs a critic role that attaches the advantages ([roles.critic])")
+        if critic is not None and trainer.advantage != "gae":
+            raise ConfigError("roles.trainer.engine.advantage", trainer.advantage,
+                              "the trainer would ignore the critic's advantages: use 'gae' with [roles.critic]")
+    if critic is not None and isinstance(critic.engine, SimCritic) and critic.replicas > 1:
+        raise ConfigError("roles.critic.replicas", critic.replicas,
+                          "the simulated critic is one rank (lower its times per token to model more)")
+    if isinstance(trainer, SimTrainer) and trainer.inline_critic_s_per_token > 0 and critic is not None:
+        raise ConfigError("roles.trainer.engine.inline_critic_s_per_token", trainer.inline_critic_s_per_token,
+                          "a critic in the trainer's process and a critic role are two layouts of one critic: "
+                          "choose one")
 
 
 def _check_teacher(config: Config) -> None:

@@ -239,6 +239,10 @@ class SimTrainer(Table, tag_field="kind", tag="sim"):
     checkpoint_every: NonNegInt = 0
     """Write a checkpoint (the run state; there are no weights) every this many steps, so that a
     simulated run resumes (0: none)."""
+    inline_critic_s_per_token: NonNegFloat = 0.0
+    """Time per token of a critic's forward pass and step done in this process before each actor step
+    (the layout of a one-worker design, to compare with a critic role on its own pool in
+    bench/critic.py; 0: none)."""
 
 
 class VllmRollout(Table, tag_field="kind", tag="vllm"):
@@ -364,8 +368,9 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """With lr_decay: the learning rate at the last step, as a fraction of lr."""
     grad_clip: PosFloat = 1.0
     """Clip the gradient's global norm to this."""
-    advantage: Literal["grpo", "rloo"] = "grpo"
-    """grpo: (r - mean) / std within the group; rloo: r minus the mean of the others."""
+    advantage: Literal["grpo", "rloo", "gae"] = "grpo"
+    """grpo: (r - mean) / std within the group; rloo: r minus the mean of the others; gae: the per-token
+    advantages the critic role attaches (PPO with a learned value function; needs [roles.critic])."""
     normalize_std: bool = True
     """GRPO: divide by the group's reward standard deviation."""
     skip_uniform_groups: bool = True
@@ -410,12 +415,53 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     lora: Lora | None = None
     """Train a LoRA adapter on the frozen base instead of the whole model, e.g. {rank = 16, alpha = 32}
     (none: full fine-tuning)."""
+    whiten_advantages: bool = True
+    """advantage = "gae": whiten the critic's per-token advantages over the step's batch (mean 0, std 1)."""
+
+
+class SimCritic(Table, tag_field="kind", tag="sim"):
+    """A simulated critic: a fixed time per token for its forward pass and for its step; its values are
+    0, so the advantages it attaches are the discounted rewards."""
+
+    forward_s_per_token: NonNegFloat = 0.0
+    """Time to compute the value of one response token."""
+    step_s_per_token: NonNegFloat = 0.0
+    """Time to train on one response token (forward, backward and optimizer step together)."""
+    step_overhead_s: NonNegFloat = 0.0
+    """Fixed time per optimizer step."""
+
+
+class TorchCritic(Table, tag_field="kind", tag="torch"):
+    """A Hugging Face model with a scalar value head (its token-classification class with one label),
+    trained by regression on the returns with a clipped value loss, sharded over the critic's ranks
+    with FSDP2 as the trainer is."""
+
+    model: str = "policy"
+    """Where the critic starts: "policy" (the policy's starting weights, with a new value head that
+    outputs 0) or a directory (a critic saved by an earlier run, or another model with the policy's
+    tokenizer)."""
+    lr: PosFloat = 1e-4
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    weight_decay: NonNegFloat = 0.0
+    """AdamW weight decay."""
+    grad_clip: PosFloat = 1.0
+    """Clip the gradient's global norm to this."""
+    value_clip: NonNegFloat = 0.5
+    """PPO's clipped value loss: a new value may move at most this far from the value attached to the
+    sample before its loss stops pulling it (0: no clipping)."""
+    micro_batch_tokens: PosInt = 8192
+    """Tokens per forward / backward pass (samples are packed up to this)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameters and compute."""
 
 
 RolloutEngine = Union[SimRollout, VllmRollout]
 RewardEngine = Union[SimReward, TaskReward, FunctionsReward, EnvReward]
 TeacherEngine = Union[SimTeacher, ModelTeacher]
 TrainerEngine = Union[SimTrainer, TorchTrainer]
+CriticEngine = Union[SimCritic, TorchCritic]
 
 
 class RolloutRole(Table):
@@ -483,6 +529,31 @@ class TrainerRole(Table):
     """The training engine and its settings."""
 
 
+class CriticRole(Table):
+    """The role that learns a value function: per batch, on its way to the trainer, it computes each
+    response token's value with its current weights, attaches GAE advantages and returns, sends the
+    batch on, then trains itself on it, while the trainer takes its own step."""
+
+    pool: str
+    """Name of the pool its replicas run on."""
+    replicas: PosInt = 1
+    """Critic ranks: one model sharded across them with FSDP2 (as the trainer's ranks); rank 0 takes
+    the stream."""
+    engine: CriticEngine = SimCritic()
+    """The value model and its settings."""
+    gamma: Fraction = 1.0
+    """Discount of GAE."""
+    lam: Fraction = 0.95
+    """GAE's lambda: 0 is the one-step TD error, 1 the return minus the value (Monte Carlo)."""
+    max_staleness: NonNegInt = 1
+    """Steps the critic may owe: it computes values for new samples while at most this many of its
+    full batches (`run.batch_size` groups each) wait for its step (0: it steps as soon as a batch is
+    full, before computing more values)."""
+    warmup_steps: NonNegInt = 0
+    """The first this many steps train the critic while the actor does not move (the trainer takes
+    them without changing its weights, so the values fit the starting policy first)."""
+
+
 class EnvRole(Table):
     """The role that runs the environment of multi-turn episodes, and its tools, in
     killable worker processes on a pool of its own; the rollout asks it for each
@@ -546,7 +617,7 @@ class EnvRole(Table):
 
 
 class RolesConfig(Table):
-    """Every role of the pipeline; the teacher and the env are optional."""
+    """Every role of the pipeline; the teacher, the critic and the env are optional."""
 
     rollout: RolloutRole
     """Generation."""
@@ -556,6 +627,8 @@ class RolesConfig(Table):
     """Training."""
     teacher: TeacherRole | None = None
     """Teacher / reference log-probabilities (leave out to skip the stage)."""
+    critic: CriticRole | None = None
+    """A learned value function and GAE advantages, for PPO (leave out to skip the stage)."""
     env: EnvRole | None = None
     """The environment of multi-turn episodes, and their tools (leave out for single-turn prompts)."""
 
@@ -778,6 +851,8 @@ class Config(Table):
         engines = [self.roles.rollout.engine, self.roles.trainer.engine]
         if self.roles.teacher is not None:
             engines.append(self.roles.teacher.engine)
+        if self.roles.critic is not None:
+            engines.append(self.roles.critic.engine)
         return any(kind_of(engine) != "sim" for engine in engines) or not isinstance(self.task, SimTask)
 
     def launched_roles(self) -> list[tuple[str, Any]]:
@@ -793,6 +868,8 @@ class Config(Table):
         roles.append(("reward", self.roles.reward))
         if self.roles.teacher is not None:
             roles.append(("teacher", self.roles.teacher))
+        if self.roles.critic is not None:
+            roles.append(("critic", self.roles.critic))
         roles.append(("trainer", self.roles.trainer))
         return roles
 

@@ -35,7 +35,9 @@ from rlflow.control.ledger import GroupLedger, LedgerState
 from rlflow.control.record import resume as resume_record
 from rlflow.control.metrics import Sink, open_sinks
 from rlflow.control.outbox import Door, Outboxes, farewell
-from rlflow.control.replicas import GiveUp, Policy, Refusal, Replica, Roster, State, Supervisor, probes_disagree
+from rlflow.control.replicas import (
+    STATEFUL_ROLES, GiveUp, Policy, Refusal, Replica, Roster, State, Supervisor, probes_disagree,
+)
 from rlflow.control.rounds import Weights
 from rlflow.control.stats import RunStats, process_cpu
 from rlflow.control.topology import Topology
@@ -290,7 +292,7 @@ class Controller:
                 append_jsonl(self.run_dir.evals, self.stats.eval_done(msg, self.ledger.steps_done))
                 self._changed.set()
             case ErrorReport(fatal=fatal, kind=kind, message=message):
-                if fatal and replica.role == "trainer":
+                if fatal and replica.role in STATEFUL_ROLES:
                     self.error = f"{replica.name} failed: {kind}: {message}"
                     raise RunFailed(self.error)
                 if fatal:  # it is exiting: its death, when the launcher sees it, restarts it
@@ -450,7 +452,7 @@ class Controller:
             return
         why += f" (it said: {replica.fatal})" if replica.fatal else ""
         text = f"{replica.name} {why}"
-        if replica.role == "trainer":
+        if replica.role in STATEFUL_ROLES:
             self.error = f"{text}; the run stops (continue it with rlflow up --resume {self.run_dir.path})"
             raise RunFailed(self.error)
         was_registered = replica.registered

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 import msgspec
 import trio
 
-from rlflow.config import Config, ConfigError, ModelTeacher, to_toml
+from rlflow.config import Config, ConfigError, ModelTeacher, TorchCritic, to_toml
 from rlflow.control import placement
 from rlflow.control.controller import Controller
 from rlflow.control.metrics import check_trackers
@@ -67,13 +67,26 @@ def resolve(config: Config) -> Config:
                 path = str(resolve_model(engine.model).resolve())
             except FileNotFoundError as exc:
                 raise ConfigError("roles.teacher.engine.model", engine.model, str(exc)) from None
-        _same_tokenizer(path, rollout.model)
+        _same_tokenizer(path, rollout.model, "roles.teacher.engine.model")
         vocab = _vocab_size(path)
         if vocab is not None and engine.top_k > vocab:
             raise ConfigError("roles.teacher.engine.top_k", engine.top_k,
                               f"asks for more tokens than the teacher's vocabulary has ({vocab})")
         roles = msgspec.structs.replace(roles, teacher=msgspec.structs.replace(
             teacher, engine=msgspec.structs.replace(engine, model=path)))
+    critic = config.roles.critic
+    if critic is not None and isinstance(critic.engine, TorchCritic):
+        engine = critic.engine
+        if engine.model == "policy":  # the policy's starting weights, not a checkpoint resumed from
+            path = rollout.model
+        else:
+            try:
+                path = str(resolve_model(engine.model).resolve())
+            except FileNotFoundError as exc:
+                raise ConfigError("roles.critic.engine.model", engine.model, str(exc)) from None
+            _same_tokenizer(path, rollout.model, "roles.critic.engine.model")
+        roles = msgspec.structs.replace(roles, critic=msgspec.structs.replace(
+            critic, engine=msgspec.structs.replace(engine, model=path)))
     check_trackers(config)
     return msgspec.structs.replace(config, run=run, roles=roles)
 
@@ -96,16 +109,16 @@ def check_reach(host: str, nodes: int) -> None:
         )
 
 
-def _same_tokenizer(teacher: str, policy: str) -> None:
-    """The teacher must score the tokens the policy samples: one vocabulary."""
+def _same_tokenizer(model: str, policy: str, key: str) -> None:
+    """A teacher or critic must read the tokens the policy samples: one vocabulary."""
     from rlflow.data.tasks import load_tokenizer
 
-    if teacher == policy:
+    if model == policy:
         return
-    if load_tokenizer(teacher).get_vocab() != load_tokenizer(policy).get_vocab():
+    if load_tokenizer(model).get_vocab() != load_tokenizer(policy).get_vocab():
         raise ConfigError(
-            "roles.teacher.engine.model", teacher,
-            f"its tokenizer differs from the policy's ({policy}): the teacher must score the policy's tokens",
+            key, model,
+            f"its tokenizer differs from the policy's ({policy}): it must read the tokens the policy samples",
         )
 
 

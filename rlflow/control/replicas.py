@@ -67,7 +67,7 @@ class Replica:
     """Started by the user: the controller cannot restart it."""
     state: State = State.HELLO
     version: int = 0
-    """Policy version it holds (rollout, trainer)."""
+    """Version of the weights it holds (rollout, trainer: the policy's; critic: its own)."""
     incarnation: int = 0
     """The registered incarnation (the one that said hello last)."""
     launched: int = 0
@@ -298,6 +298,11 @@ class Supervisor:
         replica.last_error = why
         return GiveUp(why)
 
+
+#: Roles whose replicas hold what a restart would lose (the trainer's policy and
+#: optimizer, the critic's value model): losing one ends the run, which resumes
+#: from its checkpoints (`rlflow up --resume`).
+STATEFUL_ROLES = ("trainer", "critic")
 
 #: Teacher replicas whose probe log-probabilities differ by more (nats) do not run together.
 PROBE_TOLERANCE = 1e-4

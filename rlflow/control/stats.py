@@ -25,8 +25,8 @@ from rlflow.protocol import EvalDone, Heartbeat, StepDone
 from rlflow.rundir import EngineStep, EvalRow, GroupCounts, SessionTotals, Shares, StepRow, Summary, Trend
 
 STATES = ("busy", "starved", "blocked", "loading")
-#: Trainer statistics whose trend the status shows.
-TRENDS = ("kl_teacher",)
+#: Trainer statistics whose trend the status shows (where a run has them).
+TRENDS = ("kl_teacher", "critic_value_loss", "critic_explained_var")
 #: Steps over which a trend is taken.
 TREND_STEPS = 10
 #: Heartbeats of each replica kept for the live window.

@@ -20,8 +20,9 @@ from rlflow.control.stats import process_cpu
 from rlflow.protocol import Counters, EngineLoad, Heartbeat
 from rlflow.rundir import ControllerStats, GroupCounts, JoinInfo, Placed, RoleStatus, Shares, Status, Summary
 
-#: Roles that hold the policy (and so can be behind the trainer).
-POLICY_ROLES = ("rollout", "trainer")
+#: Roles that hold versioned weights (and so can be behind the trainer): the
+#: policy's, and the critic's own (its version counts its steps as the policy's does).
+VERSIONED_ROLES = ("rollout", "critic", "trainer")
 
 
 def add_counters(counts: Iterable[Counters]) -> Counters:
@@ -68,13 +69,13 @@ def placed(replica: Replica, now: float) -> Placed:
 def role_status(role: str, expected: int, replicas: list[Replica], beats: list[Heartbeat], shares: Shares,
                 version: int, now: float) -> RoleStatus:
     """One role now: its replicas, the shares of their time over the latest
-    heartbeats (`shares`), their queues and counts added up, and (roles that
-    hold the policy) the oldest version held and how far behind `version`."""
+    heartbeats (`shares`), their queues and counts added up, and (roles with
+    versioned weights) the oldest version held and how far behind `version`."""
     queues: collections.Counter[str] = collections.Counter()
     for beat in beats:
         queues.update(beat.queues)
     held = [r.version for r in replicas if r.live] or [r.version for r in replicas]
-    oldest = min(held, default=0) if role in POLICY_ROLES else None
+    oldest = min(held, default=0) if role in VERSIONED_ROLES else None
     return RoleStatus(
         replicas=expected,
         up=sum(r.live for r in replicas),

@@ -1,10 +1,12 @@
 """Who sends to whom: plain code, no I/O.
 
 The roles form one chain in the config's order (rollout -> reward ->
-teacher -> trainer, the teacher optional). Each replica streams to every
-registered replica of the next role that binds an ``in`` endpoint; of the
-trainer's ranks only rank 0 takes the stream, and it deals each step's
-shares to the other ranks' ``share`` endpoints.
+teacher -> critic -> trainer, the teacher and the critic optional). Each
+replica streams to every registered replica of the next role that binds an
+``in`` endpoint; of the trainer's and the critic's ranks only rank 0 takes
+the stream. Trainer rank 0 deals each step's shares to the other ranks'
+``share`` endpoints; critic rank 0 drives its other ranks over their own
+process group, and they bind nothing.
 
 Beside the chain, a role may be asked by request and reply (`ASKED`): the
 env role, asked by the rollout. Each replica of the asking role gets the

@@ -10,7 +10,8 @@ directory:
 * ``timeline.png``: one lane per replica per role, coloured by state;
 * ``trace.json``: the same as a Chrome / Perfetto trace (chrome://tracing,
   ui.perfetto.dev);
-* ``curves.png``: reward, held-out accuracy and staleness over the run.
+* ``curves.png``: reward, held-out accuracy and staleness over the run (and,
+  with a critic, its value loss and explained variance).
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ from rlflow.control.stats import TREND_STEPS
 from rlflow.rundir import EvalRow, RunDir, Status, StepRow, Summary
 from rlflow.runstate import RunState, run_state
 
-ORDER = ("rollout", "reward", "teacher", "trainer")
+ORDER = ("rollout", "reward", "teacher", "critic", "trainer")
 STATES = ("busy", "starved", "blocked", "loading")
 COLOURS = {"busy": "#2e7d32", "starved": "#f9a825", "blocked": "#c62828", "loading": "#1565c0", "idle": "#e0e0e0"}
 #: What "busy" means for each role, in pictures.
-BUSY = {"rollout": "generating", "reward": "scoring", "teacher": "scoring", "trainer": "training"}
+BUSY = {"rollout": "generating", "reward": "scoring", "teacher": "scoring", "critic": "valuing and training",
+        "trainer": "training"}
 
 
 @dataclass
@@ -132,6 +134,22 @@ def bottleneck(fractions: dict[str, dict[str, float]], max_staleness: int | None
     return f"bottleneck: {busiest}. " + "; ".join(parts) + f"; {head}"
 
 
+def critic_line(rows: list[StepRow], last: int = TREND_STEPS) -> str:
+    """How the critic fits over the last `last` steps, and how stale its values were ("" without a critic)."""
+    rows = [r for r in rows if "critic_value_loss" in r.train][-last:]
+    if not rows:
+        return ""
+
+    def mean(key: str) -> float:
+        values = [r.train[key] for r in rows if math.isfinite(r.train.get(key, math.nan))]
+        return sum(values) / len(values) if values else math.nan
+
+    stale = max((r.train.get("critic_staleness_max", 0.0) for r in rows), default=0.0)
+    return (f"critic over the last {len(rows)} steps: value loss {mean('critic_value_loss'):.4f}, explained "
+            f"variance {mean('critic_explained_var'):.2f}; its values lagged the actor's step by "
+            f"{mean('critic_staleness_mean'):.2f} versions on average, {stale:g} at most")
+
+
 def text(run: Run) -> str:
     """The per-role table and the bottleneck sentence."""
     state = run.state
@@ -165,6 +183,9 @@ def text(run: Run) -> str:
             f"  {role:<9}{_pct(f.get('busy', 0)):>7}{_pct(f.get('starved', 0)):>9}"
             f"{_pct(f.get('blocked', 0)):>9}{_pct(f.get('loading', 0)):>9}  {queues}"
         )
+    critic = critic_line(run.metrics)
+    if critic:
+        lines.append("  " + critic)
     lines.append("  " + bottleneck(run.fractions, summary.max_staleness if summary is not None else None,
                                    kv_pressure(summary)))
     return "\n".join(lines)
@@ -248,7 +269,10 @@ def write_curves(run: Run, png: pathlib.Path | None = None) -> pathlib.Path | No
     steps = [r.step for r in run.metrics]
     kl = [r.train.get("kl_teacher", math.nan) for r in run.metrics]
     has_kl = any(math.isfinite(v) for v in kl)
-    panels = 2 + bool(run.evals) + has_kl
+    fit = {key: [r.train.get(key, math.nan) for r in run.metrics]
+           for key in ("critic_value_loss", "critic_explained_var")}
+    has_critic = any(math.isfinite(v) for values in fit.values() for v in values)
+    panels = 2 + bool(run.evals) + has_kl + has_critic
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.2))
     axes[0].plot(steps, [math.nan if r.reward_mean is None else r.reward_mean for r in run.metrics], lw=1)
     axes[0].set_title("reward (training samples)")
@@ -265,6 +289,13 @@ def write_curves(run: Run, png: pathlib.Path | None = None) -> pathlib.Path | No
         ax.plot([e.step for e in scored], [100 * e.accuracy for e in scored], marker="o")
         ax.set_title("held-out accuracy (%)")
         ax.set_xlabel("step")
+    if has_critic:
+        ax = axes[-1 - has_kl]
+        ax.plot(steps, fit["critic_value_loss"], lw=1, label="value loss")
+        ax.plot(steps, fit["critic_explained_var"], lw=1, label="explained variance")
+        ax.set_title("critic (on each step's samples, before it trained on them)", fontsize=9)
+        ax.set_xlabel("step")
+        ax.legend(frameon=False)
     if has_kl:
         ax = axes[-1]
         ax.plot(steps, kl, lw=0.8, alpha=0.5, label="per step")

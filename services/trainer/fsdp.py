@@ -81,6 +81,14 @@ class Solo:
     def barrier(self) -> None:
         pass
 
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` (pickled), on every rank (collective)."""
+        return obj
+
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` (pickled), in rank order, at rank 0; None elsewhere (collective)."""
+        return [obj]
+
     def full_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Every parameter and buffer whole, on the CPU, at rank 0 (collective)."""
         return model.state_dict()
@@ -163,6 +171,16 @@ class Sharded(Solo):
     def barrier(self) -> None:
         dist.barrier()
 
+    def broadcast_object(self, obj: Any) -> Any:
+        box = [obj if self.lead else None]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        return box[0]
+
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)  # one path for gloo and NCCL; what is gathered is small
+        return out if self.lead else None
+
     def full_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
@@ -177,6 +195,19 @@ class Sharded(Solo):
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def rendezvous(world: int) -> tuple[str, int]:
+    """Where rank 0 hosts the ranks' process group: MASTER_ADDR and MASTER_PORT,
+    which the launcher sets for each role (one rank started without them
+    takes a free local port)."""
+    from rlflow.data.net import free_port
+
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if world == 1:
+        return "127.0.0.1", free_port("127.0.0.1")
+    raise RuntimeError("ranks meet at MASTER_ADDR:MASTER_PORT, which the launcher sets; neither is set")
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ arrived, dropping duplicates (a reissued group that arrives twice), failed
 samples and, with the strict staleness check, groups too stale to train on
 (those are reported as `Expired` so that the controller reissues them);
 deal the step's samples into a share per rank and send each other rank its
-share; train on its own (in lock step with the others); publish policy
+share; train on its own (in lock step with the others; not in the critic's
+warm-up, when the actor is held and only the critic learns); publish policy
 version v+1 and tell the controller (`WeightsReady`), then acknowledge the
 step's groups (`StepDone`). It never waits for the rollout to load the new
 weights: every rank sends them when the controller says so (`SendWeights`).
@@ -52,6 +53,7 @@ from rlflow.services.base import Control, Service, bind_host, shm_settings, take
 from rlflow.services.trainer.engine import TrainerEngine, make_engine
 
 from rlflow.algo.staleness import too_stale
+from rlflow.algo.values import critic_stats
 from rlflow.data import transport
 
 
@@ -166,7 +168,11 @@ class TrainerService(Service):
                     stats, parts = await self.engine.deal(batch)
                     for out, part in zip(outs, parts[1:], strict=True):
                         await out.send(part)
-                    metrics = {**stats, **await self.engine.train(parts[0])}
+                    metrics = {**stats, **critic_stats(batch, self.step)}
+                    if self.held:
+                        metrics["actor_held"] = 1.0
+                    else:
+                        metrics.update(await self.engine.train(parts[0]))
                     metrics["train_s"] = time.monotonic() - started
                 await self._stepped()
                 await control.send(WeightsReady(version=self.version, nbytes=self._nbytes, checksum=self._checksum))
@@ -197,13 +203,22 @@ class TrainerService(Service):
                 share = self.checked_batch(await inbox.recv())
             if share is None:
                 continue
-            with self.clock.state("busy"):
-                await self.engine.train(share)
+            if not self.held:
+                with self.clock.state("busy"):
+                    await self.engine.train(share)
             await self._stepped()
             await self._checkpoint()
             self.counters["samples"] += share.n_samples
             self.counters["tokens"] += share.n_tokens
         self.clock.set("idle")
+
+    @property
+    def held(self) -> bool:
+        """Whether this step leaves the actor as it is: the critic's warm-up
+        (`roles.critic.warmup_steps`), in which only the critic learns. The
+        version still advances, so the pipeline's clock keeps one step per batch."""
+        critic = self.config.roles.critic
+        return critic is not None and self.step < critic.warmup_steps
 
     async def _stepped(self) -> None:
         """After an optimizer step: the new version, its weights ready to send."""

@@ -1,7 +1,9 @@
 """The simulated trainer engine: a product feature for scale runs and the bench.
 
 It trains for `s_per_token` per token of its share (ranks share a step's
-tokens as the torch trainer's do); its weights are `weights_bytes` of fixed
+tokens as the torch trainer's do), and `inline_critic_s_per_token` more where
+a critic's forward pass and step are modelled in its process (a one-worker
+layout); its weights are `weights_bytes` of fixed
 random bytes, in tensors of at most 4 MiB, that really cross the wire: the
 rollout fetches them from rank 0's weight server.
 """
@@ -96,7 +98,7 @@ class SimTrainerEngine:
         return {}, [take(batch, part) for part in deal(lengths, self.ctx.replicas)]
 
     async def train(self, share: SampleBatch) -> dict[str, float]:
-        seconds = self.cfg.step_overhead_s + self.cfg.s_per_token * share.n_tokens
+        seconds = self.cfg.step_overhead_s + (self.cfg.s_per_token + self.cfg.inline_critic_s_per_token) * share.n_tokens
         if seconds > 0:
             await trio.sleep(seconds)
         return {"loss": 0.0}

@@ -1,4 +1,5 @@
-"""The trainer's torch engine: a Hugging Face causal LM trained with GRPO / RLOO.
+"""The trainer's torch engine: a Hugging Face causal LM trained with GRPO / RLOO,
+or with PPO's per-token GAE advantages from the critic role.
 
 The model class is the Hugging Face class of the rollout's model, so the
 names of its parameters are the names vLLM loads. One optimizer step per
@@ -62,6 +63,7 @@ from rlflow.services.trainer.lora import adapter_offer, save_adapter, trained_pa
 from rlflow.services.weights import GlooGroup, NcclGroup, layout, pieces, tensors_checksum
 
 from rlflow.algo.balance import deal, micro_batches
+from rlflow.algo.values import whiten
 from rlflow.algo.losses import (
     LossConfig,
     group_advantages,
@@ -160,6 +162,8 @@ class TorchEngine:
             ])
             rewards = rewards - cfg.kl_coef * penalty
             stats["kl_penalty_mean"] = float(penalty.mean()) if len(rows) else 0.0
+        if cfg.advantage == "gae":
+            return self._prepare_gae(batch, rows, ranks, stats)
         group = torch.tensor([r.group.group_id for r in rows])
         advantages = group_advantages(rewards, group, kind=cfg.advantage, normalize_std=cfg.normalize_std)
         # Distillation has a signal at every token: only pure RL leaves out groups without one.
@@ -178,6 +182,28 @@ class TorchEngine:
         # The loss normaliser as a factor on each advantage (the surrogate is linear in it).
         scaled = advantages[trained_mask] * normaliser_weights(responses, trained_mask, cfg.loss_norm)
         trained = msgspec.structs.replace(take(batch, chosen), advantages=Tensor.from_numpy(scaled.numpy()))
+        lengths = [len(rows[i].prompt_ids) + len(rows[i].response_ids) for i in chosen]
+        return stats, [take(trained, part) for part in deal(lengths, ranks)]
+
+    def _prepare_gae(self, batch: SampleBatch, rows: list, ranks: int,
+                     stats: dict[str, float]) -> tuple[dict[str, float], list[SampleBatch]]:
+        """advantage = "gae": the critic's per-token advantages, whitened over the
+        step's tokens if asked; every sample with a response is trained on (one
+        sample per prompt has no group to compare within)."""
+        if batch.token_advantages is None:
+            raise ValueError("a batch without the critic's advantages reached a trainer with advantage = 'gae'")
+        chosen = [i for i in range(len(rows)) if len(rows[i].response_ids) > 0]
+        trained = take(batch, chosen)
+        tokens = trained.token_advantages.numpy().astype(np.float64)
+        stats["advantage_mean"] = float(tokens.mean()) if tokens.size else 0.0
+        stats["advantage_std"] = float(tokens.std()) if tokens.size else 0.0
+        if self.cfg.whiten_advantages:
+            tokens = whiten(tokens)
+        offsets = trained.response_offsets.numpy()
+        per_sample = np.add.reduceat(tokens, offsets[:-1]) / np.diff(offsets) if len(chosen) else tokens
+        stats["trained_tokens"] = float(trained.n_tokens)
+        trained = msgspec.structs.replace(trained, token_advantages=Tensor.from_numpy(tokens.astype(np.float32)),
+                                          advantages=Tensor.from_numpy(np.asarray(per_sample, np.float32)))
         lengths = [len(rows[i].prompt_ids) + len(rows[i].response_ids) for i in chosen]
         return stats, [take(trained, part) for part in deal(lengths, ranks)]
 
@@ -251,6 +277,8 @@ class TorchEngine:
         behaviour = _column(part, "logprobs", keep).to(device)
         adv = torch.cat([a.repeat(len(r.response_ids)) for a, r in zip(advantages, part)])
         adv = (adv if keep is None else adv[keep]).to(device)
+        if cfg.advantage == "gae":  # per token, from the critic
+            adv = _column(part, "token_advantages", keep).to(device)
         if w > 0 and cfg.distill == "sampled":
             # The sampled token's reverse KL to the teacher, as an advantage.
             adv = (1 - w) * adv + w * (_column(part, "teacher_logprobs", keep).to(device) - behaviour)

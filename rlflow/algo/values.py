@@ -1,0 +1,140 @@
+"""A learned value function's side of PPO: per-token rewards, GAE, the
+clipped value loss, and the statistics that say how well the critic fits.
+
+Indexing: a sample's response tokens are ``r_0 .. r_{T-1}``; ``V_t`` is the
+critic's value of the state before ``r_t`` (the prompt and ``r_0 .. r_{t-1}``),
+read at the position whose hidden state predicts ``r_t``, as the policy's
+log-probability of ``r_t`` is. The episode ends after ``r_{T-1}`` (a response
+cut at the length cap too: nothing follows it), so ``V_T = 0``.
+
+Per-token rewards: the sample's reward at its last token, plus, where the run
+puts a KL penalty into the reward (`kl_in = "reward"`), ``-kl_coef * KL_t`` at
+every token. GAE (Schulman et al., 2016)::
+
+    delta_t = r_t + gamma * V_{t+1} - V_t
+    A_t     = delta_t + gamma * lam * A_{t+1}
+    R_t     = A_t + V_t                  (the critic's regression target)
+
+``lam = 0`` gives the one-step TD error, ``lam = 1`` the discounted return
+minus the value. Everything here but `value_loss` is numpy (the trainer reads
+the statistics of the critic's columns without torch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from rlflow.protocol import samples
+
+
+def token_rewards(reward: float, length: int, penalty: np.ndarray | None = None) -> np.ndarray:
+    """float64 [length]: `reward` at the last token, minus `penalty` (per token, already scaled) at each."""
+    out = np.zeros(length, np.float64) if penalty is None else -np.asarray(penalty, np.float64)
+    if length:
+        out[-1] += reward
+    return out
+
+
+def gae(rewards: np.ndarray, values: np.ndarray, gamma: float, lam: float) -> tuple[np.ndarray, np.ndarray]:
+    """(advantages, returns) of one sample, float64 [T], from its per-token
+    rewards and values (``V_T = 0``: the response ends the episode)."""
+    rewards = np.asarray(rewards, np.float64)
+    values = np.asarray(values, np.float64)
+    if rewards.shape != values.shape:
+        raise ValueError(f"{len(rewards)} rewards and {len(values)} values: one of each per token")
+    advantages = np.zeros_like(values)
+    running, following = 0.0, 0.0
+    for t in range(len(values) - 1, -1, -1):
+        delta = rewards[t] + gamma * following - values[t]
+        running = delta + gamma * lam * running
+        advantages[t] = running
+        following = values[t]
+    return advantages, advantages + values
+
+
+def batch_gae(batch: Any, values: np.ndarray, gamma: float, lam: float,
+              penalty: Callable[[Any], np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """float32 [T] advantages and returns of every sample of `batch` (a
+    `SampleBatch` with rewards) from `values` (float32 [T]); `penalty(row)`:
+    a sample's per-token penalty, already scaled (None: none). Failed samples
+    and those without a finite reward get NaN."""
+    if batch.rewards is None:
+        raise ValueError("a batch without rewards reached the critic: the reward role comes before it")
+    failed = {f.index for f in batch.failures}
+    advantages = np.full(batch.n_tokens, np.nan, np.float32)
+    returns = np.full(batch.n_tokens, np.nan, np.float32)
+    offsets = batch.response_offsets.numpy()
+    for row in samples(batch):
+        if row.row in failed or row.reward is None or not math.isfinite(row.reward):
+            continue
+        a, b = offsets[row.row], offsets[row.row + 1]
+        rewards = token_rewards(row.reward, b - a, None if penalty is None else penalty(row))
+        advantages[a:b], returns[a:b] = gae(rewards, values[a:b], gamma, lam)
+    return advantages, returns
+
+
+def whiten(x: np.ndarray, eps: float = 1e-8) -> np.ndarray:
+    """`x` less its mean, over its standard deviation (unchanged in scale when that is 0)."""
+    x = np.asarray(x, np.float64)
+    if x.size == 0:
+        return x
+    centred = x - x.mean()
+    std = centred.std()
+    return centred / (std + eps) if std > 0 else centred
+
+
+def explained_variance(values: np.ndarray, returns: np.ndarray) -> float:
+    """``1 - Var(returns - values) / Var(returns)``: 1 is a perfect fit, 0 no
+    better than a constant, below 0 worse (NaN: the returns do not vary)."""
+    values, returns = np.asarray(values, np.float64), np.asarray(returns, np.float64)
+    spread = returns.var() if returns.size else 0.0
+    if spread == 0:
+        return math.nan
+    return float(1.0 - (returns - values).var() / spread)
+
+
+def critic_stats(batch: Any, step: int) -> dict[str, float]:
+    """How the critic's columns of a trainer step's `batch` (a `SampleBatch`)
+    fit, and how stale they are at actor step `step` (empty: no critic columns).
+
+    ``critic_value_loss``: half the mean squared error of the values against
+    the returns, over every token: the critic's loss on these samples before
+    it trained on them. ``critic_explained_var``: `explained_variance` of the
+    same. ``critic_staleness_*``: `step` minus the critic version that
+    computed each sample's values.
+    """
+    if batch.values is None or batch.returns is None or batch.n_tokens == 0:
+        return {}
+    values, returns = batch.values.numpy(), batch.returns.numpy()
+    ok = np.isfinite(values) & np.isfinite(returns)
+    out = {
+        "critic_value_loss": float(0.5 * np.mean((values[ok] - returns[ok]) ** 2)) if ok.any() else math.nan,
+        "critic_explained_var": explained_variance(values[ok], returns[ok]),
+    }
+    if batch.critic_versions is not None and batch.n_samples:
+        behind = step - batch.critic_versions.numpy().astype(np.int64)
+        out.update(critic_staleness_mean=float(behind.mean()), critic_staleness_max=float(behind.max()),
+                   critic_version=float(batch.critic_versions.numpy().max()))
+    return out
+
+
+def value_loss(new: Any, old: Any, returns: Any, clip: float) -> tuple[Any, Any]:
+    """PPO's clipped value loss, summed over tokens (torch tensors, per token):
+    ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``, so that a
+    value does not move further than `clip` from the one the advantages were
+    computed with (0: no clipping). Also the count of tokens where the
+    clipped term was the larger."""
+    import torch  # here: the rest of this module is read where torch is not needed
+
+    plain = (new - returns) ** 2
+    if clip <= 0:
+        return 0.5 * plain.sum(), torch.zeros((), dtype=torch.long)
+    # Only a value moved further than `clip` is clipped: elsewhere the clipped term is the plain one exactly
+    # (old + (new - old) is not always new in floating point), so that ties count as unclipped.
+    moved = new - old
+    clipped = (torch.where(moved.abs() > clip, old + moved.clamp(-clip, clip), new) - returns) ** 2
+    return 0.5 * torch.maximum(plain, clipped).sum(), (clipped > plain).sum()
