@@ -42,11 +42,10 @@ import sys
 import threading
 import time
 
-import msgspec
 import torch
 import trio
 
-from rlflow.config import TorchTrainer, VllmRollout, load
+from rlflow.config import VllmRollout, load
 from rlflow.control.launch import resolve
 from rlflow.data.net import free_port
 from rlflow.data.tasks import load_tokenizer, make_task

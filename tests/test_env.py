@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from collections import Counter
 
 import msgspec
