@@ -36,7 +36,7 @@ up: venv
 	$(BIN)/rlflow up $(ARGS)
 
 test: venv
-	$(BIN)/python -m pytest $(ARGS)
+	$(BIN)/python -m pytest --durations=25 $(ARGS)
 
 # The edit-test loop: everything but the tests that start vLLM or Ray, or are slow.
 test-fast: venv

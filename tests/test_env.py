@@ -479,6 +479,7 @@ async def test_a_run_with_an_env_role_trains_on_episodes(tmp_path):
     assert rollout.episode_turns >= rollout.episodes > 0  # (heartbeats: as of the last before the end)
 
 
+@pytest.mark.slow  # a run with a kill and a restart
 async def test_an_env_replica_killed_mid_run_is_replaced_and_its_episodes_granted_again(tmp_path):
     from test_controller import InProcessLauncher, run_in_process
 

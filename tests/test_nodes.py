@@ -277,7 +277,7 @@ def test_a_run_across_two_nodes_with_curve(two_nodes, tmp_path):
     assert summary.state == "stopped" and summary.stop_reason == f"{steps} steps done", summary.error
     final = RunDir(run_dir).read_status()
     assert final.controller.rejected == {} and final.controller.ignored == {}
-    assert "rejected.malformed" not in final.roles["reward"].counters
+    assert "malformed" not in final.roles["reward"].counters.rejected
 
 
 def test_the_worker_nodes_rollout_killed_midway_is_restarted_and_the_run_finishes(two_nodes, tmp_path):

@@ -140,6 +140,7 @@ async def test_the_weight_server_outlives_a_replica_that_died_waiting_for_a_vers
     assert ctx.counters["weights_unclaimed"] == 1
 
 
+@pytest.mark.slow  # waits for a group to fall behind
 async def test_strict_staleness_restarts_a_group_that_fell_behind():
     config = sim_config("run.staleness_check=strict", "run.max_staleness=0",
                         "roles.rollout.engine.response_len={kind='fixed', value=3000}",

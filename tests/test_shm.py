@@ -203,6 +203,7 @@ async def test_a_sender_killed_mid_stream_leaves_nothing_once_its_receiver_lets_
     assert set(named_in_dev_shm(label)) == before
 
 
+@pytest.mark.slow  # holds a consumer stalled for seconds
 async def test_a_stalled_consumer_holds_back_the_producer_with_bounded_memory_through_shared_memory():
     """As on the socket path: with the consumer taking nothing, the segments
     fill up to `max_bytes`, then tensors go in frames until the high-water

@@ -72,6 +72,7 @@ async def test_every_dtype_crosses_a_process_bit_exact(kind, ipc_dir):
                     assert back.tensors[0].torch().dtype.__repr__().endswith(tensor.dtype)
 
 
+@pytest.mark.slow  # holds a consumer stalled for seconds
 async def test_a_stalled_consumer_blocks_the_producer_with_bounded_memory():
     """The producer blocks at the high-water marks: nothing is dropped and
     its memory stays bounded while the consumer takes nothing."""
