@@ -387,6 +387,7 @@ async def test_a_run_in_process_trains_every_group_once_within_the_bound(tmp_pat
 
 
 @pytest.mark.parametrize("shm", ["auto", "off"])
+@pytest.mark.slow  # a run of every service
 async def test_services_of_one_machine_pass_large_tensors_through_shared_memory_unless_told_not_to(tmp_path, shm):
     """Every service here can map every other's memory (one process), so with
     a threshold that a batch's token columns pass, they go through shared
@@ -645,6 +646,7 @@ async def test_a_replica_that_hangs_while_holding_work_is_killed_and_restarted(t
     assert (result.lost, result.duplicated) == (0, 0)
 
 
+@pytest.mark.slow  # a run with restarts
 async def test_a_replica_that_keeps_dying_is_given_up_on_and_the_others_go_on(tmp_path):
     async def kill_twice(controller: Controller, launcher: InProcessLauncher) -> None:
         for n in range(2):

@@ -299,7 +299,9 @@ def test_a_dead_vllm_engine_ends_its_replica_which_is_restarted_and_nothing_is_l
     model = tiny_model(tmp_path / "model", tied=False, seed=11)
     config = C.load(text=CONFIG.format(model=model), overrides=[
         "run.steps=120", "eval.every_steps=0", "eval.before=false", "cluster.restart_backoff_s=0.1",
-        "cluster.handshake_timeout_s=900"])
+        "cluster.handshake_timeout_s=900",
+        # A group generation made while the dying replica still counted as a member waits this long for it.
+        "cluster.weight_timeout_s=30"])
     run_dir = tmp_path / "run"
     killed: list[int] = []
 

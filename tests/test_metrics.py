@@ -73,6 +73,7 @@ def wandb_records(path: pathlib.Path) -> list:
     return records
 
 
+@pytest.mark.slow  # starts W&B offline
 def test_wandb_offline_gets_the_scalars_tensorboard_gets(tmp_path, monkeypatch):
     import wandb
 

@@ -51,6 +51,7 @@ def _layout() -> list[ParamSpec]:
     return layout(named)[0]
 
 
+@pytest.mark.slow  # imports vLLM
 def test_vllm_accepts_the_init_and_update_info():
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo

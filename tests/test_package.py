@@ -10,6 +10,8 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 import rlflow
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -37,6 +39,7 @@ def test_editable_install_maps_the_top_level_folders(tmp_path):
     ]
 
 
+@pytest.mark.slow  # builds and installs a wheel
 def test_a_wheel_installs_and_imports_all_three(tmp_path):
     src = tmp_path / "src"
     shutil.copytree(

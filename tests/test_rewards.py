@@ -350,6 +350,7 @@ async def test_sync_and_async_functions_score_through_the_pool():
     assert combined.details["twice.chars"] == 7.0
 
 
+@pytest.mark.slow  # waits out a timeout
 async def test_a_call_past_its_timeout_or_whose_worker_dies_is_marked_and_the_worker_replaced():
     with trio.fail_after(60):
         async with open_pool([spec("user_rewards:pid", timeout_s=0.5)]) as pool:
@@ -507,6 +508,7 @@ async def test_the_builtins_run_in_the_pool_by_path():
         assert right[3].parts == {"passed": 1.0, "tests": 1.0}
 
 
+@pytest.mark.slow  # waits out a timeout
 async def test_math_verify_times_itself_out_in_a_worker():
     # Its alarm needs the main thread, which a worker gives the function: the
     # call ends as TIMEOUT at math-verify's own limit, and the worker stays.

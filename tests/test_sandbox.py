@@ -82,6 +82,7 @@ def test_a_signal_is_a_crash():
 
 
 @needs_sandbox
+@pytest.mark.slow  # waits out a sandbox limit
 def test_infinite_loop_is_killed_at_its_timeout():
     name = token()
     # It also leaves a sleeper behind, which must die with it.
@@ -95,6 +96,7 @@ def test_infinite_loop_is_killed_at_its_timeout():
 
 
 @needs_sandbox
+@pytest.mark.slow  # waits out a sandbox limit
 def test_cpu_limit_stops_a_busy_program():
     result = run_python("while True:\n    pass\n", limits=Limits(timeout_s=10, cpu_s=1))
     assert (result.status, result.returncode) == (Status.CPU_LIMIT, -signal.SIGXCPU)
@@ -112,6 +114,7 @@ def test_memory_bomb_is_stopped_at_its_limit():
 
 
 @needs_sandbox
+@pytest.mark.slow  # waits out a sandbox limit
 def test_fork_bomb_is_contained_and_leaves_nothing():
     name = token()
     program = rename(name) + "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"

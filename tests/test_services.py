@@ -651,6 +651,7 @@ def flaky(sample):
 
 
 @pytest.mark.parametrize("policy", ["drop", "fallback"])
+@pytest.mark.slow  # waits out reward retries
 async def test_a_sample_a_function_cannot_score_drops_its_group_or_falls_back(tmp_path, monkeypatch, policy):
     from rlflow.control.launch import resolve
     from rlflow.protocol import Dropped
