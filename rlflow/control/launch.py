@@ -60,14 +60,7 @@ def resolve(config: Config) -> Config:
     teacher = config.roles.teacher
     if teacher is not None and isinstance(teacher.engine, ModelTeacher):
         engine = teacher.engine
-        if engine.model == "policy":  # the policy's starting weights, not a checkpoint resumed from
-            path = rollout.model
-        else:
-            try:
-                path = str(resolve_model(engine.model).resolve())
-            except FileNotFoundError as exc:
-                raise ConfigError("roles.teacher.engine.model", engine.model, str(exc)) from None
-        _same_tokenizer(path, rollout.model, "roles.teacher.engine.model")
+        path = _role_model(engine.model, rollout.model, "roles.teacher.engine.model")
         vocab = _vocab_size(path)
         if vocab is not None and engine.top_k > vocab:
             raise ConfigError("roles.teacher.engine.top_k", engine.top_k,
@@ -77,14 +70,7 @@ def resolve(config: Config) -> Config:
     critic = config.roles.critic
     if critic is not None and isinstance(critic.engine, TorchCritic):
         engine = critic.engine
-        if engine.model == "policy":  # the policy's starting weights, not a checkpoint resumed from
-            path = rollout.model
-        else:
-            try:
-                path = str(resolve_model(engine.model).resolve())
-            except FileNotFoundError as exc:
-                raise ConfigError("roles.critic.engine.model", engine.model, str(exc)) from None
-            _same_tokenizer(path, rollout.model, "roles.critic.engine.model")
+        path = _role_model(engine.model, rollout.model, "roles.critic.engine.model")
         roles = msgspec.structs.replace(roles, critic=msgspec.structs.replace(
             critic, engine=msgspec.structs.replace(engine, model=path)))
     check_trackers(config)
@@ -107,6 +93,20 @@ def check_reach(host: str, nodes: int) -> None:
             f"the run spans {nodes} Ray nodes, and a socket on a loopback address cannot be reached from another "
             "node: leave it empty (each node's own IP)",
         )
+
+
+def _role_model(model: str, policy: str, key: str) -> str:
+    """The folder of a role's model (`key` names it in errors): "policy" is the
+    policy's starting weights (not a checkpoint resumed from); any other name
+    or path is resolved, and must share the policy's tokenizer."""
+    if model == "policy":
+        return policy
+    try:
+        path = str(resolve_model(model).resolve())
+    except FileNotFoundError as exc:
+        raise ConfigError(key, model, str(exc)) from None
+    _same_tokenizer(path, policy, key)
+    return path
 
 
 def _same_tokenizer(model: str, policy: str, key: str) -> None:
