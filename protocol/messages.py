@@ -399,6 +399,9 @@ class Counters(Record):
     """The critic (rank 0): seconds spent computing values (forward passes)."""
     critic_step_s: NonNegFloat = 0.0
     """The critic (rank 0): seconds spent training (forward, backward and optimizer step)."""
+    no_signal_groups: NonNegInt = 0
+    """The trainer: groups dropped for good because every reward in them was equal (`run.filter =
+    "signal"`; the controller grants other prompts in their place)."""
 
     @property
     def progress(self) -> int:

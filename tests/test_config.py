@@ -92,6 +92,18 @@ def test_cross_field_checks():
         C.load(text=BASE + "[pools.spare]\n")
 
 
+def test_the_signal_filter_needs_groups_that_can_differ():
+    assert C.load(text=BASE, overrides=["run.filter=signal"]).run.filter == "signal"
+    with pytest.raises(C.ConfigError, match=r"run.filter = .signal.: a group of one sample .*run.samples_per_prompt >= 2"):
+        C.load(text=BASE, overrides=["run.filter=signal", "run.samples_per_prompt=1"])
+    with pytest.raises(C.ConfigError, match=r"run.filter = 'signal': the critic's advantages .* are not group-relative"):
+        C.load(ROOT / "examples" / "ppo.toml", ["run.filter=signal", "run.samples_per_prompt=4"])
+    with pytest.raises(C.ConfigError, match=r"run.filter = 'signal': with distillation"):
+        C.load(ROOT / "examples" / "distill.toml", ["run.filter=signal"])
+    with pytest.raises(C.ConfigError, match=r"run.filter = 'signals'"):
+        C.load(text=BASE, overrides=["run.filter=signals"])
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_one_flag_switches_a_shipped_config_to_sync(path):
     config = C.load(path, ["run.mode=sync"])

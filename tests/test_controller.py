@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 
 from rlflow import config as C
 from rlflow.control.controller import Controller
-from rlflow.control.ledger import POISON, GroupLedger, GroupState, min_version
+from rlflow.control.ledger import NO_SIGNAL, POISON, GroupLedger, GroupState, min_version
 from rlflow.control.rounds import WeightRounds
 from rlflow.control.stats import RunStats
 from rlflow.errors import RunFailed
-from rlflow.protocol import Heartbeat, Stage, StepDone
+from rlflow.protocol import Heartbeat, Stage, StepDone, split
 from rlflow.rundir import RunDir
 from rlflow.startup import ServiceSpec
 from rlflow.runstate import run_state
@@ -525,6 +525,37 @@ def test_a_dropped_group_is_gone_for_good_and_makes_room_for_a_new_one():
     assert GroupLedger.restore(state, 2, 0, 10).dropped == {"reward function 'math': timeout": 1}
 
 
+def test_groups_without_signal_are_replaced_and_the_missing_ones_over_granted_by_their_share():
+    ledger = GroupLedger(batch_size=4, max_staleness=0, steps=10)
+    assert [g.group_id for g in ledger.grant({0: 100}, 0)[0]] == [0, 1, 2, 3]
+    ledger.generated(0, [0, 1, 2, 3])
+    ledger.received([0, 1])
+    assert ledger.drop([2, 3], NO_SIGNAL) == [2, 3] and ledger.no_signal_share == 0.5
+    # Two replacements, and as many again: at a share of 1/2, four groups to bring the two still missing.
+    assert [(g.group_id, g.min_version) for g in ledger.grant({0: 100}, 0)[0]] == [(4, 0), (5, 0), (6, 0), (7, 0)]
+    ledger.generated(0, [4, 5, 6, 7])
+    ledger.received([4, 5])  # the step is whole: nothing more is granted for it, whatever the share
+    assert ledger.grant({0: 100}, 0) == {}
+    ledger.trained(0, [0, 1, 4, 5])
+    # Step 1 needs four: six on their way at the share measured (2 of the 6 groups decided: 1/3),
+    # of which two are the surplus of step 0, still in flight.
+    assert [g.group_id for g in ledger.grant({0: 100}, 1)[0]] == [8, 9, 10, 11]
+    assert sorted(ledger.groups) == [6, 7, 8, 9, 10, 11]
+    assert ledger.dropped == {NO_SIGNAL: 2} and ledger.snapshot().dropped == {NO_SIGNAL: 2}
+
+
+def test_over_granting_assumes_at_most_a_share_and_a_run_of_groups_without_signal_is_told_once():
+    ledger = GroupLedger(batch_size=2, max_staleness=0, steps=100)
+    for _ in range(6):
+        ids = [g.group_id for groups in ledger.grant({0: 1000}, 0).values() for g in groups]
+        ledger.generated(0, ids)
+        ledger.drop(ids, NO_SIGNAL)
+    assert ledger.no_signal_share == 0.8  # every group without signal: over-granted by 5x, not without end
+    ledger.grant({0: 1000}, 0)
+    assert len(ledger.groups) == 2 + 8
+    assert len(ledger.notices) == 1 and "100% of the latest 8 groups had no signal" in ledger.notices[0]
+
+
 @pytest.mark.slow  # a run with a death and a restart
 async def test_a_replica_that_dies_is_restarted_its_groups_reissued_and_nothing_is_lost(tmp_path):
     """Kill the rollout, reward and teacher replicas mid-run (their tasks end
@@ -685,6 +716,42 @@ async def test_a_role_whose_last_replica_is_given_up_on_stops_the_run_naming_it(
         await run_in_process(config, tmp_path, during=kill_reward)
     status = RunDir(tmp_path).read_status()
     assert status.state == "failed" and status.roles["reward"].restarts == 1
+
+
+async def test_the_signal_filter_trains_every_step_on_groups_with_signal_and_the_audit_accounts_for_the_others(
+        tmp_path):
+    """Two samples a prompt, each right by chance 1/2: half the groups have no signal. With
+    run.filter = "signal" each step still trains its four groups, every one of them with signal;
+    the others are dropped as no_signal, counted per step, and the audit balances."""
+    from rlflow.services.trainer.service import has_signal
+    from rlflow.tools.audit import audit
+
+    trained = []
+
+    async def watch(controller: Controller, launcher: InProcessLauncher) -> None:
+        while ("trainer", 0) not in launcher.services or launcher.services[("trainer", 0)].engine is None:
+            await trio.sleep(0.01)
+        engine = launcher.services[("trainer", 0)].engine
+        deal = engine.deal
+
+        async def dealt(batch):
+            trained.append(batch)
+            return await deal(batch)
+
+        engine.deal = dealt
+
+    config = sim("run.steps=6", "run.samples_per_prompt=2", "run.filter=signal")
+    with trio.fail_after(60):
+        _, summary = await run_in_process(config, tmp_path, during=watch)
+    assert summary.state == "stopped" and summary.steps == 6
+    assert [b.n_samples for b in trained] == [8] * 6
+    assert all(has_signal(group) for batch in trained for group in split(batch))
+    rows = RunDir(tmp_path).read_metrics()
+    filtered = sum(r.train["no_signal_groups"] for r in rows)
+    result = audit(tmp_path)
+    assert (result.lost, result.duplicated, result.trained) == (0, 0, 24)
+    # What was left at the end (over-granted, not needed) is dropped as the run ended; the rest had no signal.
+    assert result.reasons[NO_SIGNAL] >= filtered > 0 and set(result.reasons) <= {NO_SIGNAL, "the run ended before they were trained"}
 
 
 async def test_a_prompt_that_fails_every_time_is_dropped_as_poison_and_the_run_goes_on(tmp_path):

@@ -55,6 +55,7 @@ def check(config: Config) -> None:
                 "run.max_staleness", run.max_staleness, f"must be {implied} (or left out) when run.mode = {run.mode!r}"
             )
     _check_teacher(config)
+    _check_filter(config)
     reward = config.roles.reward.engine
     if isinstance(reward, FunctionsReward):
         try:
@@ -75,6 +76,21 @@ def check(config: Config) -> None:
     if config.roles.critic is not None:
         _check_ranks(config, "critic")
     _check_critic(config)
+
+
+def _check_filter(config: Config) -> None:
+    run, trainer = config.run, config.roles.trainer.engine
+    if run.filter != "signal":
+        return
+    if run.samples_per_prompt < 2:
+        raise ConfigError("run.filter", run.filter, "a group of one sample has no rewards to differ: "
+                          "it needs run.samples_per_prompt >= 2")
+    if getattr(trainer, "advantage", None) == "gae":
+        raise ConfigError("run.filter", run.filter, "the critic's advantages (advantage = 'gae') are not "
+                          "group-relative: a group with equal rewards still teaches; use filter = 'none'")
+    if getattr(trainer, "distill_coef", 0) > 0:
+        raise ConfigError("run.filter", run.filter, "with distillation (distill_coef > 0) a group with equal "
+                          "rewards still learns from the teacher; use filter = 'none'")
 
 
 def _check_env(config: Config) -> None:

@@ -667,6 +667,13 @@ class RunConfig(Table):
     """A prompt group granted this many times without reaching the trainer (every sample failed each
     time, or its replica died with it) is dropped for good with reason `poison`, named in the log, the
     ledger and the audit; the run goes on."""
+    filter: Literal["none", "signal"] = "none"
+    """signal: train only on groups with signal (rewards not all equal: a group-relative advantage
+    is 0 for every sample of the others). The trainer drops the others (reason `no_signal` in the
+    ledger and the audit) and the controller grants other prompts in their place, ahead of need by
+    the share of recent groups without signal, within the staleness bound; every step still trains
+    on batch_size groups. none: train on every group (the trainer leaves out the no-signal ones'
+    loss, `skip_uniform_groups`, but they fill a slot of the batch)."""
     staleness_check: Literal["admission", "strict"] = "admission"
     """admission: every group starts on weights at most max_staleness versions behind the
     step it is granted for (the credits); a long response that keeps generating across

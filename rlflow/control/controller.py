@@ -31,7 +31,7 @@ import trio
 
 from rlflow.config import Config, kind_of
 from rlflow.control import status as build
-from rlflow.control.ledger import GroupLedger, LedgerState
+from rlflow.control.ledger import NO_SIGNAL, GroupLedger, LedgerState
 from rlflow.control.record import resume as resume_record
 from rlflow.control.metrics import Sink, open_sinks
 from rlflow.control.outbox import Door, Outboxes, farewell
@@ -275,7 +275,8 @@ class Controller:
                 self._grant()
             case Dropped(group_ids=ids, reason=reason):
                 gone = self.ledger.drop(ids, reason)
-                log.warning("[controller] %s dropped %d groups: %s", replica.name, len(gone), reason or "no reason")
+                if reason != NO_SIGNAL:  # the signal filter's drops are its work, not faults
+                    log.warning("[controller] %s dropped %d groups: %s", replica.name, len(gone), reason or "no reason")
                 self._grant()
             case WeightsReady(version=version, checksum=checksum):
                 self.version = replica.version = version
@@ -354,10 +355,11 @@ class Controller:
 
     def _grant(self) -> None:
         """Hand the groups the staleness bound allows to the rollout replicas with room
-        (after saying which, if any, the ledger has just given up on as poison)."""
-        for group_id, detail in self.ledger.poisoned:
-            self._warn(f"group {group_id} dropped as poison ({detail})")
-        self.ledger.poisoned.clear()
+        (after saying what the ledger has to say: groups given up on as poison, a run of groups
+        without signal)."""
+        for text in self.ledger.notices:
+            self._warn(text)
+        self.ledger.notices.clear()
         if self.training_started is None or self.state not in ("running", "evaluating"):
             return
         room = {r.rank: r.capacity for r in self.roster.role("rollout")

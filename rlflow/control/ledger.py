@@ -26,6 +26,14 @@ Every group the run will train on passes through it:
   it is counted with the reason and never granted again. If another copy of
   it (granted again after a loss) still reaches the trainer, it counts as
   received after all, and no longer as dropped.
+* Dynamic sampling (`run.filter = "signal"`): the trainer drops a group
+  whose rewards are all equal with reason `no_signal`, which makes room
+  for one more like any drop; and so that a step need not wait for those
+  replacements to be generated, the groups still missing for the open steps
+  are over-granted by the share of recent groups that had no signal,
+  `D * s / (1 - s)` more groups for `D` missing (`s` over the last
+  `4 * batch_size` groups decided, at most `MAX_NO_SIGNAL_SHARE`). Those
+  extra groups start within the bound of the newest open step.
 * Grants are bounded: a group that would be queued again after its
   `max_grants`-th grant without reaching the trainer (a prompt that fails
   every time it is generated, or takes its replica down) is dropped with
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import math
 from dataclasses import dataclass
 
 import msgspec
@@ -113,6 +122,12 @@ class LedgerState(msgspec.Struct, frozen=True, kw_only=True):
 
 #: `Event.reason` of a group dropped for having been granted `max_grants` times.
 POISON = "poison"
+#: `Event.reason` of a group the trainer dropped for having no signal (every reward equal; `run.filter`).
+NO_SIGNAL = "no_signal"
+#: Over-granting for groups without signal assumes at most this share of them (a factor of 5 at most).
+MAX_NO_SIGNAL_SHARE = 0.8
+#: A run is told once when at least this share of its latest groups had no signal.
+NO_SIGNAL_WARNING = 0.9
 
 
 def min_version(group_id: int, batch_size: int, max_staleness: int) -> int:
@@ -140,17 +155,36 @@ class GroupLedger:
         self._drop_reasons: dict[int, str] = {}
         #: Changes not yet written out (the controller drains it).
         self.journal: list[Event] = []
-        #: (group id, what went wrong) of the groups dropped as poison since the controller last asked.
-        self.poisoned: list[tuple[int, str]] = []
+        #: What a person should hear of since the controller last asked (groups dropped as poison;
+        #: a run where most groups have no signal).
+        self.notices: list[str] = []
+        #: Of the latest groups the trainer received or dropped for want of signal: 1 for each dropped.
+        self._no_signal: collections.deque[int] = collections.deque(maxlen=4 * batch_size)
+        self._said_no_signal = False
 
     # -- queries ------------------------------------------------------------
 
     @property
     def limit(self) -> int:
         """Groups that may exist now: the staleness bound, and no more than the
-        run needs; a dropped group makes room for one more."""
+        run needs; a dropped group makes room for one more; and the groups
+        still missing are over-granted by the share that has had no signal."""
         needed = min(self.batch_size * (self.steps_done + self.max_staleness + 1), self.batch_size * self.steps)
-        return needed + sum(self.dropped.values())
+        share = self.no_signal_share
+        extra = 0
+        if share > 0:
+            received = sum(1 for g in self.groups.values() if g.state is GroupState.RECEIVED)
+            missing = max(0, needed - self.trained_count - received)
+            extra = math.ceil(missing * share / (1 - share) - 1e-9)  # not one more for a rounding error
+        return needed + sum(self.dropped.values()) + extra
+
+    @property
+    def no_signal_share(self) -> float:
+        """The share of the latest groups decided that the trainer dropped for want of
+        signal (at most `MAX_NO_SIGNAL_SHARE`; 0 before any, or without the filter)."""
+        if not self._no_signal:
+            return 0.0
+        return min(MAX_NO_SIGNAL_SHARE, sum(self._no_signal) / len(self._no_signal))
 
     def held_by(self, owner: int) -> int:
         """Groups rollout replica `owner` is generating."""
@@ -233,6 +267,7 @@ class GroupLedger:
                 group.state, group.owner = GroupState.RECEIVED, None
                 moved.append(group_id)
         if moved:
+            self._no_signal.extend([0] * len(moved))
             # A copy may arrive after its group was queued again: it is not granted twice.
             self._unqueue(moved)
             self.journal.append(Event(event="received", groups=moved))
@@ -255,6 +290,9 @@ class GroupLedger:
             self._unqueue(gone)
             self.dropped[reason or "dropped"] += len(gone)
             self._drop_reasons.update(dict.fromkeys(gone, reason or "dropped"))
+            if reason == NO_SIGNAL:
+                self._no_signal.extend([1] * len(gone))
+                self._tell_no_signal()
             self.journal.append(Event(event="dropped", groups=gone, reason=reason or "dropped",
                                       details=[said.get(g, "") for g in gone] if said else []))
         return gone
@@ -299,7 +337,7 @@ class GroupLedger:
             again = [g for g in again if self.groups[g].grants < self.max_grants]
             details = [f"granted {self.groups[g].grants} times; last: {self.groups[g].error or reason}" for g in poison]
             self.drop(poison, POISON, details)
-            self.poisoned += zip(poison, details)
+            self.notices += [f"group {g} dropped as poison ({detail})" for g, detail in zip(poison, details)]
         for group_id in reversed(again):
             group = self.groups[group_id]
             group.state, group.owner = GroupState.QUEUED, None
@@ -307,6 +345,16 @@ class GroupLedger:
         if again:
             self.journal.append(Event(event="requeued", groups=again, reason=reason))
         return again
+
+    def _tell_no_signal(self) -> None:
+        """Once a run: most of the latest groups had no signal (a task too easy or too hard for
+        the model; the filter keeps each step whole at the cost of many more prompts generated)."""
+        window = self._no_signal
+        if not self._said_no_signal and len(window) == window.maxlen and sum(window) >= NO_SIGNAL_WARNING * len(window):
+            self._said_no_signal = True
+            self.notices.append(f"{100 * sum(window) / len(window):.0f}% of the latest {len(window)} groups had no "
+                                "signal (every reward equal) and others were granted in their place: the task may "
+                                "be too easy or too hard for the model")
 
     def _unqueue(self, group_ids: list[int]) -> None:
         gone = set(group_ids)

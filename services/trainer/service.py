@@ -2,8 +2,11 @@
 
 Its loop (rank 0): pull groups until a step's worth (`run.batch_size`) has
 arrived, dropping duplicates (a reissued group that arrives twice), failed
-samples and, with the strict staleness check, groups too stale to train on
-(those are reported as `Expired` so that the controller reissues them);
+samples, with the strict staleness check groups too stale to train on
+(those are reported as `Expired` so that the controller reissues them),
+and with `run.filter = "signal"` groups whose rewards are all equal
+(reported as `Dropped` with reason `no_signal`: the controller grants
+other prompts in their place);
 deal the step's samples into a share per rank and send each other rank its
 share; train on its own (in lock step with the others; not in the critic's
 warm-up, when the actor is held and only the critic learns); publish policy
@@ -33,6 +36,7 @@ import trio
 from rlflow.protocol import (
     WEIGHT_GROUP_BROKEN,
     Ack,
+    Dropped,
     ErrorReport,
     Expired,
     FinishReason,
@@ -53,6 +57,7 @@ from rlflow.services.base import Control, Service, bind_host, shm_settings, take
 from rlflow.services.trainer.engine import TrainerEngine, make_engine
 
 from rlflow.algo.staleness import too_stale
+from rlflow.control.ledger import NO_SIGNAL
 from rlflow.algo.values import critic_stats
 from rlflow.data import transport
 
@@ -75,6 +80,8 @@ class TrainerService(Service):
         self._checksum = ""
         #: The newest generation of the weight group the controller asked for (0: the first).
         self._asked = 0
+        #: Groups dropped for want of signal since the last step (`run.filter = "signal"`).
+        self._no_signal = 0
 
     def queues(self) -> dict[str, int]:
         return {"groups": len(self.buffer)}
@@ -190,6 +197,9 @@ class TrainerService(Service):
                     staleness_max=float(staleness[1]),
                 )
                 metrics.update(episode_stats(batch))
+                if run.filter == "signal":
+                    metrics["no_signal_groups"] = float(self._no_signal)
+                    self._no_signal = 0
                 self.counters["samples"] += batch.n_samples
                 self.counters["tokens"] += batch.n_tokens
                 await control.send(StepDone(step=self.step - 1, version=self.version, acked=ids, metrics=metrics))
@@ -337,6 +347,7 @@ class TrainerService(Service):
         failed_groups: list[int] = []
         errors: list[str] = []
         received: list[int] = []
+        no_signal: list[int] = []
         for group in split(stamp(msg, Stage.TRAINER_RECEIVED, time.time())):
             group_id = group.groups[0].group_id
             if group_id in self.acked or group_id in self._held:
@@ -352,6 +363,11 @@ class TrainerService(Service):
                 failed_groups.append(group_id)
                 errors.append(why[:500] if failed else "no samples")
                 continue
+            if self.config.run.filter == "signal" and not has_signal(group):
+                no_signal.append(group_id)
+                # Dropped for good: a copy granted again after a loss is a duplicate too.
+                self.acked.add(group_id)
+                continue
             self.buffer.append(group)
             self._held.add(group_id)
             if group.n_tokens:
@@ -359,8 +375,19 @@ class TrainerService(Service):
             received.append(group_id)
         if failed_groups:
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed", errors=errors))
+        if no_signal:
+            self.counters["no_signal_groups"] += len(no_signal)
+            self._no_signal += len(no_signal)
+            await control.send(Dropped(group_ids=no_signal, reason=NO_SIGNAL))
         if received:
             await control.send(Ack(stage=Stage.TRAINER_RECEIVED, group_ids=received))
+
+
+def has_signal(group: SampleBatch) -> bool:
+    """Whether a group's rewards differ (group-relative advantages are all 0 where they do not;
+    a single sample has no group to differ from)."""
+    rewards = group.rewards.numpy() if group.rewards is not None else np.zeros(0)
+    return rewards.size > 1 and float(np.nanmax(rewards)) != float(np.nanmin(rewards))
 
 
 def episode_stats(batch: SampleBatch) -> dict[str, float]:
