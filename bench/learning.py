@@ -9,6 +9,8 @@ run through `rlflow up` in each configuration, one run at a time:
     async-k1   run.mode = "async", max_staleness = 1 (the same as one_step)
     async-k2   run.mode = "async", max_staleness = 2 (the default)
     async-k4   run.mode = "async", max_staleness = 4
+    async-k2-filter  async-k2 with run.filter = "signal" (dynamic sampling)
+    async-k2-paced   async-k2 with run.credits = "paced" (only as far ahead as keeps the trainer fed)
 
 each with several seeds (`run.seed`: prompts, sampling and training).
 
@@ -66,12 +68,13 @@ RUNS = ROOT / "runs" / "learning"
 
 #: Each configuration compared: its `--set` overrides of the default config.
 VARIANTS: dict[str, list[str]] = {
-    "sync": ['run.mode="sync"', "run.max_staleness=0", 'run.filter="none"'],
-    "one_step": ['run.mode="one_step"', "run.max_staleness=1", 'run.filter="none"'],
-    "async-k1": ['run.mode="async"', "run.max_staleness=1", 'run.filter="none"'],
-    "async-k2": ['run.mode="async"', "run.max_staleness=2", 'run.filter="none"'],
-    "async-k4": ['run.mode="async"', "run.max_staleness=4", 'run.filter="none"'],
-    "async-k2-filter": ['run.mode="async"', "run.max_staleness=2", 'run.filter="signal"'],
+    "sync": ['run.mode="sync"', "run.max_staleness=0", 'run.filter="none"', 'run.credits="bound"'],
+    "one_step": ['run.mode="one_step"', "run.max_staleness=1", 'run.filter="none"', 'run.credits="bound"'],
+    "async-k1": ['run.mode="async"', "run.max_staleness=1", 'run.filter="none"', 'run.credits="bound"'],
+    "async-k2": ['run.mode="async"', "run.max_staleness=2", 'run.filter="none"', 'run.credits="bound"'],
+    "async-k4": ['run.mode="async"', "run.max_staleness=4", 'run.filter="none"', 'run.credits="bound"'],
+    "async-k2-filter": ['run.mode="async"', "run.max_staleness=2", 'run.filter="signal"', 'run.credits="bound"'],
+    "async-k2-paced": ['run.mode="async"', "run.max_staleness=2", 'run.filter="none"', 'run.credits="paced"'],
 }
 #: (without the filter, with it): the variants whose time to 60% gives filter_speedup.
 FILTER: tuple[str, str] | None = ("async-k2", "async-k2-filter")

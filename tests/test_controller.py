@@ -9,6 +9,7 @@ import math
 import pathlib
 import re
 import socket
+import statistics
 import subprocess
 import sys
 
@@ -554,6 +555,42 @@ def test_over_granting_assumes_at_most_a_share_and_a_run_of_groups_without_signa
     ledger.grant({0: 1000}, 0)
     assert len(ledger.groups) == 2 + 8
     assert len(ledger.notices) == 1 and "100% of the latest 8 groups had no signal" in ledger.notices[0]
+
+
+def test_paced_credits_come_down_while_the_trainer_is_fed_and_go_back_up_when_it_waits():
+    ledger = GroupLedger(batch_size=2, max_staleness=3, steps=100)
+    assert ledger.lead == 3 and ledger.limit == 2 * 4
+    for share in (0.0, 0.01, 0.05):  # three steps fed (5% is not waiting): one step less ahead
+        ledger.pace(share)
+    assert ledger.lead == 2 and ledger.limit == 2 * 3
+    for _ in range(6):
+        ledger.pace(0.0)
+    assert ledger.lead == 1  # and no lower: one step ahead keeps generation and training overlapped
+    ledger.pace(0.2)
+    assert ledger.lead == 2
+    for _ in range(5):
+        ledger.pace(0.5)
+    assert ledger.lead == 3  # the bound is the ceiling
+    ledger.steps_done = 10
+    assert ledger.limit == 2 * (10 + 3 + 1)
+
+
+@pytest.mark.slow  # two runs
+async def test_paced_credits_keep_samples_fresher_when_the_rollout_outruns_the_trainer(tmp_path):
+    """Short responses and a trainer that takes 100 ms a step: bounded credits run two steps ahead
+    all along; paced ones come down to one once the trainer is fed, with every step still trained."""
+    staleness = {}
+    for credits in ("bound", "paced"):
+        config = sim("run.steps=16", "run.max_staleness=2", f"run.credits={credits}",
+                     "roles.trainer.engine.step_overhead_s=0.1", "roles.rollout.engine.response_len.median=16",
+                     "roles.rollout.engine.response_len.max=32")
+        with trio.fail_after(60):
+            controller, summary = await run_in_process(config, tmp_path / credits)
+        assert summary.state == "stopped" and summary.steps == 16
+        rows = RunDir(tmp_path / credits).read_metrics()
+        staleness[credits] = statistics.fmean(r.staleness_mean for r in rows[8:])
+        assert controller.ledger.lead == (2 if credits == "bound" else 1)
+    assert staleness["paced"] < staleness["bound"] - 0.5, staleness
 
 
 @pytest.mark.slow  # a run with a death and a restart

@@ -674,6 +674,11 @@ class RunConfig(Table):
     the share of recent groups without signal, within the staleness bound; every step still trains
     on batch_size groups. none: train on every group (the trainer leaves out the no-signal ones'
     loss, `skip_uniform_groups`, but they fill a slot of the batch)."""
+    credits: Literal["bound", "paced"] = "bound"
+    """bound: the rollout is granted groups for max_staleness steps ahead of the trainer, always.
+    paced: only as far ahead as keeps the trainer fed (between 1 and max_staleness steps: one less after
+    three steps in which the trainer did not wait for groups, one more after a step in which it did),
+    so that samples are no staler than the throughput needs; max_staleness stays the ceiling."""
     staleness_check: Literal["admission", "strict"] = "admission"
     """admission: every group starts on weights at most max_staleness versions behind the
     step it is granted for (the credits); a long response that keeps generating across

@@ -338,6 +338,8 @@ class Controller:
             save_state(self.run_dir, msg, self.ledger)
         since = self.training_started or self.started
         row = self.stats.close_step(msg, time.monotonic() - since, sum(self.received_by_type.values()))
+        if self.config.run.credits == "paced":
+            self.ledger.pace(row.train.get("starved_s", 0.0) / max(row.train_s + row.train.get("starved_s", 0.0), 1e-9))
         if row.reward_failed_share is not None and row.reward_failed_share > FAILED_SHARE_WARNING:
             self._warn(f"step {row.step}: the reward of {100 * row.reward_failed_share:.0f}% of the samples could not "
                        "be computed (see the reward counters in the status)")

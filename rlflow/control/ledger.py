@@ -34,6 +34,14 @@ Every group the run will train on passes through it:
   `D * s / (1 - s)` more groups for `D` missing (`s` over the last
   `4 * batch_size` groups decided, at most `MAX_NO_SIGNAL_SHARE`). Those
   extra groups start within the bound of the newest open step.
+* Paced credits (`run.credits = "paced"`): groups are made for `lead`
+  steps ahead of the trainer instead of `max_staleness`. The lead starts at
+  the bound, comes down one step after `PACE_PATIENCE` steps in a row in
+  which the trainer did not wait for groups (more than `PACE_STARVED` of
+  the step), and goes back up one after a step in which it did, between 1
+  and the bound: the rollout runs only as far ahead as keeps the trainer
+  fed, and the samples are fresher for it. The bound on each group's start
+  (`min_version`) stays `max_staleness`.
 * Grants are bounded: a group that would be queued again after its
   `max_grants`-th grant without reaching the trainer (a prompt that fails
   every time it is generated, or takes its replica down) is dropped with
@@ -128,6 +136,10 @@ NO_SIGNAL = "no_signal"
 MAX_NO_SIGNAL_SHARE = 0.8
 #: A run is told once when at least this share of its latest groups had no signal.
 NO_SIGNAL_WARNING = 0.9
+#: Paced credits: a step in which the trainer waited more than this share of its time for groups
+#: raises the lead; `PACE_PATIENCE` steps in a row in which it did not lower it.
+PACE_STARVED = 0.05
+PACE_PATIENCE = 3
 
 
 def min_version(group_id: int, batch_size: int, max_staleness: int) -> int:
@@ -161,6 +173,9 @@ class GroupLedger:
         #: Of the latest groups the trainer received or dropped for want of signal: 1 for each dropped.
         self._no_signal: collections.deque[int] = collections.deque(maxlen=4 * batch_size)
         self._said_no_signal = False
+        #: Steps ahead of the trainer that groups are made for (`pace`; the bound unless paced).
+        self.lead = max_staleness
+        self._fed = 0
 
     # -- queries ------------------------------------------------------------
 
@@ -169,7 +184,7 @@ class GroupLedger:
         """Groups that may exist now: the staleness bound, and no more than the
         run needs; a dropped group makes room for one more; and the groups
         still missing are over-granted by the share that has had no signal."""
-        needed = min(self.batch_size * (self.steps_done + self.max_staleness + 1), self.batch_size * self.steps)
+        needed = min(self.batch_size * (self.steps_done + self.lead + 1), self.batch_size * self.steps)
         share = self.no_signal_share
         extra = 0
         if share > 0:
@@ -345,6 +360,16 @@ class GroupLedger:
         if again:
             self.journal.append(Event(event="requeued", groups=again, reason=reason))
         return again
+
+    def pace(self, starved_share: float) -> None:
+        """Paced credits: after a step in which the trainer waited `starved_share` of its time
+        for groups, move the lead (see the module)."""
+        if starved_share > PACE_STARVED:
+            self.lead, self._fed = min(self.max_staleness, self.lead + 1), 0
+            return
+        self._fed += 1
+        if self._fed >= PACE_PATIENCE and self.lead > 1:
+            self.lead, self._fed = self.lead - 1, 0
 
     def _tell_no_signal(self) -> None:
         """Once a run: most of the latest groups had no signal (a task too easy or too hard for

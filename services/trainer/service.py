@@ -163,6 +163,7 @@ class TrainerService(Service):
             if len(outs) != self.spec.replicas - 1:
                 raise RuntimeError(f"{self.spec.replicas} trainer ranks, but the welcome names {len(outs)} share "
                                    "addresses for the others")
+            waited = self.clock.totals()["starved"]
             while self.step < run.steps:
                 groups = await self.collect(inbox, control, run.batch_size)
                 batch = concat(groups)
@@ -197,6 +198,8 @@ class TrainerService(Service):
                     staleness_max=float(staleness[1]),
                 )
                 metrics.update(episode_stats(batch))
+                # What the step waited for groups (the credits' pace reads it: `run.credits`).
+                metrics["starved_s"], waited = self.clock.totals()["starved"] - waited, self.clock.totals()["starved"]
                 if run.filter == "signal":
                     metrics["no_signal_groups"] = float(self._no_signal)
                     self._no_signal = 0
