@@ -126,12 +126,14 @@ def test_restore_queues_every_untrained_group_again_and_keeps_the_clock():
 @given(
     st.integers(1, 4),
     st.integers(0, 3),
-    st.lists(st.tuples(st.sampled_from(["grant", "generate", "train", "expire", "lose"]), st.integers(0, 2)), max_size=60),
+    st.lists(st.tuples(st.sampled_from(["grant", "generate", "train", "expire", "lose", "no_signal", "pace"]),
+                       st.integers(0, 2)), max_size=60),
 )
 def test_the_ledger_keeps_its_promises_whatever_happens(batch, k, ops):
-    """Random grants, acks, steps, expiries and lost replicas: no group
-    exists beyond the bound, starts on weights older than its step allows,
-    is held by two replicas, or comes back after it was trained on."""
+    """Random grants, acks, steps, expiries, lost replicas, groups dropped for want of signal
+    and paced credits: no group exists beyond the bound (the over-granting for groups without
+    signal aside), starts on weights older than its step allows, is held by two replicas, or
+    comes back after it was trained on."""
     steps = 6
     ledger = GroupLedger(batch, k, steps)
     trained: set[int] = set()
@@ -157,13 +159,19 @@ def test_the_ledger_keeps_its_promises_whatever_happens(batch, k, ops):
                 version += 1
         elif op == "expire":
             ledger.expired([g for g in list(ledger.groups)[:1]])
+        elif op == "no_signal":
+            ledger.drop([g.group_id for g in ledger.groups.values() if g.state is GroupState.DOWNSTREAM][:1], NO_SIGNAL)
+        elif op == "pace":
+            ledger.pace(0.5 * rank)
+            assert min(1, k) <= ledger.lead <= k
         else:
             ledger.lost(rank)
-        assert ledger.next_group <= ledger.limit
+        if not ledger.dropped[NO_SIGNAL]:
+            assert ledger.next_group <= ledger.limit + batch * (k - ledger.lead)  # a lead lowered since
         assert not trained & set(ledger.groups)
         assert all(ledger.held_by(r) <= 3 for r in range(3))
         assert all(g.grants <= ledger.max_grants for g in ledger.groups.values())
-        assert set(ledger.dropped) <= {POISON}  # only a group granted max_grants times is given up on
+        assert set(ledger.dropped) <= {POISON, NO_SIGNAL}  # as poison, or by the trainer
         # Nothing lost: every group made is trained, still in the ledger, or dropped with its reason.
         assert len(trained) + len(ledger.groups) + sum(ledger.dropped.values()) == ledger.next_group
 
