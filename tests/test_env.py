@@ -448,6 +448,39 @@ def test_the_trainer_trains_on_the_model_tokens_alone(tmp_path):
     assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(after[0], after[2]))
 
 
+@pytest.mark.slow  # builds a model
+def test_a_kl_penalty_in_the_reward_counts_the_model_tokens_alone(tmp_path):
+    """kl_in = "reward": an episode's observation tokens are not the policy's, so what the
+    reference (the teacher here) says of them changes neither the penalty nor the KL reported."""
+    from models import tiny_model
+
+    from rlflow.protocol import Response, Tensor, build_batch
+    from rlflow.services.trainer.torch_engine import TorchEngine
+
+    path = tiny_model(tmp_path / "model", tied=False, seed=3)
+    mask = np.asarray([1] * 4 + [0] * 3 + [1] * 3, np.uint8)
+
+    def batch(observed_teacher: float, masked: bool = True) -> SampleBatch:
+        rng = np.random.default_rng(0)
+        groups = []
+        for g in range(2):
+            responses = [Response(np.asarray(rng.integers(3, 17, 10), np.int32), np.full(10, -2.0, np.float32),
+                                  np.zeros(10, np.int32), FinishReason.STOP, loss_mask=mask if masked else None)
+                         for _ in range(4)]
+            groups.append((PromptGroup(group_id=g, prompt_ids=[3, 4, 5], n=4), responses))
+        teacher = np.tile(np.where(mask == 1, -2.5, observed_teacher), 8).astype(np.float32)
+        return msgspec.structs.replace(build_batch(groups), rewards=Tensor.of([float(i % 2) for i in range(8)], "float32"),
+                                       teacher_logprobs=Tensor.of(teacher.tolist(), "float32"))
+
+    cfg = C.TorchTrainer(lr=1e-2, micro_batch_tokens=32, kl_coef=0.5, kl_in="reward")
+    stats = [TorchEngine(cfg, str(path), seed=0).train(batch(t, m)) for t, m in ((-0.1, True), (-9.0, True),
+                                                                                 (-9.0, False))]
+    assert stats[0]["kl_penalty_mean"] > 0
+    assert stats[0]["kl_penalty_mean"] == pytest.approx(stats[1]["kl_penalty_mean"])
+    assert stats[0]["kl_teacher"] == pytest.approx(0.5)  # -2 - (-2.5), at the model's tokens
+    assert stats[2]["kl_penalty_mean"] > 2 * stats[1]["kl_penalty_mean"]
+
+
 # -- whole runs --------------------------------------------------------------------------------------------
 
 

@@ -156,8 +156,9 @@ class TorchEngine:
             stats["kl_teacher"] = _token_mean(rows, lambda r: r.logprobs - r.teacher_logprobs)
         if cfg.kl_coef > 0 and cfg.kl_in == "reward":
             references = self._base_rows(rows) if self.base_reference else [r.teacher_logprobs for r in rows]
+            # Over the model's own tokens: an episode's observations are not the policy's to pay for.
             penalty = torch.tensor([
-                float(kl_to_reference(torch.from_numpy(r.logprobs), torch.as_tensor(ref), cfg.kl_estimator).sum())
+                float(_own(r, kl_to_reference(torch.from_numpy(r.logprobs), torch.as_tensor(ref), cfg.kl_estimator)).sum())
                 for r, ref in zip(rows, references)
             ])
             rewards = rewards - cfg.kl_coef * penalty
@@ -560,9 +561,17 @@ def _loss_mask(part: list) -> torch.Tensor | None:
                       else torch.from_numpy(r.loss_mask.astype(bool)) for r in part])
 
 
+def _own(sample, values):
+    """A per-token quantity of `sample` (numpy or torch) at the tokens it is trained on."""
+    if sample.loss_mask is None:
+        return values
+    keep = sample.loss_mask.astype(bool)
+    return values[keep] if isinstance(values, np.ndarray) else values[torch.from_numpy(keep)]
+
+
 def _token_mean(rows: list, per_sample) -> float:
-    """The mean over every token of the batch of a per-token quantity."""
-    values = [per_sample(r) for r in rows if len(r.response_ids)]
+    """The mean over every token trained on of the batch of a per-token quantity."""
+    values = [_own(r, per_sample(r)) for r in rows if _trained(r)]
     return float(np.concatenate(values).mean()) if values else 0.0
 
 
