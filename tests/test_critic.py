@@ -363,6 +363,36 @@ def test_the_advantages_of_a_batch_leave_failed_samples_out_and_take_a_penalty_a
         batch_gae(msgspec.structs.replace(batch, rewards=None), values, 1.0, 1.0)
 
 
+def test_the_advantages_of_an_episode_run_over_the_models_own_tokens():
+    """Tokens [m m o o m] (o: the environment's observation, loss mask 0): GAE skips the
+    observations (the value after the first turn's last token is the value before the second
+    turn's first), which get advantage 0 and their own value as return; an episode that ends on
+    observations ([m m m o o]) has its reward at the model's last token."""
+    from rlflow.algo.values import batch_gae
+
+    values = np.array([0.5, 0.25, 9.0, 9.0, 0.75], np.float32)
+
+    def advantages_of(mask):
+        response = Response(np.arange(3, 8, dtype=np.int32), np.zeros(5, np.float32), np.zeros(5, np.int32),
+                            FinishReason.STOP, loss_mask=np.asarray(mask, np.uint8))
+        batch = msgspec.structs.replace(build_batch([(PromptGroup(group_id=0, prompt_ids=[1], n=1), [response])]),
+                                        rewards=Tensor.of([1.0], "float32"))
+        return batch_gae(batch, values, 0.9, 0.8)
+
+    advantages, returns = advantages_of([1, 1, 0, 0, 1])
+    # The own tokens' values are [0.5, 0.25, 0.75]: the sums of the plain test above.
+    d2, d1, d0 = 1.0 - 0.75, 0.9 * 0.75 - 0.25, 0.9 * 0.25 - 0.5
+    a2 = d2
+    a1 = d1 + 0.72 * a2
+    a0 = d0 + 0.72 * a1
+    np.testing.assert_allclose(advantages, [a0, a1, 0.0, 0.0, a2], atol=1e-6)
+    np.testing.assert_allclose(returns, [a0 + 0.5, a1 + 0.25, 9.0, 9.0, a2 + 0.75], atol=1e-6)
+    advantages, returns = advantages_of([1, 1, 1, 0, 0])
+    expected, _ = gae(token_rewards(1.0, 3), np.array([0.5, 0.25, 9.0]), 0.9, 0.8)
+    np.testing.assert_allclose(advantages, [*expected, 0.0, 0.0], atol=1e-5)
+    assert returns[3:].tolist() == [9.0, 0.75]
+
+
 def test_the_newest_checkpoint_is_one_the_critic_finished_too(tmp_path):
     from rlflow.rundir import CONTROLLER_STATE, RUN_STATE, RunDir
 

@@ -16,7 +16,11 @@ every token. GAE (Schulman et al., 2016)::
     R_t     = A_t + V_t                  (the critic's regression target)
 
 ``lam = 0`` gives the one-step TD error, ``lam = 1`` the discounted return
-minus the value. Everything here but `value_loss` is numpy (the trainer reads
+minus the value. In an episode with an environment, the observation tokens
+(loss mask 0) are the environment's, not decisions of the policy: GAE runs
+over the model's own tokens alone (the value after a turn's last token is
+the value before the next turn's first), and an observation token gets
+advantage 0 and its own value as its return (nothing to learn there). Everything here but `value_loss` is numpy (the trainer reads
 the statistics of the critic's columns without torch).
 """
 
@@ -73,7 +77,16 @@ def batch_gae(batch: Any, values: np.ndarray, gamma: float, lam: float,
             continue
         a, b = offsets[row.row], offsets[row.row + 1]
         rewards = token_rewards(row.reward, b - a, None if penalty is None else penalty(row))
-        advantages[a:b], returns[a:b] = gae(rewards, values[a:b], gamma, lam)
+        if row.loss_mask is None:
+            advantages[a:b], returns[a:b] = gae(rewards, values[a:b], gamma, lam)
+            continue
+        own = np.flatnonzero(row.loss_mask) + a
+        # The reward at the episode's last token is the last own token's: what follows it is not the policy's.
+        rewards = rewards[row.loss_mask.astype(bool)]
+        if len(rewards) and not row.loss_mask[-1]:
+            rewards[-1] += row.reward
+        advantages[a:b], returns[a:b] = 0.0, values[a:b]
+        advantages[own], returns[own] = gae(rewards, values[own], gamma, lam)
     return advantages, returns
 
 

@@ -196,13 +196,17 @@ class TorchEngine:
         chosen = [i for i in range(len(rows)) if len(rows[i].response_ids) > 0]
         trained = take(batch, chosen)
         tokens = trained.token_advantages.numpy().astype(np.float64)
-        stats["advantage_mean"] = float(tokens.mean()) if tokens.size else 0.0
-        stats["advantage_std"] = float(tokens.std()) if tokens.size else 0.0
+        # Statistics and whitening over the policy's own tokens (an episode's observations are not trained on).
+        keep = (np.concatenate([np.ones(len(r.response_ids), bool) if r.loss_mask is None else r.loss_mask.astype(bool)
+                                for r in samples(trained)]) if trained.n_samples else np.ones(0, bool))
+        own = tokens[keep]
+        stats["advantage_mean"] = float(own.mean()) if own.size else 0.0
+        stats["advantage_std"] = float(own.std()) if own.size else 0.0
         if self.cfg.whiten_advantages:
-            tokens = whiten(tokens)
+            tokens[keep] = whiten(own)
         offsets = trained.response_offsets.numpy()
         per_sample = np.add.reduceat(tokens, offsets[:-1]) / np.diff(offsets) if len(chosen) else tokens
-        stats["trained_tokens"] = float(trained.n_tokens)
+        stats["trained_tokens"] = float(keep.sum())
         trained = msgspec.structs.replace(trained, token_advantages=Tensor.from_numpy(tokens.astype(np.float32)),
                                           advantages=Tensor.from_numpy(np.asarray(per_sample, np.float32)))
         lengths = [len(rows[i].prompt_ids) + len(rows[i].response_ids) for i in chosen]
