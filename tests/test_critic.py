@@ -232,6 +232,35 @@ def test_a_critic_step_on_two_ranks_is_the_step_on_one_and_its_checkpoint_resume
         np.testing.assert_allclose(resumed["after_second"][name], value, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.slow  # three critic steps
+def test_the_critic_trains_on_an_episodes_own_tokens_alone(model_path):
+    """Whatever returns an episode's observation tokens carry, a critic step moves the value
+    model the same and counts the model's tokens alone; without the mask it moves it otherwise."""
+    from rlflow.services.critic.torch_engine import CriticModel
+
+    def batch(observed: float, masked: bool = True):
+        mask = np.asarray([1] * 4 + [0] * 3 + [1] * 3, np.uint8)
+        rng = np.random.default_rng(1)
+        items = [(PromptGroup(group_id=g, prompt_ids=[3, 4, 5], n=1),
+                  [Response(np.asarray(rng.integers(3, 17, 10), np.int32), np.zeros(10, np.float32),
+                            np.zeros(10, np.int32), FinishReason.STOP, loss_mask=mask if masked else None)])
+                 for g in range(4)]
+        returns = np.tile(np.where(mask == 1, 0.5, observed), 4).astype(np.float32)
+        return msgspec.structs.replace(build_batch(items), rewards=Tensor.of([0.5] * 4, "float32"),
+                                       values=Tensor.from_numpy(np.zeros(40, np.float32)),
+                                       returns=Tensor.from_numpy(returns),
+                                       token_advantages=Tensor.from_numpy(returns))
+
+    after, stats = [], []
+    for observed, masked in ((0.0, True), (7.0, True), (7.0, False)):
+        model = CriticModel(C.TorchCritic(lr=1e-3, micro_batch_tokens=64, value_clip=0.0), str(model_path))
+        stats.append(model.step(batch(observed, masked)))
+        after.append([p.detach().clone() for p in model.model.parameters()])
+    assert stats[0]["tokens"] == stats[1]["tokens"] == 4 * 7 and stats[2]["tokens"] == 4 * 10
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(after[0], after[1]))
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(after[0], after[2]))
+
+
 # -- the trainer's side ---------------------------------------------------------------------------
 
 
