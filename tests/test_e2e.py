@@ -244,56 +244,38 @@ steps = 2
 """
 
 
-def test_own_data_reward_functions_and_a_teacher_end_to_end(ray_cluster, tmp_path, monkeypatch):
+#: Steps of the run below. The engine core is killed once step 2 is trained; beyond the groups the
+#: credits let out before that (3 steps' worth), every step needs the restarted replica, so the kill
+#: lands mid-run: a step takes well under a second here, and the killer looks every 50 ms.
+OWN_STEPS = 24
+
+
+@pytest.fixture(scope="module")
+def own_run(ray_cluster, tmp_path_factory):
     """A dataset task scored by reward functions, one of them the user's own
     module in the folder the run is launched from (the Ray workers were
     started elsewhere), with a teacher scoring every token on its own pool
-    and the trainer distilling from it."""
+    and the trainer distilling from it; once two steps are trained, the
+    engine-core process of the live vLLM rollout replica is SIGKILLed. One
+    run that the two tests below read: (run dir, summary, pids killed)."""
     import itertools
-
-    own = tmp_path / "own"
-    own.mkdir()
-    (own / "own_rewards.py").write_text("def length(sample):\n    return float(len(sample.response))\n")
-    monkeypatch.chdir(own)
-    model = tiny_model(tmp_path / "model", tied=False, seed=11)
-    teacher = tiny_model(tmp_path / "teacher", tied=False, seed=12)
-    data = tmp_path / "arith.jsonl"
-    with open(ROOT / "examples" / "data" / "arith.jsonl") as source:
-        data.write_text("".join(itertools.islice(source, 40)))
-    config = C.load(text=OWN_TASK.format(model=model, teacher=teacher, data=data))
-    summary = run(config, tmp_path / "run")
-    assert summary.state == "stopped", summary.error
-    rows = RunDir(tmp_path / "run").read_metrics()
-    assert [r.step for r in rows] == [0, 1]
-    for row in rows:
-        assert row.samples == 16 and 0.0 <= row.reward_mean <= 1.0
-        assert row.train["kl_teacher"] == row.train["kl_teacher"]  # a number: the teacher scored every token
-        assert "distill_loss" in row.train and "kl_loss" in row.train
-    assert RunDir(tmp_path / "run").read_status().roles["reward"].counters.reward_calls["length.ok"] > 0
-    evals = RunDir(tmp_path / "run").read_evals()
-    assert {"pass_rate", "reward_mean"} <= set(evals[0].metrics) and evals[0].metrics["problems"] == 10.0
-
-
-def test_a_dead_vllm_engine_ends_its_replica_which_is_restarted_and_nothing_is_lost(ray_cluster, tmp_path):
-    """SIGKILL the engine-core process of a live vLLM rollout replica: the
-    replica does not go on failing every request; it ends, is restarted as a
-    new incarnation, and the run finishes with a clean audit."""
     import threading
 
-    from rlflow.tools.audit import audit
-
-    # The kill lands once step 2 is trained; beyond the groups the credits let out before it (3 steps'
-    # worth), every step needs the restarted replica. A step takes ~0.1-0.2 s here: the killer has seconds.
-    steps = 60
-
-    model = tiny_model(tmp_path / "model", tied=False, seed=11)
-    config = C.load(text=CONFIG.format(model=model), overrides=[
-        f"run.steps={steps}", "eval.every_steps=0", "eval.before=false", "cluster.restart_backoff_s=0.1",
-        "cluster.handshake_timeout_s=900",
+    root = tmp_path_factory.mktemp("own")
+    own = root / "own"
+    own.mkdir()
+    (own / "own_rewards.py").write_text("def length(sample):\n    return float(len(sample.response))\n")
+    model = tiny_model(root / "model", tied=False, seed=11)
+    teacher = tiny_model(root / "teacher", tied=False, seed=12)
+    data = root / "arith.jsonl"
+    with open(ROOT / "examples" / "data" / "arith.jsonl") as source:
+        data.write_text("".join(itertools.islice(source, 40)))
+    config = C.load(text=OWN_TASK.format(model=model, teacher=teacher, data=data), overrides=[
+        f"run.steps={OWN_STEPS}", "cluster.restart_backoff_s=0.1", "cluster.handshake_timeout_s=900",
         # A group generation made while the dying replica still counted as a member waits this long for it
         # (a live member joins in milliseconds; the replacement joins a generation of its own once it is up).
         "cluster.weight_timeout_s=10"])
-    run_dir = tmp_path / "run"
+    run_dir = root / "run"
     killed: list[int] = []
 
     def kill_engine_core() -> None:
@@ -314,13 +296,39 @@ def test_a_dead_vllm_engine_ends_its_replica_which_is_restarted_and_nothing_is_l
 
     killer = threading.Thread(target=kill_engine_core, daemon=True)
     killer.start()
-    summary = run(config, run_dir)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(own)
+        summary = run(config, run_dir)
     killer.join(timeout=10)
+    return run_dir, summary, killed
+
+
+def test_own_data_reward_functions_and_a_teacher_end_to_end(own_run):
+    run_dir, summary, _ = own_run
+    assert summary.state == "stopped", summary.error
+    rows = RunDir(run_dir).read_metrics()
+    assert [r.step for r in rows] == list(range(OWN_STEPS))
+    for row in rows:
+        assert row.samples == 16 and 0.0 <= row.reward_mean <= 1.0
+        assert row.train["kl_teacher"] == row.train["kl_teacher"]  # a number: the teacher scored every token
+        assert "distill_loss" in row.train and "kl_loss" in row.train
+    assert RunDir(run_dir).read_status().roles["reward"].counters.reward_calls["length.ok"] > 0
+    evals = RunDir(run_dir).read_evals()
+    assert {"pass_rate", "reward_mean"} <= set(evals[0].metrics) and evals[0].metrics["problems"] == 10.0
+
+
+def test_a_dead_vllm_engine_ends_its_replica_which_is_restarted_and_nothing_is_lost(own_run):
+    """SIGKILL the engine-core process of a live vLLM rollout replica: the
+    replica does not go on failing every request; it ends, is restarted as a
+    new incarnation, and the run finishes with a clean audit."""
+    from rlflow.tools.audit import audit
+
+    run_dir, summary, killed = own_run
     assert killed, "found no vLLM engine-core process to kill"
-    assert summary.state == "stopped" and summary.steps == steps, summary.error
+    assert summary.state == "stopped" and summary.steps == OWN_STEPS, summary.error
     status = RunDir(run_dir).read_status()
     assert status.roles["rollout"].restarts >= 1 and status.roles["rollout"].placed[0].incarnation >= 1
     # Lost as it died, found by the launcher or by a message that found no one; it said why first.
     assert any(w.startswith("rollout-0 ") and "EngineDead" in w for w in status.warnings), status.warnings
     result = audit(run_dir)
-    assert (result.lost, result.duplicated, result.trained) == (0, 0, steps * 4), result
+    assert (result.lost, result.duplicated, result.trained) == (0, 0, OWN_STEPS * 4), result
