@@ -170,7 +170,9 @@ def test_chaos_kills_a_hang_and_a_trainer_resume_lose_nothing(clean, tmp_path, m
     chaos = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "chaos", chaos)  # its dataclasses look their module up there
     spec.loader.exec_module(chaos)
-    done, result, steps = chaos.chaos_run(tmp_path, kills=3, hang=True, kill_trainer=True, steps=100, seed=3)
+    # A hang is found out by the heartbeat timeout: 4 s of silence (8 heartbeats) rather than the bench's 10.
+    done, result, steps = chaos.chaos_run(tmp_path, kills=3, hang=True, kill_trainer=True, steps=100, seed=3,
+                                          hang_s=4.0)
     assert (done.kills, done.hangs, done.trainer_kills) == (3, 1, 1), done.log
     assert (result.lost, result.duplicated) == (0, 0), result
     assert steps == 100 and result.trained == 100 * 4
