@@ -289,6 +289,9 @@ def test_a_detached_run_whose_controller_is_killed_is_dead_to_status_and_down(cl
         psutil.Process(pid).wait(timeout=30)
         shown = subprocess.run([*base, "status", str(run_dir), "--once"], capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0 and "dead" in shown.stdout, shown.stdout
+        # The stray is this process's child: reaped as soon as it ends (as a shell reaps its own), or `down`
+        # would see a zombie still there and wait out its grace before SIGKILL.
+        threading.Thread(target=stray.wait, daemon=True).start()
         down = subprocess.run([*base, "down", str(run_dir)], capture_output=True, text=True, timeout=180)
         assert down.returncode == 0, down.stderr
         assert f"is dead: its controller (pid {pid}) is gone without saying why" in down.stderr, down.stderr
