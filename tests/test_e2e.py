@@ -142,7 +142,7 @@ def test_a_trainer_of_two_ranks_end_to_end(real_run):
     assert set(generated) == {"rollout-0", "rollout-1"}, generated  # both replicas generated, on new weights too
 
 
-def test_a_run_of_two_trainer_ranks_resumes_from_its_last_checkpoint_detached_on_one(real_run, ray_cluster):
+def test_a_run_resumes_from_its_last_checkpoint_detached(real_run, ray_cluster):
     """`rlflow up --resume --detach` of the two-rank run on one trainer rank
     (and one rollout replica): the distributed checkpoint of the optimizer
     loads on one rank, and the run goes on from where it was."""
