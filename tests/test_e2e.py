@@ -66,18 +66,34 @@ steps = 3
 """
 
 
+#: The real run below has two trainer ranks and two rollout replicas; it resumes on one of each.
+TWO = ["roles.trainer.replicas=2", "roles.rollout.replicas=2"]
+ONE = ["roles.trainer.replicas=1", "roles.rollout.replicas=1"]
+
+
 @pytest.fixture(scope="module")
 def real_run(ray_cluster, tmp_path_factory):
+    """3 steps of two real vLLM replicas' samples trained by the torch trainer
+    on 2 ranks (FSDP2 over gloo), its weights broadcast to both replicas in
+    one group, in 64 KiB pieces; held-out evaluations and checkpoints every 2
+    steps. One run (a start of Ray actors and vLLM engines costs more than its
+    steps) that the tests below read, and the last resumes."""
     root = tmp_path_factory.mktemp("e2e")
     model = tiny_model(root / "model", tied=False, seed=11)
-    config = C.load(text=CONFIG.format(model=model))
+    # A format reward that some samples of most groups meet (the tiny model's
+    # arithmetic earns nothing): there is something to learn at every step.
+    text = (CONFIG.format(model=model)
+            .replace("checkpoint_every = 2", "checkpoint_every = 2\nbucket_bytes = 65536")
+            .replace('kind = "task"\n', 'kind = "functions"\ncheck_references = 0\n[[roles.reward.engine.functions]]\n'
+                     'path = "rlflow.rewards:regex"\nkwargs = { pattern = "^[0-4]" }\nworkers = 1\n'))
+    config = C.load(text=text, overrides=TWO)
     run_dir = root / "run"
     summary = run(config, run_dir)
-    return run_dir, summary
+    return model, run_dir, summary
 
 
 def test_a_few_steps_with_real_vllm_and_the_real_trainer(real_run):
-    run_dir, summary = real_run
+    _, run_dir, summary = real_run
     assert summary.state == "stopped", summary.error
     folder = RunDir(run_dir)
     steps = folder.read_metrics()
@@ -102,14 +118,41 @@ def test_a_few_steps_with_real_vllm_and_the_real_trainer(real_run):
         assert (run_dir / "checkpoints" / name / "controller_state.json").exists()
 
 
+def test_a_trainer_of_two_ranks_end_to_end(real_run):
+    """Every step trained on both ranks; the final checkpoint is a Hugging Face
+    model and a distributed checkpoint of the optimizer."""
+    from transformers import AutoModelForCausalLM
+
+    model, run_dir, summary = real_run
+    assert summary.state == "stopped", summary.error
+    rows = RunDir(run_dir).read_metrics()
+    assert [r.step for r in rows] == [0, 1, 2] and all(r.samples == 16 for r in rows)
+    assert sum(r.train["trained_tokens"] for r in rows) > 0
+    folder = run_dir / "checkpoints" / "step-000003"
+    assert (folder / "optimizer").is_dir()
+    trained = AutoModelForCausalLM.from_pretrained(folder)
+    start = AutoModelForCausalLM.from_pretrained(model)
+    assert max((a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())) > 0
+    assert (run_dir / "logs" / "trainer-1.log").exists()
+    generated = collections.Counter()
+    for line in RunDir(run_dir).ledger.read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "generated":
+            generated[event["replica"]] += len(event["groups"])
+    assert set(generated) == {"rollout-0", "rollout-1"}, generated  # both replicas generated, on new weights too
+
+
 def test_a_run_resumes_from_its_last_checkpoint_detached(real_run, ray_cluster):
-    run_dir, _ = real_run
+    """`rlflow up --resume --detach` of the two-rank run on one trainer rank
+    (and one rollout replica): the distributed checkpoint of the optimizer
+    loads on one rank, and the run goes on from where it was."""
+    _, run_dir, _ = real_run
     folder = RunDir(run_dir)
     config_before = folder.config.read_text()
     evals_before = folder.read_evals()
     up = subprocess.run(
         [sys.executable, "-m", "rlflow", "up", "--resume", str(run_dir), "--steps", "4", "--detach",
-         "--set", f"cluster.address={ray_cluster}"],
+         "--set", f"cluster.address={ray_cluster}", *(f"--set={o}" for o in ONE)],
         capture_output=True, text=True, timeout=600,
     )
     assert up.returncode == 0, up.stderr[-3000:]
@@ -123,10 +166,11 @@ def test_a_run_resumes_from_its_last_checkpoint_detached(real_run, ray_cluster):
     assert [r.step for r in steps] == [0, 1, 2, 3]
     assert steps[-1].version == 4
     # The resumed run is this run, continued: its config is the same but for
-    # the resume point and the steps.
-    assert C.load(folder.config).roles == C.load(text=config_before).roles
+    # the resume point, the steps and the ranks and replicas asked for.
+    assert C.load(folder.config).roles == C.load(text=config_before, overrides=ONE).roles
     state = json.loads((folder.checkpoint(4) / "controller_state.json").read_text())
     assert state["step"] == 4
+    assert (folder.checkpoint(4) / "model.safetensors").exists()
     # One record: the evaluations of the checkpoint it resumed from and before are kept (that of
     # step 3 is not made again), then the final one.
     evals = folder.read_evals()
@@ -200,109 +244,38 @@ steps = 2
 """
 
 
-def test_own_data_reward_functions_and_a_teacher_end_to_end(ray_cluster, tmp_path, monkeypatch):
-    """A dataset task scored by reward functions, one of them the user's own
-    module in the folder the run is launched from (the Ray workers were
-    started elsewhere), with a teacher scoring every token on its own pool
-    and the trainer distilling from it."""
-    import itertools
-
-    own = tmp_path / "own"
-    own.mkdir()
-    (own / "own_rewards.py").write_text("def length(sample):\n    return float(len(sample.response))\n")
-    monkeypatch.chdir(own)
-    model = tiny_model(tmp_path / "model", tied=False, seed=11)
-    teacher = tiny_model(tmp_path / "teacher", tied=False, seed=12)
-    data = tmp_path / "arith.jsonl"
-    with open(ROOT / "examples" / "data" / "arith.jsonl") as source:
-        data.write_text("".join(itertools.islice(source, 40)))
-    config = C.load(text=OWN_TASK.format(model=model, teacher=teacher, data=data))
-    summary = run(config, tmp_path / "run")
-    assert summary.state == "stopped", summary.error
-    rows = RunDir(tmp_path / "run").read_metrics()
-    assert [r.step for r in rows] == [0, 1]
-    for row in rows:
-        assert row.samples == 16 and 0.0 <= row.reward_mean <= 1.0
-        assert row.train["kl_teacher"] == row.train["kl_teacher"]  # a number: the teacher scored every token
-        assert "distill_loss" in row.train and "kl_loss" in row.train
-    assert RunDir(tmp_path / "run").read_status().roles["reward"].counters.reward_calls["length.ok"] > 0
-    evals = RunDir(tmp_path / "run").read_evals()
-    assert {"pass_rate", "reward_mean"} <= set(evals[0].metrics) and evals[0].metrics["problems"] == 10.0
-
+#: Steps of the run below. The engine core is killed once step 2 is trained; beyond the groups the
+#: credits let out before that (3 steps' worth), every step needs the restarted replica, so the kill
+#: lands mid-run: a step takes well under a second here, and the killer looks every 50 ms.
+OWN_STEPS = 24
 
 
 @pytest.fixture(scope="module")
-def two_ranks(ray_cluster, tmp_path_factory):
-    """2 steps of two real vLLM replicas' samples trained by the torch trainer
-    on 2 ranks (FSDP2 over gloo), its weights broadcast to both replicas in
-    one group, in 64 KiB pieces."""
-    root = tmp_path_factory.mktemp("ranks")
-    model = tiny_model(root / "model", tied=False, seed=11)
-    # A format reward that some samples of most groups meet (the tiny model's
-    # arithmetic earns nothing): there is something to learn at every step.
-    text = (CONFIG.format(model=model)
-            .replace("checkpoint_every = 2", "checkpoint_every = 0\nbucket_bytes = 65536")
-            .replace('kind = "task"\n', 'kind = "functions"\ncheck_references = 0\n[[roles.reward.engine.functions]]\n'
-                     'path = "rlflow.rewards:regex"\nkwargs = { pattern = "^[0-4]" }\nworkers = 1\n'))
-    config = C.load(text=text, overrides=["roles.trainer.replicas=2", "roles.rollout.replicas=2", "run.steps=2", "eval.every_steps=0",
-                                          "eval.before=false", "eval.after=false"])
-    summary = run(config, root / "run")
-    return model, root / "run", summary
-
-
-def test_a_trainer_of_two_ranks_end_to_end(two_ranks):
-    """Every step trained on both ranks; the final checkpoint is a Hugging Face
-    model and a distributed checkpoint of the optimizer."""
-    from transformers import AutoModelForCausalLM
-
-    model, run_dir, summary = two_ranks
-    assert summary.state == "stopped", summary.error
-    rows = RunDir(run_dir).read_metrics()
-    assert [r.step for r in rows] == [0, 1] and all(r.samples == 16 for r in rows)
-    assert sum(r.train["trained_tokens"] for r in rows) > 0
-    assert summary.weights_load_s_mean > 0
-    folder = run_dir / "checkpoints" / "step-000002"
-    assert (folder / "optimizer").is_dir()
-    trained = AutoModelForCausalLM.from_pretrained(folder)
-    start = AutoModelForCausalLM.from_pretrained(model)
-    assert max((a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())) > 0
-    assert (run_dir / "logs" / "trainer-1.log").exists()
-    generated = collections.Counter()
-    for line in RunDir(run_dir).ledger.read_text().splitlines():
-        event = json.loads(line)
-        if event["event"] == "generated":
-            generated[event["replica"]] += len(event["groups"])
-    assert set(generated) == {"rollout-0", "rollout-1"}, generated  # both replicas generated, on new weights too
-
-
-def test_a_run_of_two_trainer_ranks_resumes_on_one(two_ranks):
-    _, run_dir, first = two_ranks
-    assert first.state == "stopped", first.error
-    folder = RunDir(run_dir)
-    config = C.load(folder.config, [f'run.resume="{folder.latest_checkpoint()}"', "run.steps=3",
-                                    "roles.trainer.replicas=1"])
-    summary = run(config, run_dir)
-    assert summary.state == "stopped", summary.error
-    rows = folder.read_metrics()
-    assert [r.step for r in rows] == [0, 1, 2] and rows[-1].version == 3
-    assert (run_dir / "checkpoints" / "step-000003" / "model.safetensors").exists()
-
-
-def test_a_dead_vllm_engine_ends_its_replica_which_is_restarted_and_nothing_is_lost(ray_cluster, tmp_path):
-    """SIGKILL the engine-core process of a live vLLM rollout replica: the
-    replica does not go on failing every request; it ends, is restarted as a
-    new incarnation, and the run finishes with a clean audit."""
+def own_run(ray_cluster, tmp_path_factory):
+    """A dataset task scored by reward functions, one of them the user's own
+    module in the folder the run is launched from (the Ray workers were
+    started elsewhere), with a teacher scoring every token on its own pool
+    and the trainer distilling from it; once two steps are trained, the
+    engine-core process of the live vLLM rollout replica is SIGKILLed. One
+    run that the two tests below read: (run dir, summary, pids killed)."""
+    import itertools
     import threading
 
-    from rlflow.tools.audit import audit
-
-    model = tiny_model(tmp_path / "model", tied=False, seed=11)
-    config = C.load(text=CONFIG.format(model=model), overrides=[
-        "run.steps=120", "eval.every_steps=0", "eval.before=false", "cluster.restart_backoff_s=0.1",
-        "cluster.handshake_timeout_s=900",
-        # A group generation made while the dying replica still counted as a member waits this long for it.
-        "cluster.weight_timeout_s=30"])
-    run_dir = tmp_path / "run"
+    root = tmp_path_factory.mktemp("own")
+    own = root / "own"
+    own.mkdir()
+    (own / "own_rewards.py").write_text("def length(sample):\n    return float(len(sample.response))\n")
+    model = tiny_model(root / "model", tied=False, seed=11)
+    teacher = tiny_model(root / "teacher", tied=False, seed=12)
+    data = root / "arith.jsonl"
+    with open(ROOT / "examples" / "data" / "arith.jsonl") as source:
+        data.write_text("".join(itertools.islice(source, 40)))
+    config = C.load(text=OWN_TASK.format(model=model, teacher=teacher, data=data), overrides=[
+        f"run.steps={OWN_STEPS}", "cluster.restart_backoff_s=0.1", "cluster.handshake_timeout_s=900",
+        # A group generation made while the dying replica still counted as a member waits this long for it
+        # (a live member joins in milliseconds; the replacement joins a generation of its own once it is up).
+        "cluster.weight_timeout_s=10"])
+    run_dir = root / "run"
     killed: list[int] = []
 
     def kill_engine_core() -> None:
@@ -323,13 +296,39 @@ def test_a_dead_vllm_engine_ends_its_replica_which_is_restarted_and_nothing_is_l
 
     killer = threading.Thread(target=kill_engine_core, daemon=True)
     killer.start()
-    summary = run(config, run_dir)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(own)
+        summary = run(config, run_dir)
     killer.join(timeout=10)
+    return run_dir, summary, killed
+
+
+def test_own_data_reward_functions_and_a_teacher_end_to_end(own_run):
+    run_dir, summary, _ = own_run
+    assert summary.state == "stopped", summary.error
+    rows = RunDir(run_dir).read_metrics()
+    assert [r.step for r in rows] == list(range(OWN_STEPS))
+    for row in rows:
+        assert row.samples == 16 and 0.0 <= row.reward_mean <= 1.0
+        assert row.train["kl_teacher"] == row.train["kl_teacher"]  # a number: the teacher scored every token
+        assert "distill_loss" in row.train and "kl_loss" in row.train
+    assert RunDir(run_dir).read_status().roles["reward"].counters.reward_calls["length.ok"] > 0
+    evals = RunDir(run_dir).read_evals()
+    assert {"pass_rate", "reward_mean"} <= set(evals[0].metrics) and evals[0].metrics["problems"] == 10.0
+
+
+def test_a_dead_vllm_engine_ends_its_replica_which_is_restarted_and_nothing_is_lost(own_run):
+    """SIGKILL the engine-core process of a live vLLM rollout replica: the
+    replica does not go on failing every request; it ends, is restarted as a
+    new incarnation, and the run finishes with a clean audit."""
+    from rlflow.tools.audit import audit
+
+    run_dir, summary, killed = own_run
     assert killed, "found no vLLM engine-core process to kill"
-    assert summary.state == "stopped" and summary.steps == 120, summary.error
+    assert summary.state == "stopped" and summary.steps == OWN_STEPS, summary.error
     status = RunDir(run_dir).read_status()
     assert status.roles["rollout"].restarts >= 1 and status.roles["rollout"].placed[0].incarnation >= 1
     # Lost as it died, found by the launcher or by a message that found no one; it said why first.
     assert any(w.startswith("rollout-0 ") and "EngineDead" in w for w in status.warnings), status.warnings
     result = audit(run_dir)
-    assert (result.lost, result.duplicated, result.trained) == (0, 0, 120 * 4), result
+    assert (result.lost, result.duplicated, result.trained) == (0, 0, OWN_STEPS * 4), result

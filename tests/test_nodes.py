@@ -300,7 +300,9 @@ def test_the_worker_nodes_rollout_killed_midway_is_restarted_and_the_run_finishe
 
 def test_ray_refuses_a_driver_without_the_clusters_token(two_nodes):
     """Ray's own token authentication stays on beside CURVE."""
-    env = {**two_nodes.env, "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    # A refused driver asks again once a second, 20 times by default (Ray's NUM_REDIS_GET_RETRIES); the
+    # answer is the same refusal on the first.
+    env = {**two_nodes.env, "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_NUM_REDIS_GET_RETRIES": "2"}
     script = f"import ray\nray.init(address={two_nodes.address!r}, log_to_driver=False)\nprint('joined')\n"
     done = subprocess.run(two_nodes.worker.cmd(sys.executable, "-c", script), env=env, capture_output=True,
                           text=True, timeout=120)

@@ -170,7 +170,9 @@ def test_chaos_kills_a_hang_and_a_trainer_resume_lose_nothing(clean, tmp_path, m
     chaos = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "chaos", chaos)  # its dataclasses look their module up there
     spec.loader.exec_module(chaos)
-    done, result, steps = chaos.chaos_run(tmp_path, kills=3, hang=True, kill_trainer=True, steps=100, seed=3)
+    # A hang is found out by the heartbeat timeout: 4 s of silence (8 heartbeats) rather than the bench's 10.
+    done, result, steps = chaos.chaos_run(tmp_path, kills=3, hang=True, kill_trainer=True, steps=100, seed=3,
+                                          hang_s=4.0)
     assert (done.kills, done.hangs, done.trainer_kills) == (3, 1, 1), done.log
     assert (result.lost, result.duplicated) == (0, 0), result
     assert steps == 100 and result.trained == 100 * 4
@@ -287,6 +289,9 @@ def test_a_detached_run_whose_controller_is_killed_is_dead_to_status_and_down(cl
         psutil.Process(pid).wait(timeout=30)
         shown = subprocess.run([*base, "status", str(run_dir), "--once"], capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0 and "dead" in shown.stdout, shown.stdout
+        # The stray is this process's child: reaped as soon as it ends (as a shell reaps its own), or `down`
+        # would see a zombie still there and wait out its grace before SIGKILL.
+        threading.Thread(target=stray.wait, daemon=True).start()
         down = subprocess.run([*base, "down", str(run_dir)], capture_output=True, text=True, timeout=180)
         assert down.returncode == 0, down.stderr
         assert f"is dead: its controller (pid {pid}) is gone without saying why" in down.stderr, down.stderr

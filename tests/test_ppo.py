@@ -22,8 +22,10 @@ STEPS = 2  # a warm-up step of the critic's, and one step of the actor
 
 def test_the_ppo_example_runs_its_critic_warm_up_then_trains_the_actor(ray_cluster, tmp_path):
     run_dir = tmp_path / "run"
+    # 16 prompts a step, not the example's 128: what is checked is the order of the critic's and the actor's
+    # steps, whatever the batch.
     config = C.load(PPO, [f"run.steps={STEPS}", "roles.critic.warmup_steps=1", "eval.every_steps=0",
-                          "eval.before=false", "eval.after=false"])
+                          "eval.before=false", "eval.after=false", "run.batch_size=16"])
     summary = run(config, run_dir)
     assert summary.state == "stopped", summary.error
     folder = RunDir(run_dir)

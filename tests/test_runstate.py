@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import msgspec
@@ -125,6 +126,9 @@ async def test_status_down_report_and_audit_of_a_dead_run_say_dead_and_down_clea
         return subprocess.run([sys.executable, "-m", "rlflow", "down", str(folder.path)], capture_output=True,
                               text=True, timeout=120)
 
+    # The stray is this process's child: reaped as soon as it ends (as a shell reaps its own), or `down`
+    # would see a zombie still there and wait out its grace before SIGKILL.
+    threading.Thread(target=stray.wait, daemon=True).start()
     done = down()
     assert done.returncode == 0, done.stderr
     assert f"run {folder.path} is dead: its controller (pid {killed.pid}) is gone" in done.stderr
