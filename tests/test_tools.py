@@ -36,6 +36,7 @@ def test_check_shows_the_tool_to_the_model_and_scores_the_reference_answers():
 
 @pytest.mark.ray
 @pytest.mark.vllm
+@pytest.mark.timeout(900)  # vLLM's start alone took 221 s here while other jobs held the cores
 def test_a_short_run_parses_the_models_tool_calls_and_runs_them_on_the_env_pool(ray_cluster, tmp_path):
     from rlflow.control.launch import run
     from rlflow.rundir import RunDir
