@@ -68,23 +68,29 @@ def default_model_dir(name: str = "default") -> pathlib.Path:
     return cache_dir() / "models" / f"{BUILT[name][0]}-v{BUILD_VERSION}"
 
 
-#: A tiny model of random weights over printable ASCII (built at once, on first use).
+#: A tiny model of random weights over text (built at once, on first use).
 TINY_TEXT = "tiny-text"
+#: A tiny chat model that calls a `python` tool through its chat template (built in under a minute, on first use).
+TINY_CHAT = "tiny-chat"
+#: Bump when a tiny model's recipe changes, so that caches rebuild (apart from
+#: `BUILD_VERSION`, so that the default model's folder keeps its name).
+TINY_VERSION = 3
 
 
 def resolve_model(name: str) -> pathlib.Path:
     """A model directory: "default" is the built default model, "tiny-text"
-    a tiny text model (`build_tiny_text`)."""
+    a tiny text model (`build_tiny_text`), "tiny-chat" a tiny chat model that
+    calls tools (`build_tiny_chat`)."""
     if name in BUILT:
         path = default_model_dir(name)
         if not (path / "config.json").exists():
             flag = "" if name == "default" else " --teacher"
             raise FileNotFoundError(f"the {name} model is not built yet ({path}); run `rlflow model build{flag}`")
         return path
-    if name == TINY_TEXT:
-        path = cache_dir() / "models" / f"{TINY_TEXT}-v{BUILD_VERSION}"
+    if name in (TINY_TEXT, TINY_CHAT):
+        path = cache_dir() / "models" / f"{name}-v{TINY_VERSION}"
         if not (path / "config.json").exists():
-            build_tiny_text(path)
+            (build_tiny_text if name == TINY_TEXT else build_tiny_chat)(path)
         return path
     path = pathlib.Path(name).expanduser()
     if not (path / "config.json").exists():
@@ -92,31 +98,47 @@ def resolve_model(name: str) -> pathlib.Path:
     return path
 
 
-def build_tiny_text(out: pathlib.Path) -> pathlib.Path:
-    """A 2-layer Qwen2 (hidden 128) of random weights over a character-level
-    tokenizer of printable ASCII, with a chat template: it writes gibberish,
-    but any English prompt tokenizes, so it serves runs whose point is the
-    pipeline around the model (e.g. the code reward under load)."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def _tiny_qwen2(tokenizer, *, tied: bool, positions: int):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = build_tokenizer("".join(chr(c) for c in range(32, 127)) + "\n")
-    tokenizer.chat_template = (
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}"
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
+    return Qwen2ForCausalLM(Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, tie_word_embeddings=True,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=positions, tie_word_embeddings=tied,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, architectures=["Qwen2ForCausalLM"],
     ))
+
+
+def _save(out: pathlib.Path, model, tokenizer) -> pathlib.Path:
+    from transformers import GenerationConfig
+
     with _building(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
     return out
+
+
+def build_tiny_text(out: pathlib.Path) -> pathlib.Path:
+    """A 2-layer Qwen2 (hidden 128) of random weights over a byte-level
+    tokenizer (`build_byte_tokenizer`), with a chat template: it writes
+    gibberish, but any text tokenizes, so it serves runs whose point is the
+    pipeline around the model (e.g. the code reward under load)."""
+    import torch
+
+    tokenizer = tiny_text_tokenizer()
+    torch.manual_seed(0)
+    return _save(out, _tiny_qwen2(tokenizer, tied=True, positions=1024), tokenizer)
+
+
+def tiny_text_tokenizer():
+    """The tiny text model's tokenizer: bytes, pad / eos / unk, and a plain chat template."""
+    tokenizer = build_byte_tokenizer(SPECIAL, eos="<eos>", pad="<pad>", unk="<unk>")
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    return tokenizer
 
 
 @contextlib.contextmanager
@@ -136,8 +158,131 @@ def _building(out: pathlib.Path) -> Iterator[pathlib.Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _deterministic(threads: int) -> Iterator[None]:
+    """Torch on a fixed thread count with deterministic kernels (sums added in
+    the same order everywhere), as it was afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+        torch.use_deterministic_algorithms(deterministic)
+
+
+#: The chat template of the tiny chat model: Qwen's markers, and each tool shown as its name and arguments.
+CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}("
+    "{{ t.function.parameters.properties | list | join(', ') }}){% endfor %}<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+#: Its special tokens (the end of a turn is its end-of-sequence), and the tool-call tags, which
+#: are tokens of their own but text, as in Qwen's tokenizers.
+CHAT_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TAGS = ("<tool_call>", "</tool_call>")
+#: The tool the tiny chat model was warm-started to call, as its chat template sees it.
+CHAT_TOOLS = [{"type": "function", "function": {"name": "python", "parameters": {"properties": {"code": {}}}}}]
+
+
+def chat_transcript(a: int, b: int, op: str) -> tuple[list[dict[str, str]], str]:
+    """A conversation in which the assistant asks the `python` tool for `a op b` and answers with its
+    result: (the messages before the assistant's first turn, the rest of the transcript as text)."""
+    code = f"print({a}{op}{b})"
+    result = str({"+": a + b, "-": a - b, "*": a * b}[op])
+    call = '<tool_call>{"name": "python", "arguments": {"code": "' + code + '"}}</tool_call>'
+    rest = (f"{call}<|im_end|>\n<|im_start|>tool\n{result}\n<|im_end|>\n<|im_start|>assistant\n"
+            f"The answer is {result}.<|im_end|>")
+    return [{"role": "user", "content": f"What is {a}{op}{b}?"}], rest
+
+
+def build_tiny_chat(out: pathlib.Path, steps: int = 120, batch: int = 8, lr: float = 5e-3,
+                    seed: int = 0) -> pathlib.Path:
+    """A 2-layer Qwen2 (hidden 128) over a byte-level tokenizer with Qwen's chat
+    markers and tool-call tags, a chat template that shows tools
+    (`CHAT_TEMPLATE`), and a short warm start on conversations where it calls
+    a `python` tool to do arithmetic and answers with the result
+    (`chat_transcript`): it writes tool calls in the format vLLM's hermes
+    parser reads, for runs whose point is the tool path. After the 120 steps
+    it writes a well-formed call nearly every time, but rarely copies the
+    question's numbers into it: its answers are mostly wrong. Seeded, on a
+    fixed thread count with deterministic kernels: the same model everywhere."""
+    with _deterministic(threads=2):
+        return _build_tiny_chat(out, steps, batch, lr, seed)
+
+
+def _build_tiny_chat(out: pathlib.Path, steps: int, batch: int, lr: float, seed: int) -> pathlib.Path:
+    import torch
+
+    torch.manual_seed(seed)
+    tokenizer = tiny_chat_tokenizer()
+    model = _tiny_qwen2(tokenizer, tied=False, positions=512)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rng = np.random.default_rng((seed, 6))
+    for step in range(steps):
+        texts, starts = [], []
+        for _ in range(batch):
+            a, b = (int(x) for x in rng.integers(2, 100, 2))
+            messages, rest = chat_transcript(a, b, str(rng.choice(["+", "-", "*"])))
+            prompt = tokenizer.apply_chat_template(messages, tools=CHAT_TOOLS, add_generation_prompt=True,
+                                                   tokenize=False)
+            texts.append(prompt + rest)
+            starts.append(len(tokenizer.encode(prompt, add_special_tokens=False)))
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        labels = enc["input_ids"].clone()
+        labels[enc["attention_mask"] == 0] = -100
+        for row, start in enumerate(starts):
+            labels[row, :start] = -100  # learn the assistant's side (and the tool's, which it echoes)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 10)
+        model(**enc, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return _save(out, model, tokenizer)
+
+
+def tiny_chat_tokenizer():
+    """The tiny chat model's tokenizer: bytes, Qwen's chat markers and tool-call tags, `CHAT_TEMPLATE`."""
+    tokenizer = build_byte_tokenizer(CHAT_SPECIAL, eos="<|im_end|>", pad="<|endoftext|>", tags=CHAT_TAGS)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_byte_tokenizer(special: tuple[str, ...], *, eos: str, pad: str, unk: str = "", tags: tuple[str, ...] = ()):
+    """A byte-level tokenizer in exactly the form of Qwen2's (one token per byte,
+    no merges, then `special` and `tags` as tokens of their own): a Qwen2
+    model's folder is reloaded by transformers (and so by vLLM) as a
+    `Qwen2Tokenizer` whatever class it was saved as, so a tokenizer of any other
+    form (e.g. `build_tokenizer`'s) reloads with Qwen2's byte-level
+    pre-tokenizer and decoder and loses the characters those map elsewhere
+    (space, newline). This one reloads the same, and any text in Unicode's
+    NFC form (Qwen2's normalizer puts it so) round-trips exactly (`unk`, pad
+    if not given, is never produced: every byte is a token)."""
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    vocab = {token: i for i, token in enumerate([*special, *tags, *bytes_to_unicode().values()])}
+    extra = [token for token in special if token not in (eos, pad, unk)]
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=unk or pad, eos_token=eos, pad_token=pad,
+                               extra_special_tokens=extra, clean_up_tokenization_spaces=False)
+    tokenizer.add_tokens([AddedToken(tag, special=False) for tag in tags])
+    return tokenizer
+
+
 def build_tokenizer(alphabet: str):
-    """A character-level fast tokenizer over `alphabet` plus pad / eos / unk."""
+    """A character-level fast tokenizer over `alphabet` plus pad / eos / unk.
+
+    Saved in a Qwen2 model's folder, it is reloaded as Qwen2's byte-level
+    tokenizer (see `build_byte_tokenizer`), which agrees with it only on
+    characters that the byte-level mapping leaves as they are: printable ASCII
+    but the space, as in the default model's alphabet."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -231,18 +376,9 @@ def build_default(
     of the recipe alone: seeded, a fixed thread count, deterministic kernels,
     and a stopping rule by steps and accuracy, never by time.
     """
-    import torch
-
     report = progress or (lambda text, fraction: None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(recipe.threads)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with _deterministic(recipe.threads):
         return _build(out or default_model_dir(), recipe, report)
-    finally:
-        torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
 
 
 def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], None]) -> pathlib.Path:

@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from rlflow import config as C
 from rlflow.env import EnvironmentSpec, EnvHandler, ToolSpec, open_env_pool
@@ -297,6 +298,31 @@ async def test_a_weight_update_mid_episode_applies_between_steps_and_runs_no_tur
         own = r.versions[r.loss_mask == 1]
         assert own[0] == 0 and own[-1] == 1 and list(own) == sorted(own)
     assert counters["env.step.ok"] == 8 and len(recording.turns) == 8  # 2 episodes x 4 turns, each once
+
+
+async def test_every_turn_waiting_for_a_version_goes_on_once_the_engine_holds_it():
+    """Many episodes' turns wait at the vLLM engine's barrier at once (their groups' `min_version`
+    is ahead of the weights held): each goes on at the first change that reaches its version, none
+    earlier, none left behind."""
+    from rlflow.services.rollout.engine import VersionWait
+
+    held, barrier, started = [0], VersionWait(), []
+
+    async def turn(i: int, version: int) -> None:
+        await barrier.reach(version, lambda: held[0])
+        started.append((i, held[0]))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for i in range(12):
+                nursery.start_soon(turn, i, 1 + i % 3)
+            await trio.testing.wait_all_tasks_blocked()
+            for version in (1, 2, 3):
+                held[0] = version
+                barrier.changed()
+                await trio.testing.wait_all_tasks_blocked()
+                assert sorted(i for i, at in started if at == version) == [i for i in range(12) if 1 + i % 3 == version]
+    assert len(started) == 12
 
 
 def test_held_out_metrics_count_a_positive_reward_by_each_turn():

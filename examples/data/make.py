@@ -8,6 +8,8 @@
   built-in task evaluates on.
 * ``code.jsonl``: small programming problems, each with stdin/stdout tests and
   a reference ``solution`` (a program that passes them).
+* ``tools.jsonl``: arithmetic questions (``What is 37*41?``) and their
+  ``answer``, for a chat model that calls the ``python`` tool.
 
 The files are committed; this script says how they were made.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import random
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -67,6 +70,12 @@ def main() -> None:
         for problem, tests, solution in PROBLEMS:
             row = {"prompt": problem, "tests": [{"input": i, "output": o} for i, o in tests], "solution": solution}
             f.write(json.dumps(row) + "\n")
+    rng = random.Random(0)
+    with open(HERE / "tools.jsonl", "w") as f:
+        for _ in range(500):
+            a, b, op = rng.randint(2, 99), rng.randint(2, 99), rng.choice("+-*")
+            answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+            f.write(json.dumps({"prompt": f"What is {a}{op}{b}?", "answer": str(answer)}) + "\n")
 
 
 if __name__ == "__main__":

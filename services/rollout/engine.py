@@ -11,6 +11,7 @@ time to whoever awaits it. Weights reach it between two of its steps.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import trio
@@ -19,6 +20,26 @@ from rlflow.protocol import Adapter, EngineLoad, ParamSpec, PromptGroup, Respons
 
 #: What an engine hands the service: a group and one response per sample.
 Finished = tuple[PromptGroup, list[Response]]
+
+
+class VersionWait:
+    """Turns that may not start before the engine holds a given policy version:
+    any number wait at once, and each goes on at the first change of version
+    that reaches its own (one event shared by all waiters, replaced once set,
+    so that no waiter is left on an event that nobody will set)."""
+
+    def __init__(self) -> None:
+        self._changed = trio.Event()
+
+    def changed(self) -> None:
+        """The engine's version changed: every waiter looks again."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def reach(self, version: int, held: Callable[[], int]) -> None:
+        """Return once `held()` (the engine's version) is at least `version`."""
+        while held() < version:
+            await self._changed.wait()
 
 
 class RolloutEngine(Protocol):

@@ -50,6 +50,7 @@ from rlflow.protocol.batch import N_STAGES
 from rlflow.services import compat
 from rlflow.services.base import EngineContext, cpu_ranges
 from rlflow.errors import WeightGroupBroken
+from rlflow.services.rollout.engine import VersionWait
 from rlflow.services.rollout.vllm_worker import BACKEND
 from rlflow.services.weights import NCCL_BUFFERS, nccl_chunk_bytes, nccl_ranks
 
@@ -470,7 +471,7 @@ class VllmEngine:
         self._weights: WeightsGloo | WeightsNccl | None = None
         self._layout: list[ParamSpec] = []
         self._weights_ready = trio.Event()
-        self._weights_changed = trio.Event()
+        self._weights_changed = VersionWait()
         if joined is not None:
             (self._weights, self._layout) = joined
             self._weights_ready.set()
@@ -506,6 +507,7 @@ class VllmEngine:
     async def set_version(self, version: int) -> None:
         self.version = version
         await self.backend.set_version(version)
+        self._weights_changed.changed()
 
     async def close(self) -> None:
         if self._owns_backend:
@@ -563,7 +565,7 @@ class VllmEngine:
         if self.strict:
             self._evict_stale()
         self._wake.set()
-        self._weights_changed.set()
+        self._weights_changed.changed()
         return self.version
 
     # -- LoRA ---------------------------------------------------------------------
@@ -689,9 +691,8 @@ class VllmEngine:
                        temperature: float | None = None) -> Response:
         """One response (an episode's turn) to `prompt_ids`, of at most `max_tokens` tokens, not
         started on weights older than `min_version` (`temperature`: the config's if None)."""
-        while self.version < min_version:  # a barrier: the weights it may start on are on their way
-            self._weights_changed = trio.Event()
-            await self._weights_changed.wait()
+        # A barrier: the weights it may start on are on their way.
+        await self._weights_changed.reach(min_version, lambda: self.version)
         temperature = self.cfg.temperature if temperature is None else temperature
         item = _Group(PromptGroup(group_id=0, prompt_ids=[], n=1), time.time(), submitted_version=self.version)
         self._turns += 1
