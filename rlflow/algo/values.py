@@ -20,8 +20,9 @@ minus the value. In an episode with an environment, the observation tokens
 (loss mask 0) are the environment's, not decisions of the policy: GAE runs
 over the model's own tokens alone (the value after a turn's last token is
 the value before the next turn's first), and an observation token gets
-advantage 0 and its own value as its return (nothing to learn there). Everything here but `value_loss` is numpy (the trainer reads
-the statistics of the critic's columns without torch).
+advantage 0 and its own value as its return (nothing to learn there).
+Everything here but `value_loss` is numpy (the trainer reads the statistics
+of the critic's columns without torch).
 """
 
 from __future__ import annotations
@@ -33,6 +34,20 @@ from typing import Any
 import numpy as np
 
 from rlflow.protocol import samples
+
+
+def own_count(row: Any) -> int:
+    """Response tokens of a sample that are the policy's: its loss mask's ones (every token
+    without one; an episode's observations are the environment's)."""
+    return len(row.response_ids) if row.loss_mask is None else int(row.loss_mask.sum())
+
+
+def own_tokens(rows: list) -> np.ndarray:
+    """bool [tokens]: which of the concatenated response tokens of `rows` are the policy's."""
+    if not rows:
+        return np.ones(0, bool)
+    return np.concatenate([np.ones(len(r.response_ids), bool) if r.loss_mask is None else r.loss_mask.astype(bool)
+                           for r in rows])
 
 
 def token_rewards(reward: float, length: int, penalty: np.ndarray | None = None) -> np.ndarray:

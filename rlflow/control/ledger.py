@@ -226,7 +226,8 @@ class GroupLedger:
         Each group goes to the replica with the lowest share of its room in
         use. Returns the groups granted to each replica, in order.
         """
-        while self.next_group < self.limit:
+        limit = self.limit  # making queued groups does not move it
+        while self.next_group < limit:
             self._add(self.next_group)
             self.next_group += 1
         if not self._queue:  # the common case (every rollout ack asks): nothing to count

@@ -37,7 +37,7 @@ import torch
 import trio
 
 from rlflow.algo.balance import deal, micro_batches
-from rlflow.algo.values import value_loss
+from rlflow.algo.values import own_count, own_tokens, value_loss
 from rlflow.config import TorchCritic
 from rlflow.protocol import Codec, SampleBatch, samples
 from rlflow.rundir import CRITIC_STATE, RUN_STATE, TRAINER_OPTIMIZER, critic_beside
@@ -149,7 +149,7 @@ class CriticModel:
         mine = self._share(rows)
         micro = micro_batches([_width(r) for r in mine], self.cfg.micro_batch_tokens)
         passes = self.ranks.max(len(micro))
-        (tokens,) = self.ranks.sum([float(sum(_own_count(r) for r in mine))])
+        (tokens,) = self.ranks.sum([float(sum(own_count(r) for r in mine))])
         if tokens == 0:
             self.steps += 1
             return {"value_loss": 0.0, "grad_norm": 0.0, "tokens": 0.0}
@@ -182,8 +182,7 @@ class CriticModel:
         old = torch.from_numpy(np.concatenate([r.values for r in part])).to(device)
         returns = torch.from_numpy(np.concatenate([r.returns for r in part])).to(device)
         if any(r.loss_mask is not None for r in part):  # an episode's observations: not the policy's states
-            keep = torch.from_numpy(np.concatenate([np.ones(len(r.response_ids), bool) if r.loss_mask is None
-                                                    else r.loss_mask.astype(bool) for r in part])).to(device)
+            keep = torch.from_numpy(own_tokens(part)).to(device)
             new, old, returns = new[keep], old[keep], returns[keep]
         loss, clipped = value_loss(new, old, returns, self.cfg.value_clip)
         (loss / tokens).backward()
@@ -335,8 +334,3 @@ class TorchCriticEngine:
             with trio.move_on_after(30):
                 await trio.to_thread.run_sync(self.ranks.broadcast_object, ("stop", None), abandon_on_cancel=True)
         await trio.to_thread.run_sync(self.ranks.close, abandon_on_cancel=True)
-
-
-def _own_count(row) -> int:
-    """Response tokens of a sample that are the policy's (an episode's observations are not)."""
-    return len(row.response_ids) if row.loss_mask is None else int(row.loss_mask.sum())

@@ -80,8 +80,6 @@ class TrainerService(Service):
         self._checksum = ""
         #: The newest generation of the weight group the controller asked for (0: the first).
         self._asked = 0
-        #: Groups dropped for want of signal since the last step (`run.filter = "signal"`).
-        self._no_signal = 0
 
     def queues(self) -> dict[str, int]:
         return {"groups": len(self.buffer)}
@@ -163,7 +161,7 @@ class TrainerService(Service):
             if len(outs) != self.spec.replicas - 1:
                 raise RuntimeError(f"{self.spec.replicas} trainer ranks, but the welcome names {len(outs)} share "
                                    "addresses for the others")
-            waited = self.clock.totals()["starved"]
+            waited, filtered = self.clock.totals()["starved"], self.counters["no_signal_groups"]
             while self.step < run.steps:
                 groups = await self.collect(inbox, control, run.batch_size)
                 batch = concat(groups)
@@ -198,11 +196,13 @@ class TrainerService(Service):
                     staleness_max=float(staleness[1]),
                 )
                 metrics.update(episode_stats(batch))
-                # What the step waited for groups (the credits' pace reads it: `run.credits`).
-                metrics["starved_s"], waited = self.clock.totals()["starved"] - waited, self.clock.totals()["starved"]
+                # What the step waited for groups (the credits' pace reads it: `run.credits`), and
+                # the groups the signal filter dropped meanwhile.
+                starved = self.clock.totals()["starved"]
+                metrics["starved_s"], waited = starved - waited, starved
                 if run.filter == "signal":
-                    metrics["no_signal_groups"] = float(self._no_signal)
-                    self._no_signal = 0
+                    metrics["no_signal_groups"] = float(self.counters["no_signal_groups"] - filtered)
+                    filtered = self.counters["no_signal_groups"]
                 self.counters["samples"] += batch.n_samples
                 self.counters["tokens"] += batch.n_tokens
                 await control.send(StepDone(step=self.step - 1, version=self.version, acked=ids, metrics=metrics))
@@ -380,7 +380,6 @@ class TrainerService(Service):
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed", errors=errors))
         if no_signal:
             self.counters["no_signal_groups"] += len(no_signal)
-            self._no_signal += len(no_signal)
             await control.send(Dropped(group_ids=no_signal, reason=NO_SIGNAL))
         if received:
             await control.send(Ack(stage=Stage.TRAINER_RECEIVED, group_ids=received))

@@ -63,7 +63,7 @@ from rlflow.services.trainer.lora import adapter_offer, save_adapter, trained_pa
 from rlflow.services.weights import GlooGroup, NcclGroup, layout, pieces, tensors_checksum
 
 from rlflow.algo.balance import deal, micro_batches
-from rlflow.algo.values import whiten
+from rlflow.algo.values import own_count, own_tokens, whiten
 from rlflow.algo.losses import (
     LossConfig,
     group_advantages,
@@ -170,7 +170,7 @@ class TorchEngine:
         # Distillation has a signal at every token: only pure RL leaves out groups without one.
         uniform = uniform_groups(rewards, group) if cfg.skip_uniform_groups and w == 0 else torch.zeros(len(rows), dtype=torch.bool)
         # Tokens trained on per sample: an episode's observations (loss mask 0) are not.
-        responses = torch.tensor([_trained(r) for r in rows], dtype=torch.long)
+        responses = torch.tensor([own_count(r) for r in rows], dtype=torch.long)
         trained_mask = ~uniform & (responses > 0)
         chosen = trained_mask.nonzero().flatten().tolist()
         stats["mixed_sample_share"] = float((~uniform).float().mean()) if len(rows) else 0.0
@@ -197,8 +197,7 @@ class TorchEngine:
         trained = take(batch, chosen)
         tokens = trained.token_advantages.numpy().astype(np.float64)
         # Statistics and whitening over the policy's own tokens (an episode's observations are not trained on).
-        keep = (np.concatenate([np.ones(len(r.response_ids), bool) if r.loss_mask is None else r.loss_mask.astype(bool)
-                                for r in samples(trained)]) if trained.n_samples else np.ones(0, bool))
+        keep = own_tokens(list(samples(trained)))
         own = tokens[keep]
         stats["advantage_mean"] = float(own.mean()) if own.size else 0.0
         stats["advantage_std"] = float(own.std()) if own.size else 0.0
@@ -224,7 +223,7 @@ class TorchEngine:
         # Every rank takes as many passes (the collectives pair up), and
         # divides by the tokens of the whole step.
         passes = self.ranks.max(len(micro))
-        (tokens,) = self.ranks.sum([float(sum(_trained(r) for r in rows))])
+        (tokens,) = self.ranks.sum([float(sum(own_count(r) for r in rows))])
         self._set_lr()
         if tokens == 0:
             # Nothing to learn from; the version still advances, so that the
@@ -552,17 +551,11 @@ def _column(part: list, name: str, keep: torch.Tensor | None = None) -> torch.Te
 # -- the loss mask (a run with an environment: observations are not trained on) ----------
 
 
-def _trained(sample) -> int:
-    """Tokens of a sample that are trained on: its loss mask's ones (every token without one)."""
-    return len(sample.response_ids) if sample.loss_mask is None else int(sample.loss_mask.sum())
-
-
 def _loss_mask(part: list) -> torch.Tensor | None:
     """Which tokens of `part`'s responses, concatenated, are trained on (None: all of them)."""
     if all(r.loss_mask is None for r in part):
         return None
-    return torch.cat([torch.ones(len(r.response_ids), dtype=torch.bool) if r.loss_mask is None
-                      else torch.from_numpy(r.loss_mask.astype(bool)) for r in part])
+    return torch.from_numpy(own_tokens(part))
 
 
 def _own(sample, values):
@@ -575,7 +568,7 @@ def _own(sample, values):
 
 def _token_mean(rows: list, per_sample) -> float:
     """The mean over every token trained on of the batch of a per-token quantity."""
-    values = [_own(r, per_sample(r)) for r in rows if _trained(r)]
+    values = [_own(r, per_sample(r)) for r in rows if own_count(r)]
     return float(np.concatenate(values).mean()) if values else 0.0
 
 
