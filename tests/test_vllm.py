@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -48,6 +49,7 @@ def engine(tied_model):
             target=lambda: box.setdefault("group", GlooGroup("127.0.0.1", port, 0, 2, timeout_s=120)), daemon=True)
         trainer.start()
         trio.run(backend.join_weights, "127.0.0.1", port, 1, 2)
+        trio.run(backend.set_version, 0)  # as a rollout service does on start: tokens carry v0 until an update
         trainer.join(timeout=120)
         assert "group" in box, "the trainer's end of the weight group did not form within 120 s"
         yield backend, box["group"]
@@ -239,6 +241,69 @@ pool = "p"
     assert "512" in failed.failures[0].message
     assert all(len(r.token_ids) > 0 and r.error is None for r in finished[2][1])
     assert ctx.counters["failed_requests"] == 1
+
+
+def test_a_weight_update_waiting_when_the_engine_core_dies_ends_with_engine_dead(tied_model):
+    """vLLM leaves a call made before its engine core died (pause, load
+    weights) waiting forever. An engine of its own joins a weight group and
+    starts an update that waits for a broadcast that never comes; its engine
+    core is SIGKILLed: the update ends with vLLM's EngineDeadError (the rollout
+    replica then ends, to be restarted), and closing the engine leaves no
+    process of it behind."""
+    import psutil
+
+    from rlflow.services import compat
+    from rlflow.services.rollout.vllm_engine import VllmBackend
+
+    cfg = VllmRollout(max_num_seqs=2, max_tokens=8, kv_cache_bytes=8 << 20, temperature=1.0)
+    backend = VllmBackend(cfg, str(tied_model), seed=0)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    backend.start_blocking()
+    group: list[GlooGroup] = []
+    try:
+        port = free_port("127.0.0.1")
+        trainer = threading.Thread(target=lambda: group.append(GlooGroup("127.0.0.1", port, 0, 2, timeout_s=60)),
+                                   daemon=True)
+        trainer.start()
+        trio.run(backend.join_weights, "127.0.0.1", port, 1, 2)
+        trainer.join(timeout=60)
+        specs, nbytes = layout(hf_model(tied_model).named_parameters())
+        engine = [p for p in psutil.Process().children(recursive=True)  # vLLM titles them VLLM::EngineCore, ...
+                  if p.pid not in before and ("EngineCore" in _title(p) or "Worker" in _title(p))]
+        engine_core = [p for p in engine if "EngineCore" in _title(p)]
+        assert len(engine_core) == 1, [_title(p) for p in engine]
+
+        async def main() -> BaseException | None:
+            async with trio.open_nursery() as nursery:
+                async def kill() -> None:
+                    await trio.sleep(1.0)  # the update is waiting in the engine core by then
+                    engine_core[0].kill()
+                nursery.start_soon(kill)
+                with trio.fail_after(60):
+                    try:
+                        await backend.update(1, specs, nbytes)
+                    except Exception as exc:  # noqa: BLE001 - the test looks at what it is
+                        return exc
+            return None
+
+        raised = trio.run(main)
+        assert raised is not None and compat.engine_dead(raised), raised
+    finally:
+        backend.close()
+        for g in group:
+            g.close()
+    _, alive = psutil.wait_procs(engine, timeout=30)
+    assert not alive, [_title(p) for p in alive]
+
+
+def _title(proc) -> str:
+    """A process's name and command line (vLLM titles its engine-core and worker processes)."""
+    import psutil
+
+    try:
+        return " ".join([proc.name(), *proc.cmdline()])
+    except psutil.NoSuchProcess:
+        return ""
 
 
 async def test_prompt_log_probabilities_for_the_teacher_match_a_hf_forward(engine, tied_model):

@@ -110,6 +110,28 @@ async def _call(make: Callable[[], Awaitable[Any]]) -> Any:
     return await make()
 
 
+#: How often a call waiting on vLLM looks whether its engine core died. vLLM
+#: answers a request on a dead engine with `EngineDeadError`, but leaves a
+#: utility call (pause, load weights, ...) made before the death waiting forever.
+DEAD_POLL_S = 0.5
+
+
+async def unless_dead(awaitable: Awaitable[Any], dead: Callable[[], bool], poll_s: float = DEAD_POLL_S) -> Any:
+    """Await `awaitable` (on asyncio), unless `dead()` turns true first: then
+    cancel it and raise vLLM's `EngineDeadError`."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=poll_s)
+            if not task.done() and dead():
+                raise EngineDeadError()
+        return task.result()
+    finally:
+        task.cancel()
+
+
 class VllmBackend:
     """vLLM's AsyncLLM on its asyncio thread, with the calls the rollout needs.
 
@@ -216,8 +238,10 @@ class VllmBackend:
             self.bridge = None
 
     async def call(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        """Await `make()` on vLLM's loop; vLLM's `EngineDeadError` once its engine core has died."""
         assert self.bridge is not None, "start the backend first"
-        return await self.bridge.run(make)
+        llm = self.llm
+        return await self.bridge.run(lambda: unless_dead(make(), lambda: llm is not None and llm.errored))
 
     async def set_version(self, version: int) -> None:
         """Label the weights held now (tokens generated with them carry it)."""
@@ -555,8 +579,12 @@ class VllmEngine:
             else:
                 await self.backend.update(version, self._layout, self._weights.nbytes, kv=self.cfg.kv_on_update,
                                           bucket_bytes=self._weights.bucket_bytes)
-        except RuntimeError as exc:  # gloo: "Connection closed by peer", a timeout; an NCCL error
-            raise WeightGroupBroken(f"{type(exc).__name__}: {exc}") from exc
+        except Exception as exc:
+            if compat.engine_dead(exc):  # nothing more can be loaded or served: the replica ends, to be restarted
+                raise EngineDead(f"vLLM's engine died while loading weights v{version}: {exc}") from exc
+            if isinstance(exc, RuntimeError):  # gloo: "Connection closed by peer", a timeout; an NCCL error
+                raise WeightGroupBroken(f"{type(exc).__name__}: {exc}") from exc
+            raise
         finally:
             self._updating = False
         self.version = version
