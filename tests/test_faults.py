@@ -124,3 +124,47 @@ async def test_a_stopped_replica_replaced_and_let_go_on_exits_and_nothing_is_los
     assert controller.door.ignored["replaced"] >= 1
     result = audit(tmp_path)
     assert (result.lost, result.duplicated, result.trained) == (0, 0, 30 * 4), result
+
+
+async def test_a_replica_that_dies_while_the_run_starts_is_restarted_and_the_run_goes_on(tmp_path):
+    """A reward replica says hello and dies while the run still waits for
+    the trainer's: it is restarted then, not only once training has begun,
+    and the run starts and finishes with nothing lost."""
+    from rlflow.tools.audit import audit
+
+    config = C.load(SIM, ["run.steps=3", "cluster.heartbeat_s=0.2", "cluster.restart_backoff_s=0.2",
+                          "cluster.handshake_timeout_s=60", "run.batch_size=4", "run.samples_per_prompt=4"])
+    launcher = ProcessLauncher(config, tmp_path, "s3cret")
+    start = launcher.start
+
+    def start_all_but_the_trainer(controller_address: str) -> None:
+        start(controller_address)
+        incarnation, trainer = launcher.procs.pop(("trainer", 0))
+        trainer.kill()  # not yet: spawned again below, once the reward replica has died
+        trainer.wait(timeout=30)
+
+    launcher.start = start_all_but_the_trainer
+    controller = Controller(config, tmp_path, "faults", launcher, secret="s3cret")
+
+    async def kill_reward_then_start_the_trainer() -> None:
+        while ("reward", 0) not in controller.roster.replicas:
+            await trio.sleep(0.05)
+        replica = controller.roster.replicas[("reward", 0)]
+        launcher.procs[("reward", 0)][1].kill()
+        while replica.restarts == 0:  # lost, and its restart launched, with the run still starting
+            await trio.sleep(0.05)
+        assert controller.state == "starting", controller.state
+        launcher.restart("trainer", 0, 0)
+
+    try:
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(kill_reward_then_start_the_trainer)
+                summary = await controller.run()
+    finally:
+        launcher.stop()
+    assert summary.state == "stopped" and summary.steps == 3, summary.error
+    status = RunDir(tmp_path).read_status()
+    assert status.roles["reward"].restarts == 1 and status.roles["reward"].placed[0].incarnation == 1
+    result = audit(tmp_path)
+    assert (result.lost, result.duplicated, result.trained) == (0, 0, 3 * 4), result

@@ -419,8 +419,8 @@ class Controller:
                 last_failures = trio.current_time()
                 for failure in await trio.to_thread.run_sync(self.launcher.failures):
                     self._died(failure)
-            if self.state in ("running", "evaluating"):
-                for replica in self.roster:
+            for replica in self.roster:  # starting: the handshake judges silence; the lost are restarted
+                if self.state in ("running", "evaluating") or (self.state == "starting" and replica.lost):
                     self._supervise(replica)
             self.run_dir.append_ledger(self.ledger.drain())
             self._write_status()

@@ -102,6 +102,11 @@ class Replica:
     def registered(self) -> bool:
         return self.state in REGISTERED
 
+    @property
+    def lost(self) -> bool:
+        """Waiting for its restart, or for the new incarnation to say hello."""
+        return self.state in (State.LOST, State.RESTARTING)
+
 
 @dataclass(frozen=True)
 class Refusal:
