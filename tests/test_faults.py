@@ -77,6 +77,17 @@ class ProcessLauncher:
             proc.wait(timeout=30)
 
 
+async def run_beside(controller: Controller, launcher: ProcessLauncher, fault, timeout_s: float):
+    """The controller's run with `fault()` beside it; every process the launcher started is stopped after."""
+    try:
+        with trio.fail_after(timeout_s):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fault)
+                return await controller.run()
+    finally:
+        launcher.stop()
+
+
 class _Ended:
     """A process already reported as ended."""
 
@@ -109,13 +120,7 @@ async def test_a_stopped_replica_replaced_and_let_go_on_exits_and_nothing_is_los
             await trio.sleep(0.05)
         os.kill(proc.pid, signal.SIGCONT)
 
-    try:
-        with trio.fail_after(240):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(stop_and_go_on)
-                summary = await controller.run()
-    finally:
-        launcher.stop()
+    summary = await run_beside(controller, launcher, stop_and_go_on, 240)
     assert summary.state == "stopped" and summary.steps == 30, summary.error
     (old,) = stopped
     assert old.returncode == 1  # it exited on its own, told it was replaced
@@ -139,7 +144,7 @@ async def test_a_replica_that_dies_while_the_run_starts_is_restarted_and_the_run
 
     def start_all_but_the_trainer(controller_address: str) -> None:
         start(controller_address)
-        incarnation, trainer = launcher.procs.pop(("trainer", 0))
+        _, trainer = launcher.procs.pop(("trainer", 0))
         trainer.kill()  # not yet: spawned again below, once the reward replica has died
         trainer.wait(timeout=30)
 
@@ -156,13 +161,7 @@ async def test_a_replica_that_dies_while_the_run_starts_is_restarted_and_the_run
         assert controller.state == "starting", controller.state
         launcher.restart("trainer", 0, 0)
 
-    try:
-        with trio.fail_after(120):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(kill_reward_then_start_the_trainer)
-                summary = await controller.run()
-    finally:
-        launcher.stop()
+    summary = await run_beside(controller, launcher, kill_reward_then_start_the_trainer, 120)
     assert summary.state == "stopped" and summary.steps == 3, summary.error
     status = RunDir(tmp_path).read_status()
     assert status.roles["reward"].restarts == 1 and status.roles["reward"].placed[0].incarnation == 1
