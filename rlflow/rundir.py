@@ -545,11 +545,13 @@ def read_json(path: pathlib.Path, kind: type[R]) -> R | None:
 
 
 def read_jsonl(path: pathlib.Path, kind: type[R]) -> list[R]:
-    """Every record of a JSON-lines file (a torn last line is left out)."""
+    """Every record of a JSON-lines file (a torn last line, one not ended
+    yet by its newline, is left out: it is being written)."""
     try:
-        lines = path.read_bytes().splitlines()
+        data = path.read_bytes()
     except OSError:
         return []
+    lines = data.splitlines()
     decoder = msgspec.json.Decoder(kind)
     out = []
     for i, line in enumerate(lines):
@@ -557,8 +559,8 @@ def read_jsonl(path: pathlib.Path, kind: type[R]) -> list[R]:
             continue
         try:
             out.append(decoder.decode(line))
-        except msgspec.DecodeError:
-            if i == len(lines) - 1:
-                break  # being written
-            raise
+        except msgspec.DecodeError as exc:
+            if i == len(lines) - 1 and not data.endswith(b"\n"):
+                break
+            raise ValueError(f"{path}, line {i + 1}: not a {kind.__name__}: {exc}") from exc
     return out

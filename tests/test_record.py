@@ -163,3 +163,28 @@ def test_a_summary_written_before_sessions_were_told_apart_still_reads():
     old = b'{"run_id": "r", "state": "stopped", "steps": 20, "samples": 1280, "wall_time_s": 12.5}'
     summary = msgspec.json.decode(old, type=Summary)
     assert (summary.steps, summary.samples, summary.sessions, summary.session) == (20, 1280, 1, None)
+
+
+def test_an_undefined_metric_is_left_out_of_its_row_and_a_row_that_does_not_read_is_named(tmp_path):
+    """JSON has no NaN: a step whose metric is undefined (the critic's
+    explained variance over returns that do not vary) is written without it,
+    and reads back; a whole line that is not a row is an error naming the
+    file and the line, not taken for a line being written."""
+    from rlflow.control.metrics import JsonlSink
+    from rlflow.control.stats import RunStats
+    from rlflow.protocol import StepDone
+
+    folder = RunDir(tmp_path)
+    stats, sink = RunStats(["trainer"]), JsonlSink(folder)
+    for step, explained in enumerate([0.5, math.nan, -math.inf]):
+        sink.write(stats.close_step(StepDone(step=step, version=step + 1, acked=[],
+                                             metrics={"critic_explained_var": explained, "loss": 0.1}), 1.0, 0))
+    rows = folder.read_metrics()
+    assert [r.step for r in rows] == [0, 1, 2]
+    assert [r.train.get("critic_explained_var") for r in rows] == [0.5, None, None]
+    assert [r.train["loss"] for r in rows] == [0.1] * 3
+
+    with open(folder.metrics, "ab") as f:
+        f.write(b'{"step": 3, "version": 4, "train": {"critic_explained_var": null}}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl, line 4: not a StepRow"):
+        folder.read_metrics()

@@ -109,7 +109,7 @@ class RunStats:
             reward_failed_share=self._failed_share(),
             engine=self._engine_step(),
             roles={role: self._role_shares(role, "step") for role in self.roles},
-            train=metrics,
+            train=finite(metrics),
             controller_msgs=messages,
         )
         for clock in self.clocks.values():
@@ -123,7 +123,7 @@ class RunStats:
     def eval_done(self, msg: EvalDone, step: int) -> EvalRow:
         """The row of an evaluation a rollout replica finished (at trainer step `step`), kept."""
         row = EvalRow(step=step, version=msg.version, version_end=msg.version_end, seconds=round(msg.seconds, 3),
-                      metrics=msg.metrics)
+                      metrics=finite(msg.metrics))
         log.info("[controller] eval at v%d: %s", msg.version, msg.metrics.get("accuracy"))
         self.evaluated(row)
         return row
@@ -285,3 +285,10 @@ def process_cpu() -> tuple[float, float]:
 
     times = psutil.Process().cpu_times()
     return time.thread_time(), times.user + times.system
+
+
+def finite(metrics: dict[str, float]) -> dict[str, float]:
+    """`metrics` without the undefined ones (NaN, infinities: e.g. the critic's explained variance
+    over returns that do not vary). JSON has no NaN: written, it would read back as null, which no
+    row's number may be."""
+    return {name: value for name, value in metrics.items() if math.isfinite(value)}
