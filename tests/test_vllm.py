@@ -14,6 +14,7 @@ import threading
 import time
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import trio
@@ -250,8 +251,6 @@ def test_a_weight_update_waiting_when_the_engine_core_dies_ends_with_engine_dead
     core is SIGKILLed: the update ends with vLLM's EngineDeadError (the rollout
     replica then ends, to be restarted), and closing the engine leaves no
     process of it behind."""
-    import psutil
-
     from rlflow.services import compat
     from rlflow.services.rollout.vllm_engine import VllmBackend
 
@@ -298,8 +297,6 @@ def test_a_weight_update_waiting_when_the_engine_core_dies_ends_with_engine_dead
 
 def _title(proc) -> str:
     """A process's name and command line (vLLM titles its engine-core and worker processes)."""
-    import psutil
-
     try:
         return " ".join([proc.name(), *proc.cmdline()])
     except psutil.NoSuchProcess:
