@@ -318,11 +318,13 @@ class InProcessLauncher:
         service = self.services[(role, rank)] = service_class(role)(spec)
 
         async def run() -> None:
-            with scope:
-                try:
+            # Outside the scope: a kill (the scope cancelled) that meets the service's own error (told it
+            # was replaced) leaves that error once the scope has taken its Cancelled out.
+            try:
+                with scope:
                     await service.run()
-                except Exception as exc:  # as a process would: it dies, and the launcher says so
-                    self.ended.append((f"died: {type(exc).__name__}: {exc}", role, rank, incarnation))
+            except Exception as exc:  # as a process would: it dies, and the launcher says so
+                self.ended.append((f"died: {type(exc).__name__}: {exc}", role, rank, incarnation))
 
         self.nursery.start_soon(run)
 
