@@ -451,7 +451,8 @@ class Hello(Message, tag=10):
     weights: WeightTransfer | None = None
     """The trainer (rank 0): how it sends weights."""
     layout: list[ParamSpec] = []
-    """The trainer (rank 0): where each parameter lies in the flat buffer of a collective transfer."""
+    """The trainer (rank 0): where each parameter lies in the flat buffer of a collective transfer (with
+    `adapter`, over any transfer: the adapter's tensors, see SPEC.md, *Adapters*)."""
     slots: NonNegInt = 0
     """A rollout replica: sequences it decodes at once (0: the run's samples per prompt)."""
     model: str = ""
@@ -489,7 +490,8 @@ class Welcome(Message, tag=11):
     """To a replica that loads weights: how to receive them (its rank in a collective group); to the
     trainer: the group it hosts (its world size)."""
     layout: list[ParamSpec] = []
-    """To a replica that loads weights over a collective transfer: the trainer's layout."""
+    """To a replica that loads weights over a collective transfer, or an adapter over any: the trainer's
+    layout."""
     shm_peers: list[str] = []
     """The addresses in `peers` whose replicas take tensors in shared memory from this one (their `Hello.shm`
     is its own)."""

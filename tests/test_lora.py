@@ -40,7 +40,7 @@ engine = {{ kind = "vllm", max_num_seqs = 16, max_tokens = 24, kv_cache_bytes = 
 pool = "p"
 [roles.trainer]
 pool = "p"
-engine = {{ kind = "torch", lr = 0.02, lora = {{ rank = {rank}, alpha = 16, adapter_update = "{update}" }} }}
+engine = {{ kind = "torch", lr = 0.02, lora = {{ rank = {rank}, alpha = 16, adapter_update = "{update}", transfer = "{transfer}" }} }}
 [run]
 max_staleness = {staleness}
 """
@@ -51,8 +51,9 @@ def base(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("lora") / "base", tied=False, seed=3)
 
 
-def lora_config(base, update: str = "in_place", kv: str = "recompute") -> C.Config:
-    return C.load(text=CONFIG.format(model=base, rank=RANK, update=update, kv=kv, staleness=STALENESS))
+def lora_config(base, update: str = "in_place", kv: str = "recompute", transfer: str = "group") -> C.Config:
+    return C.load(text=CONFIG.format(model=base, rank=RANK, update=update, kv=kv, staleness=STALENESS,
+                                     transfer=transfer))
 
 
 @pytest.fixture(scope="session")
@@ -80,10 +81,10 @@ class Trainer:
     """The trainer's side: a LoRA `TorchEngine` whose adapter is moved a
     little at each version (as a step would), and its sends."""
 
-    def __init__(self, config: C.Config, group: GlooGroup):
+    def __init__(self, config: C.Config, group: GlooGroup | None, engine: TorchEngine | None = None):
         from rlflow.services.trainer.lora import adapter_offer
 
-        self.engine = TorchEngine(config.roles.trainer.engine, config.policy_path)
+        self.engine = engine or TorchEngine(config.roles.trainer.engine, config.policy_path)
         self.adapter = adapter_offer(self.engine.lora, config.run.staleness)
         self.group = group
         self.seed = 0
@@ -94,8 +95,8 @@ class Trainer:
         generator = torch.Generator().manual_seed(self.seed)
         with torch.no_grad():
             for p in self.engine.model.parameters():
-                if p.requires_grad:
-                    p.add_(torch.randn(p.shape, generator=generator) * 0.3)
+                if p.requires_grad:  # (a trainer service's engine is sharded: one shard, the whole)
+                    (p.to_local() if hasattr(p, "to_local") else p).add_(torch.randn(p.shape, generator=generator) * 0.3)
 
     def publish(self) -> tuple[list[torch.Tensor], str]:
         snapshot = self.engine.snapshot()
@@ -218,6 +219,59 @@ async def test_the_served_policy_changes_at_the_first_update(base, served):
         assert np.abs(lps - trainer.logprobs(prompt, ids, adapter=False)).max() < 2e-3
     for ids, lps, _ in sampled(after):
         assert np.abs(lps - trainer.logprobs(prompt, ids)).max() < 2e-3
+        assert np.abs(lps - trainer.logprobs(prompt, ids, adapter=False)).max() > 0.1, "still the base"
+
+
+async def test_over_zeromq_each_replica_fetches_the_adapter_from_the_trainers_weight_server(base, served):
+    """`lora.transfer = "zmq"`: the trainer service's engine serves each
+    version from its weight server (a ROUTER) and joins no group; the rollout
+    fetches the version it is told to load (or a newer one), checks it against
+    the layout, and vLLM then serves the trainer's policy."""
+    from rlflow.protocol import Tensor, WeightsPayload, WeightsZmq
+    from rlflow.services.rollout.vllm_engine import VllmEngine
+    from rlflow.services.trainer.torch_engine import TorchTrainerEngine
+
+    config = lora_config(base, transfer="zmq")
+    serving = TorchTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
+    trainer = Trainer(config, None, serving.engine)
+    engine = VllmEngine(config.roles.rollout.engine, standalone_context(config, "rollout"), served[0])
+    prompt = prompt_ids(base)
+    checksums = {}
+    try:
+        with trio.fail_after(180):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serving.serve)
+                offer, layout = serving.offer()
+                assert isinstance(offer, WeightsZmq) and serving.adapter == trainer.adapter
+                await serving.connect(offer)  # nothing to host: it returns at once
+                await engine.start()
+                await engine.join_weights(offer, layout, serving.adapter)
+                trainer.step()
+                checksums[1] = (await serving.publish(1))[1]
+                await serving.send(1, None)
+                assert await engine.update_weights(1, None) == 1
+                output = await engine.backend.generate(prompt, 4, 1.0, max_tokens=16, ignore_eos=True,
+                                                       lora_id=engine._lora_id(1))
+                v1 = trainer.adapter_now()
+                # Two versions published before the rollout asks for the first: it takes the newest.
+                for version in (2, 3):
+                    trainer.step()
+                    checksums[version] = (await serving.publish(version))[1]
+                assert await engine.update_weights(2, None) == 3
+                newest = engine.checksum
+                # A server that sends something else than the layout's adapter is refused, naming it.
+                names = [s.name for s in layout]
+                wrong = [Tensor.from_torch(torch.zeros(s.shape)) for s in layout]
+                serving.server.publish(WeightsPayload(version=4, names=names[:-1] + ["lm_head.weight"], tensors=wrong))
+                with pytest.raises(ValueError, match="lm_head.weight"):
+                    await engine.update_weights(4, None)
+                nursery.cancel_scope.cancel()
+    finally:
+        await serving.close()
+    assert engine.checksum == newest == checksums[3] and checksums[1] != checksums[3]
+    for ids, lps, versions in sampled(output):
+        assert [s.version for s in versions] == ["1"]
+        assert np.abs(lps - trainer.logprobs(prompt, ids, adapter=v1)).max() < 2e-3
         assert np.abs(lps - trainer.logprobs(prompt, ids, adapter=False)).max() > 0.1, "still the base"
 
 
@@ -421,11 +475,12 @@ steps = 3
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_a_lora_run_end_to_end_and_its_resume_per_request(ray_cluster, tmp_path):
-    """A few steps with an adapter in place and a KL penalty to the base (no
-    teacher role), every update's checksum checked; then the run resumes from
-    its checkpoint (base from the model, adapter and optimizer from the
-    checkpoint) with one adapter version per request."""
+def test_a_lora_run_end_to_end_and_its_resume_per_request_over_zeromq(ray_cluster, tmp_path):
+    """A few steps with an adapter in place over the gloo group and a KL
+    penalty to the base (no teacher role), every update's checksum checked;
+    then the run resumes from its checkpoint (base from the model, adapter and
+    optimizer from the checkpoint) with one adapter version per request, the
+    rollout fetching each from the trainer's weight server."""
     from rlflow.control.launch import run
     from rlflow.rundir import RunDir
 
@@ -445,7 +500,8 @@ def test_a_lora_run_end_to_end_and_its_resume_per_request(ray_cluster, tmp_path)
         assert not (checkpoint / "model.safetensors").exists()  # the adapter alone: no merged model asked for
 
     resumed = C.load(folder.config, [f'run.resume="{run_dir / "checkpoints" / "step-000003"}"', "run.steps=5",
-                                     'roles.trainer.engine.lora.adapter_update="per_request"'])
+                                     'roles.trainer.engine.lora.adapter_update="per_request"',
+                                     'roles.trainer.engine.lora.transfer="zmq"'])
     summary = run(resumed, run_dir)
     assert summary.state == "stopped", summary.error
     steps = folder.read_metrics()

@@ -105,7 +105,7 @@ async def test_weights_arrive_between_steps_and_later_tokens_carry_the_new_versi
         async with trio.open_nursery() as nursery:
             await nursery.start(trainer.serve)
             await nursery.start(engine.run)
-            await engine.join_weights(WeightsZmq(address=trainer.address), [])
+            await engine.join_weights(WeightsZmq(address=trainer.server.address), [])
             engine.submit(PromptGroup(group_id=0, prompt_ids=[1], n=2), time.time())
             await trio.sleep(0.2)  # some tokens on version 0
             await trainer.publish(1)
@@ -128,12 +128,12 @@ async def test_the_weight_server_outlives_a_replica_that_died_waiting_for_a_vers
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             await nursery.start(trainer.serve)
-            async with transport.open_dealer(connect=trainer.address, codec=Codec(WeightsMessage)) as doomed:
+            async with transport.open_dealer(connect=trainer.server.address, codec=Codec(WeightsMessage)) as doomed:
                 await doomed.send(WeightsRequest(version=1))
                 await trio.sleep(0.2)  # it is parked at the server
             await trio.sleep(0.3)  # the server has seen it go
             await trainer.publish(1)
-            async with transport.open_dealer(connect=trainer.address, codec=Codec(WeightsMessage)) as next_one:
+            async with transport.open_dealer(connect=trainer.server.address, codec=Codec(WeightsMessage)) as next_one:
                 await next_one.send(WeightsRequest(version=1))
                 assert (await next_one.recv()).version == 1
             nursery.cancel_scope.cancel()
@@ -152,7 +152,7 @@ async def test_strict_staleness_restarts_a_group_that_fell_behind():
         async with trio.open_nursery() as nursery:
             await nursery.start(trainer.serve)
             await nursery.start(engine.run)
-            await engine.join_weights(WeightsZmq(address=trainer.address), [])
+            await engine.join_weights(WeightsZmq(address=trainer.server.address), [])
             engine.submit(PromptGroup(group_id=0, prompt_ids=[1], n=1), time.time())
             await trio.sleep(0.1)
             await trainer.publish(1)
@@ -282,7 +282,7 @@ async def test_a_group_that_waits_for_newer_weights_starts_when_they_arrive_and_
         async with trio.open_nursery() as nursery:
             await nursery.start(trainer.serve)
             await nursery.start(engine.run)
-            await engine.join_weights(WeightsZmq(address=trainer.address), [])
+            await engine.join_weights(WeightsZmq(address=trainer.server.address), [])
             engine.submit(PromptGroup(group_id=0, prompt_ids=[1], n=2, min_version=1), time.time())
             engine.submit(PromptGroup(group_id=1, prompt_ids=[1], n=2), time.time())
             first = await collect(engine, 1)
@@ -366,7 +366,7 @@ async def test_a_rollout_told_to_load_a_version_it_holds_says_so():
             identity, hello = await router.recv()
             await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
                                                 peers={"out": [transport.bound_address(downstream)]},
-                                                weights=WeightsZmq(address=trainer.address)))
+                                                weights=WeightsZmq(address=trainer.server.address)))
             await answer(Ready)
             await trainer.publish(1)
             await trainer.publish(2)

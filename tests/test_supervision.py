@@ -232,7 +232,7 @@ def test_with_the_zmq_transfer_a_replacement_is_sent_the_newest_version_moved():
     weights = Weights(3, max_rebuilds=1)
     weights.offered(WeightsZmq(address="tcp://t:1"), [], receivers=2)
     assert weights.welcome("rollout", 0, first=True, receivers=2) == {"weights": WeightsZmq(address="tcp://t:1"),
-                                                                       "adapter": None}
+                                                                       "layout": [], "adapter": None}
     (order,) = weights.joined(0, {1})
     assert (order.rank, order.message) == (0, UpdateWeights(version=3))
 

@@ -338,6 +338,12 @@ class Lora(Table):
     save_merged: bool = False
     """Checkpoints also hold the base with the adapter merged in, as a Hugging Face model directory (the
     adapter alone, in PEFT's format, is always saved, under adapter/)."""
+    transfer: Literal["group", "zmq"] = "group"
+    """How each adapter version reaches the rollout. group: broadcast over the run's weight group (gloo on
+    CPUs, NCCL on GPUs), as whole weights are; zmq: every replica fetches it from trainer rank 0's ZeroMQ
+    weight server (SPEC.md, *Weights*) before it pauses generation to load it: nothing but ZeroMQ on either
+    side, and no group to make again when a replica is replaced (an adapter is small; the group is faster
+    for large ones)."""
 
 
 class EnvReward(Table, tag_field="kind", tag="env"):

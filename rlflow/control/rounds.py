@@ -153,8 +153,9 @@ class Weights:
         `adapter`): the trainer's rank 0 hosts the group of 1 + `receivers`
         members; a first rollout replica joins it as member 1 + rank; a
         replacement joins the next generation (when it is caught up); with the
-        zmq transfer every rollout replica gets the trainer's address. Every
-        rollout replica gets the adapter it serves."""
+        zmq transfer every rollout replica gets the trainer's address (and
+        the layout: an adapter's tensors). Every rollout replica gets the
+        adapter it serves."""
         offer, adapter = self.offer, self.adapter if role == "rollout" else None
         if self.collective:
             group = msgspec.structs.replace(offer, world_size=1 + receivers)
@@ -166,7 +167,7 @@ class Weights:
             if role == "rollout":
                 return {"layout": self.layout, "adapter": adapter}
             return {}
-        return {"weights": offer, "adapter": adapter} if role == "rollout" else {}
+        return {"weights": offer, "layout": self.layout, "adapter": adapter} if role == "rollout" else {}
 
     def publish(self, version: int, receivers: set[int], checksum: str = "") -> list[Order]:
         """The trainer has `version`, whose weights have `checksum` (empty: not checked)."""

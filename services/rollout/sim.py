@@ -32,22 +32,20 @@ from rlflow.distributions import draw_lengths
 from rlflow.protocol import (
     Adapter,
     EngineLoad,
-    Codec,
     FinishReason,
     ParamSpec,
     PromptGroup,
     Response,
     Stage,
-    WeightsMessage,
     WeightsPayload,
-    WeightsRequest,
     WeightsZmq,
     WeightTransfer,
     payload_checksum,
 )
 from rlflow.protocol.batch import N_STAGES
-from rlflow.services.base import EngineContext, shm_token
+from rlflow.services.base import EngineContext
 from rlflow.services.rollout.engine import Finished
+from rlflow.services.zmq_weights import fetch, open_fetcher
 
 T = TypeVar("T")
 
@@ -672,14 +670,5 @@ class SimEngine:
         if self._server is None:
             raise RuntimeError("no weight server to fetch from: join_weights was not called")
         if self._weights is None:
-            self._weights = await self._sockets.enter_async_context(
-                transport.open_dealer(
-                    connect=self._server, codec=Codec(WeightsMessage), curve=self.ctx.curve, name="weights"
-                )
-            )
-        return await self._weights.request(
-            WeightsRequest(version=version, shm=shm_token(self.ctx.config)),
-            WeightsPayload,
-            timeout=120,
-            setting="the trainer's weight server",
-        )
+            self._weights = await self._sockets.enter_async_context(open_fetcher(self.ctx, self._server))
+        return await fetch(self.ctx, self._weights, version)

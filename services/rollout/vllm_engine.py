@@ -44,7 +44,8 @@ from rlflow.algo.staleness import too_stale
 from rlflow.config import VllmRollout
 from rlflow.protocol import (
     Adapter, AdapterUpdate, EngineLoad,
-    FinishReason, ParamSpec, PromptGroup, Response, Stage, WeightsGloo, WeightsNccl, WeightTransfer
+    FinishReason, ParamSpec, PromptGroup, Response, Stage, WeightsGloo, WeightsNccl, WeightsPayload, WeightsZmq,
+    WeightTransfer
 )
 from rlflow.protocol.batch import N_STAGES
 from rlflow.services import compat
@@ -53,6 +54,7 @@ from rlflow.errors import WeightGroupBroken
 from rlflow.services.rollout.engine import VersionWait
 from rlflow.services.rollout.vllm_worker import BACKEND
 from rlflow.services.weights import NCCL_BUFFERS, nccl_chunk_bytes, nccl_ranks
+from rlflow.services.zmq_weights import fetch, open_fetcher
 
 #: vLLM's own weight-transfer backend over NCCL (CUDA).
 NCCL = "nccl"
@@ -492,7 +494,7 @@ class VllmEngine:
         self.running: dict[int, _Group] = {}
         self._send, self.finished = trio.open_memory_channel(2)
         self._wake = trio.Event()
-        self._weights: WeightsGloo | WeightsNccl | None = None
+        self._weights: WeightTransfer | None = None
         self._layout: list[ParamSpec] = []
         self._weights_ready = trio.Event()
         self._weights_changed = VersionWait()
@@ -550,6 +552,14 @@ class VllmEngine:
             await self._first_adapter(adapter)
         if transfer is None:
             return
+        if isinstance(transfer, WeightsZmq):
+            if self.adapter is None:
+                raise ValueError("the vLLM rollout takes whole weights over a collective group (gloo on CPUs, NCCL "
+                                 "on GPUs); over ZeroMQ only a LoRA adapter, and the trainer sends whole weights "
+                                 "(roles.trainer.engine.lora.transfer = \"zmq\" needs roles.trainer.engine.lora)")
+            self._weights = transfer
+            self._weights_ready.set()
+            return
         check_offer(self.backend.weight_backend(), transfer)
         cluster = self.ctx.config.cluster
         timeout_s = max(cluster.handshake_timeout_s, cluster.weight_timeout_s) if first else cluster.weight_timeout_s
@@ -575,7 +585,7 @@ class VllmEngine:
         self.clock.set("loading")
         try:
             if self.adapter is not None:
-                await self._load_adapter(version)
+                version = await self._load_adapter(version)
             else:
                 await self.backend.update(version, self._layout, self._weights.nbytes, kv=self.cfg.kv_on_update,
                                           bucket_bytes=self._weights.bucket_bytes)
@@ -611,7 +621,8 @@ class VllmEngine:
 
     def _adapter_info(self, source: str, lora_id: int, path: str = "") -> dict[str, Any]:
         adapter, weights = self.adapter, self._weights
-        nbytes, bucket_bytes = (weights.nbytes, weights.bucket_bytes) if weights is not None else (0, 0)
+        nbytes, bucket_bytes = (0, 0) if weights is None or isinstance(weights, WeightsZmq) \
+            else (weights.nbytes, weights.bucket_bytes)
         return {**gloo_update_info(self._layout, nbytes, bucket_bytes), "source": source, "path": path,
                 "lora_id": lora_id, "rank": adapter.rank, "alpha": adapter.alpha, "targets": list(adapter.targets),
                 "replace": True}
@@ -630,18 +641,48 @@ class VllmEngine:
         self.checksum = await self.backend.load_adapter(self._adapter_info("file" if path else "zeros", lora_id, path))
         self._lora_ids[self.version] = lora_id
 
-    async def _load_adapter(self, version: int) -> None:
-        """Take adapter `version` from the weight group. In place: it replaces
-        the one served between two steps. Per request: it is loaded beside the
-        others (and `_keep_window` lets go of the oldest)."""
+    async def _load_adapter(self, version: int) -> int:
+        """Take adapter `version` from the weight group, or from the trainer's
+        weight server (ZeroMQ: fetched before generation pauses; a newer
+        version than asked for if the trainer has one). In place: it replaces
+        the one served between two steps. Per request: it is loaded beside
+        the others (and `_keep_window` lets go of the oldest). The version loaded."""
+        source, tensors = "group", None
+        if isinstance(self._weights, WeightsZmq):
+            payload = await self._fetch(version)
+            source, version, tensors = "tensors", payload.version, self._in_layout(payload)
         lora_id = version + 1 if self.per_request else IN_PLACE_ID
-        info = self._adapter_info("group", lora_id)
+        info = {**self._adapter_info(source, lora_id), "tensors": tensors}
         if not self.per_request:
             self.checksum = await self.backend.load_adapter(info, pause=True, kv=self.cfg.kv_on_update,
                                                             version=version)
-            return
+            return version
         self.checksum = await self.backend.load_adapter(info)
         self._lora_ids[version] = lora_id
+        return version
+
+    async def _fetch(self, version: int) -> WeightsPayload:
+        """Adapter `version` (or newer) from the weight server, over a socket of this call's own."""
+        async with open_fetcher(self.ctx, self._weights.address) as weights:
+            return await fetch(self.ctx, weights, version)
+
+    def _in_layout(self, payload: WeightsPayload) -> list[bytes]:
+        """The bytes of the payload's tensors in the layout's order; an error naming what differs if it is
+        not the adapter the welcome described."""
+        got = dict(zip(payload.names, payload.tensors, strict=True))
+        named = {s.name: s for s in self._layout}
+        if set(got) != set(named):
+            raise ValueError(f"the weight server sent v{payload.version} with tensors that are not the adapter's "
+                             f"layout: {sorted(set(got) ^ set(named))[:3]} where they differ")
+        out = []
+        for spec in self._layout:
+            tensor = got[spec.name]
+            if tensor.dtype != spec.dtype or list(tensor.shape) != list(spec.shape):
+                raise ValueError(f"the weight server sent {spec.name} as {tensor.dtype}{list(tensor.shape)}; the "
+                                 f"layout says {spec.dtype}{list(spec.shape)}")
+            # Bytes of its own (not the socket's frame or a shared segment), as vLLM's utility calls carry them.
+            out.append(bytes(memoryview(tensor.data).cast("B")))
+        return out
 
     async def _keep_window(self) -> None:
         """Per request, with the newest version held: let go of the versions

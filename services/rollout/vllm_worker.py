@@ -103,8 +103,9 @@ class WorkerExtension:
         """Take one adapter version and hand it to vLLM's LoRA manager as adapter
         ``lora_id`` (taking the place of the one of that id with ``replace``):
         from the weight group (``source`` "group", laid out as the layout
-        says), a PEFT adapter directory ("file", ``path``) or zeros ("zeros":
-        the base itself). Its checksum (SPEC.md, *Checksums*) as received,
+        says), the bytes of each tensor handed over with the call ("tensors":
+        fetched from the trainer's weight server, in the layout's order), a PEFT adapter
+        directory ("file", ``path``) or zeros ("zeros": the base itself). Its checksum (SPEC.md, *Checksums*) as received,
         or empty if vLLM does not hold it afterwards."""
         specs = [ParamSpec(name=n, dtype=d, shape=s, offset=o)
                  for n, d, s, o in zip(info["names"], info["dtypes"], info["shapes"], info["offsets"])]
@@ -125,6 +126,9 @@ def _adapter_tensors(worker: Any, info: dict[str, Any], specs: list[ParamSpec]) 
     source = info["source"]
     if source == "zeros":
         return [(s.name, torch.zeros(s.shape, dtype=getattr(torch, s.dtype))) for s in specs]
+    if source == "tensors":
+        return [(s.name, torch.frombuffer(bytearray(data), dtype=getattr(torch, s.dtype)).reshape(s.shape))
+                for s, data in zip(specs, info["tensors"], strict=True)]
     if source == "file":
         from safetensors.torch import load_file
 

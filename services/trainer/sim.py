@@ -18,23 +18,20 @@ import shutil
 import numpy as np
 import trio
 from rlflow.protocol import (
-    Codec,
     ParamSpec,
     SampleBatch,
     Tensor,
-    WeightsMessage,
     WeightsPayload,
-    WeightsRequest,
     WeightsZmq,
     WeightTransfer,
     payload_checksum,
     take,
 )
-from rlflow.services.base import EngineContext, shm_settings, shm_token
+from rlflow.services.base import EngineContext
+from rlflow.services.zmq_weights import WeightServer
 
 from rlflow.algo.balance import deal
 from rlflow.config import SimTrainer
-from rlflow.data import transport
 from rlflow.rundir import RUN_STATE
 
 #: Largest tensor of a simulated weight payload (a model's layer).
@@ -56,42 +53,17 @@ class SimTrainerEngine:
         #: The same bytes at every version, so one checksum.
         self.checksum = payload_checksum(self.names, self.tensors)
         self.adapter = None
-        self.latest: WeightsPayload | None = None
-        self._published = trio.Event()
-        self.address = ""
+        self.server = WeightServer(ctx)
 
     def offer(self) -> tuple[WeightTransfer, list[ParamSpec]]:
-        return WeightsZmq(address=self.address), []
+        return WeightsZmq(address=self.server.address), []
 
     async def connect(self, transfer: WeightTransfer | None) -> None:
         """The rollout pulls weights from the server: nothing to join."""
 
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Answer each weight request with the newest version (once it is there)."""
-        token = shm_token(self.ctx.config)
-        async with transport.open_router(
-            bind=transport.tcp_address(self.ctx.host),
-            codec=Codec(WeightsMessage),
-            curve=self.ctx.curve,
-            name="weights",
-            shm=shm_settings(self.ctx.config, self.ctx.run_id),
-        ) as sock:
-            self.address = transport.bound_address(sock)
-            self.ctx.watch(sock)
-            task_status.started()
-            while True:
-                identity, msg = await sock.recv()
-                if not isinstance(msg, WeightsRequest):
-                    continue
-                while self.latest is None or self.latest.version < msg.version:
-                    self._published = trio.Event()
-                    await self._published.wait()
-                try:
-                    # In shared memory to a requester that can map this process's memory.
-                    await sock.send(identity, self.latest, shm=bool(token) and msg.shm == token)
-                except transport.PeerUnreachable:  # it died while it waited: its replacement asks again
-                    self.ctx.counters["weights_unclaimed"] += 1
-                self.ctx.counters["bytes_shared"] = sock.bytes_shared
+        await self.server.serve(task_status=task_status)
 
     async def deal(self, batch: SampleBatch) -> tuple[dict[str, float], list[SampleBatch]]:
         lengths = np.diff(batch.response_offsets.numpy()).tolist()
@@ -104,8 +76,7 @@ class SimTrainerEngine:
         return {"loss": 0.0}
 
     async def publish(self, version: int) -> tuple[int, str]:
-        self.latest = WeightsPayload(version=version, names=self.names, tensors=self.tensors)
-        self._published.set()
+        self.server.publish(WeightsPayload(version=version, names=self.names, tensors=self.tensors))
         return sum(t.nbytes for t in self.tensors), self.checksum
 
     def new_group(self, transfer: WeightTransfer) -> WeightTransfer:

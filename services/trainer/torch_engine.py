@@ -55,12 +55,14 @@ import numpy as np
 import torch
 import trio
 from rlflow.protocol import (
-    Adapter, ParamSpec, SampleBatch, Tensor, WeightsGloo, WeightsNccl, WeightTransfer, samples, take,
+    Adapter, ParamSpec, SampleBatch, Tensor, WeightsGloo, WeightsNccl, WeightsPayload, WeightsZmq, WeightTransfer,
+    samples, take,
 )
 from rlflow.services.base import EngineContext
 from rlflow.services.trainer.fsdp import Sharded, Solo
 from rlflow.services.trainer.lora import adapter_offer, save_adapter, trained_parameters, wrap
 from rlflow.services.weights import GlooGroup, NcclGroup, layout, pieces, tensors_checksum
+from rlflow.services.zmq_weights import WeightServer
 
 from rlflow.algo.balance import deal, micro_batches
 from rlflow.algo.values import own_count, own_tokens, whiten
@@ -601,6 +603,8 @@ class TorchTrainerEngine:
         self.port = free_port(self.host)
         self.ranks_per_receiver = getattr(rollout, "tensor_parallel_size", 1)
         self.group: GlooGroup | NcclGroup | None = None
+        #: An adapter served over ZeroMQ (`Lora.transfer`): rank 0's weight server.
+        self.server = WeightServer(ctx) if cfg.lora and cfg.lora.transfer == "zmq" and self.ranks.lead else None
         self.snapshots: dict[int, list[torch.Tensor]] = {}
         self._published: dict[int, trio.Event] = {}
         if config.run.resume:
@@ -608,19 +612,25 @@ class TorchTrainerEngine:
 
     def offer(self) -> tuple[WeightTransfer, list[ParamSpec]]:
         engine = self.engine
+        if self.server is not None:
+            return WeightsZmq(address=self.server.address), engine.specs
         return weight_offer(self.ranks.device.type, self.host, self.port, engine.nbytes, engine.cfg.bucket_bytes,
                             self.ranks_per_receiver), engine.specs
 
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        """Weights are pushed when the controller says so: nothing to serve."""
-        task_status.started()
+        """An adapter over ZeroMQ: the weight server; else weights are pushed when the controller
+        says so: nothing to serve."""
+        if self.server is not None:
+            await self.server.serve(task_status=task_status)
+        else:
+            task_status.started()
 
     async def connect(self, transfer: WeightTransfer | None, *, first: bool = True) -> None:
         """Host the weight group and wait until every receiver has joined (rank
         0; the other ranks only help gather): the first group as long as the
         services may take to start, a later generation `cluster.weight_timeout_s`."""
-        if transfer is None and not self.ranks.lead:
-            return
+        if (transfer is None and not self.ranks.lead) or self.server is not None:
+            return  # over ZeroMQ the replicas fetch: no group to host
         offered = type(self.offer()[0])
         if not isinstance(transfer, offered):
             raise ValueError(f"the torch trainer on {self.ranks.device.type} sends weights as {offered.__name__}; "
@@ -642,6 +652,9 @@ class TorchTrainerEngine:
     async def publish(self, version: int) -> tuple[int, str]:
         snapshot = self.snapshots[version] = await trio.to_thread.run_sync(self.engine.snapshot)
         self._event(version).set()
+        if self.server is not None:  # the adapter, whole at rank 0: served from now on
+            self.server.publish(WeightsPayload(version=version, names=[s.name for s in self.engine.specs],
+                                               tensors=[Tensor.from_torch(t) for t in snapshot]))
         return self.engine.nbytes, await trio.to_thread.run_sync(self.engine.checksum, snapshot)
 
     def _event(self, version: int) -> trio.Event:
@@ -664,6 +677,8 @@ class TorchTrainerEngine:
         for old in [v for v in self.snapshots if v <= version]:
             del self.snapshots[old]
             self._published.pop(old, None)
+        if self.server is not None or (self.engine.lora is not None and not self.ranks.lead):
+            return  # the replicas fetch it from the server; an adapter's send gathers nothing more
         group = self.group if self.ranks.lead and broadcast else None
         try:
             if isinstance(group, NcclGroup):
