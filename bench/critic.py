@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -103,6 +104,7 @@ def simulated(work: pathlib.Path, steps: int, cost: float) -> dict[str, dict[str
     out = {}
     for layout in ("own_pool", "inline", "none"):
         run_dir = work / f"sim-{layout}"
+        shutil.rmtree(run_dir, ignore_errors=True)  # a run of its own each time, not a session added to the last
         summary = run(load_sim([*sim_layout(layout, cost), f"run.steps={steps}"]), run_dir)
         if summary.state != "stopped":
             raise RuntimeError(f"the {layout} run ended {summary.state}: {summary.error}")

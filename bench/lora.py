@@ -14,7 +14,9 @@ through rlflow's own trainer (`TorchEngine`, one rank) and vLLM rollout
   weights (medians);
 * update_ratio: tokens/s of the rollout with an update after every
   trainer step's worth of finished groups, over tokens/s with none, for the
-  adapter (in place); the same ratio for full weights is printed beside it.
+  adapter (in place): the median over repeats (four; the two sides of each
+  measured one after the other, in turns) of each repeat's ratio; the same
+  ratio for full weights is printed beside it.
 
 The ratios of the RESULT line are those of the 0.5B shape. Then the
 held-out accuracy of the default task trained with LoRA (`rlflow up
@@ -168,14 +170,18 @@ def measure(config, label: str, count: int, repeats: int, idle: int) -> dict:
             out["update_ms_idle"] = [await sender.push(engine, engine.version + 1) for _ in range(idle)]
             for r in range(repeats):
                 groups = [task.prompt(r * count + i, config.run.samples_per_prompt) for i in range(count)]
-                seconds, tokens, _ = await generate(engine, groups)
-                out["tokens_per_s"].append(tokens / seconds)
-                seconds, tokens, ms = await generate(engine, groups, sender, step)
-                out["tokens_per_s_updating"].append(tokens / seconds)
+                # Without and with updates in turn, the order swapped every other repeat: a machine whose
+                # speed drifts over the run weighs on both sides alike.
+                ms: list[float] = []
+                for updating in ((False, True) if r % 2 == 0 else (True, False)):
+                    seconds, tokens, moved = await generate(engine, groups, sender, step if updating else 0)
+                    out["tokens_per_s_updating" if updating else "tokens_per_s"].append(tokens / seconds)
+                    ms = moved if updating else ms
                 out["update_ms_in_flight"] += ms
                 print(f"[{label}] repeat {r}: {out['tokens_per_s'][-1]:,.0f} tok/s without updates, "
-                      f"{out['tokens_per_s_updating'][-1]:,.0f} with an update per {step} groups ({len(ms)} "
-                      f"updates, {statistics.median(ms or [0]):.0f} ms each)", flush=True)
+                      f"{out['tokens_per_s_updating'][-1]:,.0f} with an update per {step} groups (ratio "
+                      f"{out['tokens_per_s_updating'][-1] / out['tokens_per_s'][-1]:.3f}; {len(ms)} updates, "
+                      f"{statistics.median(ms or [0]):.0f} ms each)", flush=True)
             nursery.cancel_scope.cancel()
 
     try:
@@ -184,7 +190,9 @@ def measure(config, label: str, count: int, repeats: int, idle: int) -> dict:
     finally:
         backend.close()
     out["update_bytes"] = sender.engine.nbytes
-    out["update_ratio"] = statistics.median(out["tokens_per_s_updating"]) / statistics.median(out["tokens_per_s"])
+    # The median of each repeat's own ratio: the two sides of a repeat ran minutes apart, repeats further.
+    out["update_ratios"] = [u / n for u, n in zip(out["tokens_per_s_updating"], out["tokens_per_s"])]
+    out["update_ratio"] = statistics.median(out["update_ratios"])
     print(f"[{label}] {out['update_bytes'] / 2**20:.2f} MiB per update, {statistics.median(out['update_ms_idle']):.0f} "
           f"ms idle, {statistics.median(out['update_ms_in_flight'] or [0]):.0f} ms with requests in flight; update "
           f"ratio {out['update_ratio']:.3f}", flush=True)
@@ -262,7 +270,7 @@ def main() -> None:
 
     default = str(ensure_default())
     # Groups per measurement: four trainer steps' worth (an update after each of the first three).
-    repeats, idle = (1, 3) if args.quick else (2, 5)
+    repeats, idle = (1, 3) if args.quick else (4, 5)
     result: dict = {}
     if not args.skip_default:
         result["default"] = compare(default, "default", [], 64 if args.quick else 128, repeats, idle)

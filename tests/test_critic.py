@@ -15,7 +15,9 @@ from models import tiny_model
 from ranks import run_ranks
 
 from rlflow import config as C
-from rlflow.algo.values import critic_stats, explained_variance, gae, token_rewards, value_loss, whiten
+from rlflow.algo.values import (
+    centre_by_returns, critic_stats, explained_variance, gae, token_rewards, value_loss, whiten,
+)
 from rlflow.protocol import Codec, FinishReason, PromptGroup, Response, Tensor, build_batch, samples
 
 # -- GAE, by hand ------------------------------------------------------------------------------
@@ -82,6 +84,12 @@ def test_whitening_and_explained_variance():
     x = whiten(np.array([1.0, 2.0, 3.0, 6.0]))
     assert x.mean() == pytest.approx(0.0, abs=1e-12) and x.std() == pytest.approx(1.0, abs=1e-6)
     assert whiten(np.array([2.0, 2.0])).tolist() == [0.0, 0.0]
+    # Centred, over the spread of the returns: small residuals stay small, and returns that all agree
+    # (nothing to learn) give 0 however the values erred.
+    advantages, returns = np.array([0.1, -0.1, 0.05, -0.05]), np.array([1.0, 0.0, 1.0, 0.0])
+    np.testing.assert_allclose(centre_by_returns(advantages, returns), advantages / 0.5)
+    assert np.abs(whiten(advantages)).max() > 1.0
+    assert centre_by_returns(np.array([0.3, -0.2]), np.ones(2)).tolist() == [0.0, 0.0]
     returns = np.array([0.0, 1.0, 0.0, 1.0])
     assert explained_variance(returns, returns) == 1.0
     assert explained_variance(np.full(4, 0.5), returns) == 0.0
@@ -265,12 +273,12 @@ def test_the_critic_trains_on_an_episodes_own_tokens_alone(model_path):
 
 
 def test_per_token_advantages_go_through_the_decoupled_loss_with_truncated_weights(model_path):
-    """advantage = "gae": the trainer whitens the critic's per-token advantages
-    over the step and its loss is the clipped surrogate of each token's own
+    """advantage = "gae": the trainer scales the critic's per-token advantages
+    over the step (whitened, here) and its loss is the clipped surrogate of each token's own
     advantage, reweighted by the truncated behaviour weight."""
     from rlflow.services.trainer.torch_engine import TorchEngine
 
-    cfg = C.TorchTrainer(advantage="gae", tis_cap=1.5, lr=1e-4)
+    cfg = C.TorchTrainer(advantage="gae", tis_cap=1.5, lr=1e-4, advantage_norm="whiten")
     engine = TorchEngine(cfg, str(model_path))
     batch = _batch(lengths=((5,), (3,), (6,)), rewards=(1.0, 0.0, 1.0))
     rng = np.random.default_rng(2)
@@ -295,9 +303,15 @@ def test_per_token_advantages_go_through_the_decoupled_loss_with_truncated_weigh
     out = engine.step(share)
     assert out["loss"] == pytest.approx(expected / batch.n_tokens, rel=1e-4)
     assert out["truncated_share"] > 0  # some behaviour weights were over the cap
-    unwhitened = TorchEngine(C.TorchTrainer(advantage="gae", whiten_advantages=False), str(model_path))
-    _, (raw,) = unwhitened.prepare(batch, 1)
+    unscaled = TorchEngine(C.TorchTrainer(advantage="gae", advantage_norm="none"), str(model_path))
+    _, (raw,) = unscaled.prepare(batch, 1)
     np.testing.assert_allclose(raw.token_advantages.numpy(), advantages, atol=1e-7)
+    # The default: centred, over the spread of the returns the critic attached.
+    returns = rng.choice([0.0, 1.0, 2.0], size=batch.n_tokens).astype(np.float32)
+    by_returns = TorchEngine(C.TorchTrainer(advantage="gae"), str(model_path))
+    _, (scaled,) = by_returns.prepare(msgspec.structs.replace(batch, returns=Tensor.from_numpy(returns)), 1)
+    np.testing.assert_allclose(scaled.token_advantages.numpy(), (advantages - advantages.mean()) / returns.std(),
+                               rtol=1e-5)
 
 
 def test_a_batch_without_the_critics_columns_is_refused_by_a_gae_trainer(model_path):

@@ -19,7 +19,7 @@ RUN_BY = {
     "make test": ".ci/run",
     "make test-fast": "Makefile",
     "rlflow up": "tests/test_pipeline.py::test_cli_up_runs_twenty_steps",
-    "rlflow up --config": "tests/test_ppo.py::test_the_ppo_example_runs_its_critic_warm_up_then_trains_the_actor",
+    "rlflow up --config": "tests/test_ppo.py::test_the_ppo_example_warms_its_critic_up_then_its_policy_learns",
     "rlflow up --config --steps --run-dir": "tests/test_pipeline.py::test_cli_up_runs_twenty_steps",
     "rlflow up --config --set --set": "tests/test_pipeline.py::test_each_mode_runs_within_its_staleness_bound",
     "rlflow up --config --detach": "tests/test_pipeline.py::test_detach_status_and_down",

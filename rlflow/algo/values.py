@@ -115,6 +115,19 @@ def whiten(x: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     return centred / (std + eps) if std > 0 else centred
 
 
+def centre_by_returns(advantages: np.ndarray, returns: np.ndarray, eps: float = 1e-8) -> np.ndarray:
+    """`advantages` less their mean, over the standard deviation of `returns`
+    (the same tokens'): the step's advantages in units of how much its
+    outcomes vary. Unlike `whiten`, a critic that fits well leaves small
+    advantages small (its residuals are not blown up to unit size), and a
+    batch whose returns do not vary, with nothing to teach, gets 0."""
+    advantages, returns = np.asarray(advantages, np.float64), np.asarray(returns, np.float64)
+    if advantages.size == 0:
+        return advantages
+    spread = returns.std()
+    return (advantages - advantages.mean()) / (spread + eps) if spread > 0 else np.zeros_like(advantages)
+
+
 def explained_variance(values: np.ndarray, returns: np.ndarray) -> float:
     """``1 - Var(returns - values) / Var(returns)``: 1 is a perfect fit, 0 no
     better than a constant, below 0 worse (NaN: the returns do not vary)."""

@@ -421,8 +421,12 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     lora: Lora | None = None
     """Train a LoRA adapter on the frozen base instead of the whole model, e.g. {rank = 16, alpha = 32}
     (none: full fine-tuning)."""
-    whiten_advantages: bool = True
-    """advantage = "gae": whiten the critic's per-token advantages over the step's batch (mean 0, std 1)."""
+    advantage_norm: Literal["returns", "whiten", "none"] = "returns"
+    """advantage = "gae": how the critic's per-token advantages are scaled over the step's batch. returns:
+    less their mean, over the spread of the batch's returns (a critic that fits well leaves small advantages
+    small; a batch whose returns all agree trains on nothing); whiten: mean 0, std 1 (what most PPO code
+    does: a well-fitted critic's residuals, noise, are blown up to unit size and the policy follows them);
+    none: as the critic made them."""
 
 
 class SimCritic(Table, tag_field="kind", tag="sim"):

@@ -65,7 +65,7 @@ from rlflow.services.weights import GlooGroup, NcclGroup, layout, pieces, tensor
 from rlflow.services.zmq_weights import WeightServer
 
 from rlflow.algo.balance import deal, micro_batches
-from rlflow.algo.values import own_count, own_tokens, whiten
+from rlflow.algo.values import centre_by_returns, own_count, own_tokens, whiten
 from rlflow.algo.losses import (
     LossConfig,
     group_advantages,
@@ -190,7 +190,7 @@ class TorchEngine:
 
     def _prepare_gae(self, batch: SampleBatch, rows: list, ranks: int,
                      stats: dict[str, float]) -> tuple[dict[str, float], list[SampleBatch]]:
-        """advantage = "gae": the critic's per-token advantages, whitened over the
+        """advantage = "gae": the critic's per-token advantages, scaled over the
         step's tokens if asked; every sample with a response is trained on (one
         sample per prompt has no group to compare within)."""
         if batch.token_advantages is None:
@@ -203,8 +203,11 @@ class TorchEngine:
         own = tokens[keep]
         stats["advantage_mean"] = float(own.mean()) if own.size else 0.0
         stats["advantage_std"] = float(own.std()) if own.size else 0.0
-        if self.cfg.whiten_advantages:
+        if self.cfg.advantage_norm == "whiten":
             tokens[keep] = whiten(own)
+        elif self.cfg.advantage_norm == "returns":
+            returns = trained.returns.numpy().astype(np.float64)[keep] if trained.returns is not None else own
+            tokens[keep] = centre_by_returns(own, returns)
         offsets = trained.response_offsets.numpy()
         per_sample = np.add.reduceat(tokens, offsets[:-1]) / np.diff(offsets) if len(chosen) else tokens
         stats["trained_tokens"] = float(keep.sum())
