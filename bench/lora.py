@@ -176,7 +176,8 @@ def measure(config, label: str, count: int, repeats: int, idle: int) -> dict:
                 for updating in ((False, True) if r % 2 == 0 else (True, False)):
                     seconds, tokens, moved = await generate(engine, groups, sender, step if updating else 0)
                     out["tokens_per_s_updating" if updating else "tokens_per_s"].append(tokens / seconds)
-                    ms = moved if updating else ms
+                    if updating:
+                        ms = moved
                 out["update_ms_in_flight"] += ms
                 print(f"[{label}] repeat {r}: {out['tokens_per_s'][-1]:,.0f} tok/s without updates, "
                       f"{out['tokens_per_s_updating'][-1]:,.0f} with an update per {step} groups (ratio "

@@ -320,6 +320,10 @@ def test_a_batch_without_the_critics_columns_is_refused_by_a_gae_trainer(model_p
     engine = TorchEngine(C.TorchTrainer(advantage="gae"), str(model_path))
     with pytest.raises(ValueError, match="without the critic's advantages"):
         engine.prepare(_batch(), 1)
+    batch = _batch()
+    advantages = msgspec.structs.replace(batch, token_advantages=Tensor.from_numpy(np.zeros(batch.n_tokens, np.float32)))
+    with pytest.raises(ValueError, match="without the critic's returns"):
+        engine.prepare(advantages, 1)
 
 
 # -- config, plan, report -------------------------------------------------------------------------

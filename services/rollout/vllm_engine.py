@@ -621,8 +621,8 @@ class VllmEngine:
 
     def _adapter_info(self, source: str, lora_id: int, path: str = "") -> dict[str, Any]:
         adapter, weights = self.adapter, self._weights
-        nbytes, bucket_bytes = (0, 0) if weights is None or isinstance(weights, WeightsZmq) \
-            else (weights.nbytes, weights.bucket_bytes)
+        # The group's buffer (none over ZeroMQ, or before a group is joined).
+        nbytes, bucket_bytes = getattr(weights, "nbytes", 0), getattr(weights, "bucket_bytes", 0)
         return {**gloo_update_info(self._layout, nbytes, bucket_bytes), "source": source, "path": path,
                 "lora_id": lora_id, "rank": adapter.rank, "alpha": adapter.alpha, "targets": list(adapter.targets),
                 "replace": True}

@@ -103,10 +103,11 @@ class WorkerExtension:
         """Take one adapter version and hand it to vLLM's LoRA manager as adapter
         ``lora_id`` (taking the place of the one of that id with ``replace``):
         from the weight group (``source`` "group", laid out as the layout
-        says), the bytes of each tensor handed over with the call ("tensors":
-        fetched from the trainer's weight server, in the layout's order), a PEFT adapter
-        directory ("file", ``path``) or zeros ("zeros": the base itself). Its checksum (SPEC.md, *Checksums*) as received,
-        or empty if vLLM does not hold it afterwards."""
+        says), the bytes of each tensor handed over with the call
+        ("tensors", in the layout's order: fetched from the trainer's weight
+        server), a PEFT adapter directory ("file", ``path``) or zeros
+        ("zeros": the base itself). Its checksum (SPEC.md, *Checksums*) as
+        received, or empty if vLLM does not hold it afterwards."""
         specs = [ParamSpec(name=n, dtype=d, shape=s, offset=o)
                  for n, d, s, o in zip(info["names"], info["dtypes"], info["shapes"], info["offsets"])]
         named = _adapter_tensors(self, info, specs)

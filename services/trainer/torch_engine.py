@@ -195,6 +195,8 @@ class TorchEngine:
         sample per prompt has no group to compare within)."""
         if batch.token_advantages is None:
             raise ValueError("a batch without the critic's advantages reached a trainer with advantage = 'gae'")
+        if batch.returns is None and self.cfg.advantage_norm == "returns":
+            raise ValueError("a batch without the critic's returns reached a trainer with advantage_norm = 'returns'")
         chosen = [i for i in range(len(rows)) if len(rows[i].response_ids) > 0]
         trained = take(batch, chosen)
         tokens = trained.token_advantages.numpy().astype(np.float64)
@@ -206,8 +208,7 @@ class TorchEngine:
         if self.cfg.advantage_norm == "whiten":
             tokens[keep] = whiten(own)
         elif self.cfg.advantage_norm == "returns":
-            returns = trained.returns.numpy().astype(np.float64)[keep] if trained.returns is not None else own
-            tokens[keep] = centre_by_returns(own, returns)
+            tokens[keep] = centre_by_returns(own, trained.returns.numpy()[keep])
         offsets = trained.response_offsets.numpy()
         per_sample = np.add.reduceat(tokens, offsets[:-1]) / np.diff(offsets) if len(chosen) else tokens
         stats["trained_tokens"] = float(keep.sum())
@@ -606,8 +607,10 @@ class TorchTrainerEngine:
         self.port = free_port(self.host)
         self.ranks_per_receiver = getattr(rollout, "tensor_parallel_size", 1)
         self.group: GlooGroup | NcclGroup | None = None
-        #: An adapter served over ZeroMQ (`Lora.transfer`): rank 0's weight server.
-        self.server = WeightServer(ctx) if cfg.lora and cfg.lora.transfer == "zmq" and self.ranks.lead else None
+        #: An adapter over ZeroMQ (`Lora.transfer`): the replicas fetch it from rank 0's weight server; no
+        #: group to host, nothing to send.
+        self.pulled = cfg.lora is not None and cfg.lora.transfer == "zmq"
+        self.server = WeightServer(ctx) if self.pulled and self.ranks.lead else None
         self.snapshots: dict[int, list[torch.Tensor]] = {}
         self._published: dict[int, trio.Event] = {}
         if config.run.resume:
@@ -632,8 +635,8 @@ class TorchTrainerEngine:
         """Host the weight group and wait until every receiver has joined (rank
         0; the other ranks only help gather): the first group as long as the
         services may take to start, a later generation `cluster.weight_timeout_s`."""
-        if (transfer is None and not self.ranks.lead) or self.server is not None:
-            return  # over ZeroMQ the replicas fetch: no group to host
+        if (transfer is None and not self.ranks.lead) or self.pulled:
+            return  # over ZeroMQ there is no group
         offered = type(self.offer()[0])
         if not isinstance(transfer, offered):
             raise ValueError(f"the torch trainer on {self.ranks.device.type} sends weights as {offered.__name__}; "
@@ -680,8 +683,8 @@ class TorchTrainerEngine:
         for old in [v for v in self.snapshots if v <= version]:
             del self.snapshots[old]
             self._published.pop(old, None)
-        if self.server is not None or (self.engine.lora is not None and not self.ranks.lead):
-            return  # the replicas fetch it from the server; an adapter's send gathers nothing more
+        if self.pulled:
+            return  # served since it was published: the replicas fetch it
         group = self.group if self.ranks.lead and broadcast else None
         try:
             if isinstance(group, NcclGroup):
