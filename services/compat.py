@@ -17,6 +17,8 @@ import datetime
 import importlib
 import importlib.metadata
 from collections.abc import Callable
+import os
+import socket
 from typing import Any
 
 import torch
@@ -68,6 +70,23 @@ check_versions()
 # ---------------------------------------------------------------------------
 
 
+def master_store(host: str, port: int, world_size: int, timeout: datetime.timedelta,
+                 listener: socket.socket | None = None) -> dist.TCPStore:
+    """The rendezvous store that rank 0 of a group hosts at host:port: over
+    `listener`, a socket that already listens there (`rlflow.data.net.listener`,
+    now the store's), so that no other process can take the port between the
+    moment it is offered and the moment the store serves; else bound here."""
+    if listener is None:
+        return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+    fd = listener.detach()
+    try:
+        return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False,
+                             master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def gloo_group(store: Any, rank: int, world_size: int, interface_host: str, timeout_s: float) -> Any:
     """A gloo process group of its own over `store`, bound to `interface_host`,
     that leaves the process's default group alone (torch has no public way
@@ -99,14 +118,19 @@ def register_weight_transfer(name: str, engine_cls: type) -> None:
         WeightTransferEngineFactory.register_engine(name, engine_cls)
 
 
-def nccl_trainer_endpoint(host: str, port: int, world_size: int) -> Any:
+def nccl_trainer_endpoint(host: str, port: int, world_size: int, listener: socket.socket | None = None) -> Any:
     """NCCL rank 0 of a weight group that vLLM's `nccl` weight-transfer backend
-    joins (vLLM's trainer-side helper: a `StatelessProcessGroup` rendezvous at
-    host:port, hosted here, and a `PyNcclCommunicator` on the current CUDA
+    joins (what vLLM's trainer-side `trainer_init` does: a
+    `StatelessProcessGroup` rendezvous at host:port, hosted here over
+    `listener` if given, and a `PyNcclCommunicator` on the current CUDA
     device); blocks until every rank has joined."""
-    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+    from vllm.distributed.weight_transfer.nccl_common import unpinned_nccl_env
 
-    return trainer_init({"master_address": host, "master_port": port, "world_size": world_size}, rank=0)
+    group = StatelessProcessGroup.create(host=host, port=port, rank=0, world_size=world_size, listen_socket=listener)
+    with unpinned_nccl_env():
+        return PyNcclCommunicator(group, device=torch.accelerator.current_device_index())
 
 
 def nccl_send_packed(communicator: Any, named: Any, chunk_bytes: int, num_buffers: int) -> None:
@@ -305,7 +329,9 @@ _VLLM_INTERNALS = (
     ("vllm.model_executor.layers.vocab_parallel_embedding", "VocabParallelEmbedding"),
     ("vllm.model_executor.layers.vocab_parallel_embedding", "UnquantizedEmbeddingMethod"),
     ("vllm.platforms", "current_platform"),
-    ("vllm.distributed.weight_transfer.nccl_common", "trainer_init"),
+    ("vllm.distributed.weight_transfer.nccl_common", "unpinned_nccl_env"),
+    ("vllm.distributed.utils", "StatelessProcessGroup.create"),
+    ("vllm.distributed.device_communicators.pynccl", "PyNcclCommunicator"),
     ("vllm.distributed.weight_transfer.nccl_common", "NCCLWeightTransferInitInfo"),
     ("vllm.distributed.weight_transfer.nccl_engine", "NCCLWeightTransferUpdateInfo"),
     ("vllm.distributed.weight_transfer.packed_tensor", "packed_nccl_broadcast_producer"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -123,10 +124,14 @@ class GlooGroup:
     Creating it blocks until all `world_size` ranks have joined.
     """
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0):
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0, *,
+                 listener: socket.socket | None = None):
+        """`listener`: rank 0's socket that has listened at `port` since the
+        port was offered (see `compat.master_store`)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size = rank, world_size
-        self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+        self._store = compat.master_store(host, port, world_size, timeout, listener) if rank == 0 \
+            else dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
         interface = host if rank == 0 else local_address(host)
         self._group = compat.gloo_group(self._store, rank, world_size, interface, timeout_s)
 
@@ -177,15 +182,18 @@ class NcclGroup:
     hosts the rendezvous and sends. Creating it blocks until every receiver's
     workers have joined."""
 
-    def __init__(self, transfer: WeightsNccl, device: torch.device | None = None):
+    def __init__(self, transfer: WeightsNccl, device: torch.device | None = None, *,
+                 listener: socket.socket | None = None):
         """`device`: the trainer's GPU (None: the current one). CUDA's current
         device is a per-thread setting, and both this and `send` run on
-        worker threads, so it is named here and made current for each call."""
+        worker threads, so it is named here and made current for each call.
+        `listener`: the socket that has listened at the transfer's port since
+        it was offered (see `compat.master_store`)."""
         self.chunk_bytes = nccl_chunk_bytes(transfer)
         self.device = torch.device("cuda", torch.cuda.current_device()) if device is None else device
         with torch.cuda.device(self.device):
             self._communicator: Any = compat.nccl_trainer_endpoint(transfer.host, transfer.port,
-                                                                   nccl_ranks(transfer).world)
+                                                                   nccl_ranks(transfer).world, listener)
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Broadcast every (name, CUDA tensor) in order, in vLLM's packed

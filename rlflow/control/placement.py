@@ -29,7 +29,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlflow.data import transport
-from rlflow.data.net import CurveKeys, free_port
+from rlflow.data.net import CurveKeys, free_port, hold_port
 from rlflow.config import ClusterConfig, Config, PoolConfig
 from rlflow.startup import ServiceSpec
 from rlflow.runstate import RUN_ID_VAR
@@ -232,9 +232,12 @@ class ServiceHost:
             if first + count <= len(available):
                 os.sched_setaffinity(0, available[first : first + count])
 
-    def address(self) -> tuple[str, int]:
-        """This node's IP and a free port, for MASTER_ADDR / MASTER_PORT."""
-        return ray.util.get_node_ip_address(), free_port()
+    def address(self, ranks: int) -> tuple[str, int]:
+        """This node's IP and a port for MASTER_ADDR / MASTER_PORT. For a role of
+        more than one rank the port is held by this process (rank 0's, which
+        hosts the ranks' group over it: `take_held`), so that nothing else
+        binds it while the ranks start; one rank meets no one."""
+        return ray.util.get_node_ip_address(), hold_port() if ranks > 1 else free_port()
 
     def run(self, spec: bytes, master: tuple[str, int]) -> str:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = master[0], str(master[1])
@@ -315,7 +318,7 @@ class RayLauncher:
                     "max_concurrency": 2,
                 }
                 started.append((rank, host_cls.options(**options).remote(slot.cores), options, slot.cores))
-            master = ray.get(started[0][1].address.remote())
+            master = ray.get(started[0][1].address.remote(cfg.replicas))
             for rank, actor, options, cores in started:
                 self._run(role, rank, 0, actor, options, cores, master)
 

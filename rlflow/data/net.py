@@ -1,5 +1,5 @@
-"""Addresses: this node's IP, a free TCP port, this host's address toward a
-peer, where a service binds, which addresses stay on this host, and the keys
+"""Addresses: this node's IP, a free TCP port (or one held until its server
+takes it), this host's address toward a peer, where a service binds, which addresses stay on this host, and the keys
 that guard the ones that do not.
 
 One place for what every process needs to say where it listens, and the one
@@ -64,6 +64,42 @@ def free_port(host: str = "") -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
+
+
+def listener(host: str = "") -> socket.socket:
+    """A TCP socket that listens on `host` at a port the system picks. Unlike
+    `free_port`'s, the port is this process's from now on: nothing else can
+    bind it before the server it is meant for takes the socket over (a
+    torch `TCPStore`'s ``master_listen_fd``); peers that connect early wait
+    in its backlog."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+#: Listening sockets this process holds for a server it will start, by port.
+_held: dict[int, socket.socket] = {}
+
+
+def hold_port(host: str = "") -> int:
+    """A port that this process listens on until `take_held` hands it over
+    (how the launcher reserves a trainer's MASTER_PORT in the process that
+    rank 0 then runs in)."""
+    sock = listener(host)
+    port = sock.getsockname()[1]
+    _held[port] = sock
+    return port
+
+
+def take_held(port: int) -> socket.socket | None:
+    """The socket `hold_port` holds for `port`, now the caller's (None if this
+    process holds none: the server binds the port itself)."""
+    return _held.pop(port, None)
 
 
 def local_address(peer: str) -> str:

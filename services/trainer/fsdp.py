@@ -42,6 +42,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from rlflow.services import compat
+
+from rlflow.data.net import take_held
 
 
 def device() -> torch.device:
@@ -116,7 +119,8 @@ class Solo:
 
 class Sharded(Solo):
     """This process as rank `rank` of `world` trainer ranks (joins the group
-    at ``address:port``, hosted by rank 0; blocks until every rank is there)."""
+    at ``address:port``, hosted by rank 0; blocks until every rank is there;
+    one rank alone binds no port)."""
 
     def __init__(self, rank: int, world: int, address: str, port: int, *, timeout_s: float = 1800.0):
         self.rank, self.world, self.lead = rank, world, rank == 0
@@ -125,10 +129,14 @@ class Sharded(Solo):
         if cuda:
             torch.cuda.set_device(self.device)
         backend = "nccl" if cuda else "gloo"
-        dist.init_process_group(
-            backend, init_method=f"tcp://{address}:{port}", rank=rank, world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if world == 1:  # meets no one: no port to bind
+            store: dist.Store = dist.HashStore()
+        elif rank == 0:  # over the socket the launcher has held for the port since it chose it, if it did
+            store = compat.master_store(address, port, world, timeout, take_held(port))
+        else:
+            store = dist.TCPStore(address, port, world, is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
         self.mesh = init_device_mesh(self.device.type, (world,))
         self.gather_mesh = DeviceMesh.from_group(dist.new_group(backend=backend), self.device.type)
         self._mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else None
@@ -199,14 +207,12 @@ class Sharded(Solo):
 
 def rendezvous(world: int) -> tuple[str, int]:
     """Where rank 0 hosts the ranks' process group: MASTER_ADDR and MASTER_PORT,
-    which the launcher sets for each role (one rank started without them
-    takes a free local port)."""
-    from rlflow.data.net import free_port
-
+    which the launcher sets for each role (one rank meets no one: it needs
+    neither)."""
     if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
         return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     if world == 1:
-        return "127.0.0.1", free_port("127.0.0.1")
+        return "127.0.0.1", 0
     raise RuntimeError("ranks meet at MASTER_ADDR:MASTER_PORT, which the launcher sets; neither is set")
 
 

@@ -46,6 +46,7 @@ import os
 import pathlib
 import random
 import shutil
+import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -59,7 +60,7 @@ from rlflow.protocol import (
     samples, take,
 )
 from rlflow.services.base import EngineContext
-from rlflow.services.trainer.fsdp import Sharded, Solo
+from rlflow.services.trainer.fsdp import Sharded, Solo, rendezvous
 from rlflow.services.trainer.lora import adapter_offer, save_adapter, trained_parameters, wrap
 from rlflow.services.weights import GlooGroup, NcclGroup, layout, pieces, tensors_checksum
 from rlflow.services.zmq_weights import WeightServer
@@ -78,7 +79,7 @@ from rlflow.algo.losses import (
     uniform_groups,
 )
 from rlflow.config import TorchTrainer
-from rlflow.data.net import free_port
+from rlflow.data.net import listener
 from rlflow.rundir import RUN_STATE, TRAINER_OPTIMIZER, TRAINER_STATE
 
 #: Sums a step's passes add to, over every rank (divided by its tokens at the end).
@@ -588,7 +589,7 @@ class TorchTrainerEngine:
         config = ctx.config
         rollout = config.roles.rollout.engine
         self.replicas = ctx.replicas
-        self.ranks = Sharded(ctx.rank, ctx.replicas, *_rendezvous(ctx.replicas),
+        self.ranks = Sharded(ctx.rank, ctx.replicas, *rendezvous(ctx.replicas),
                              timeout_s=config.cluster.handshake_timeout_s + 1800.0)
         self.engine = TorchEngine(
             cfg,
@@ -604,7 +605,9 @@ class TorchTrainerEngine:
         self.checkpoint_every = cfg.checkpoint_every
         self.cluster = config.cluster
         self.host = ctx.host
-        self.port = free_port(self.host)
+        #: Where rank 0 will host the weight group it offers: listening since it was offered, so that
+        #: no other process takes the port while the receivers start (`compat.master_store`).
+        self._listener: socket.socket | None = None
         self.ranks_per_receiver = getattr(rollout, "tensor_parallel_size", 1)
         self.group: GlooGroup | NcclGroup | None = None
         #: An adapter over ZeroMQ (`Lora.transfer`): the replicas fetch it from rank 0's weight server; no
@@ -620,8 +623,10 @@ class TorchTrainerEngine:
         engine = self.engine
         if self.server is not None:
             return WeightsZmq(address=self.server.address), engine.specs
-        return weight_offer(self.ranks.device.type, self.host, self.port, engine.nbytes, engine.cfg.bucket_bytes,
-                            self.ranks_per_receiver), engine.specs
+        if self._listener is None:
+            self._listener = listener(self.host)
+        return weight_offer(self.ranks.device.type, self.host, self._listener.getsockname()[1], engine.nbytes,
+                            engine.cfg.bucket_bytes, self.ranks_per_receiver), engine.specs
 
     async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """An adapter over ZeroMQ: the weight server; else weights are pushed when the controller
@@ -637,17 +642,29 @@ class TorchTrainerEngine:
         services may take to start, a later generation `cluster.weight_timeout_s`."""
         if (transfer is None and not self.ranks.lead) or self.pulled:
             return  # over ZeroMQ there is no group
-        offered = type(self.offer()[0])
+        offered = WeightsNccl if self.ranks.device.type == "cuda" else WeightsGloo
         if not isinstance(transfer, offered):
             raise ValueError(f"the torch trainer on {self.ranks.device.type} sends weights as {offered.__name__}; "
                              f"the controller asks for {transfer!r}")
+        held = self._take_listener(transfer.port)
         if isinstance(transfer, WeightsNccl):
-            self.group = await trio.to_thread.run_sync(NcclGroup, transfer, self.ranks.device)
+            self.group = await trio.to_thread.run_sync(
+                functools.partial(NcclGroup, transfer, self.ranks.device, listener=held))
         else:
             timeout_s = max(self.cluster.handshake_timeout_s, self.cluster.weight_timeout_s) if first \
                 else self.cluster.weight_timeout_s
-            self.group = await trio.to_thread.run_sync(GlooGroup, transfer.host, transfer.port, 0, transfer.world_size,
-                                                       timeout_s)
+            self.group = await trio.to_thread.run_sync(
+                functools.partial(GlooGroup, transfer.host, transfer.port, 0, transfer.world_size, timeout_s,
+                                  listener=held))
+
+    def _take_listener(self, port: int) -> socket.socket | None:
+        """The socket listening at `port` since it was offered, now the group's
+        (None, and any other closed, if the controller names another port)."""
+        held, self._listener = self._listener, None
+        if held is not None and held.getsockname()[1] != port:
+            held.close()
+            held = None
+        return held
 
     async def deal(self, batch: SampleBatch) -> tuple[dict[str, float], list[SampleBatch]]:
         return await trio.to_thread.run_sync(self.engine.prepare, batch, self.replicas)
@@ -667,9 +684,12 @@ class TorchTrainerEngine:
         return self._published.setdefault(version, trio.Event())
 
     def new_group(self, transfer: WeightTransfer) -> WeightTransfer:
-        """The next generation of the group, on a port free now."""
-        return msgspec.structs.replace(transfer, host=self.host, port=free_port(self.host), nbytes=self.engine.nbytes,
-                                       bucket_bytes=self.engine.cfg.bucket_bytes)
+        """The next generation of the group, on a port this process listens on from now on."""
+        if self._listener is not None:
+            self._listener.close()
+        self._listener = listener(self.host)
+        return msgspec.structs.replace(transfer, host=self.host, port=self._listener.getsockname()[1],
+                                       nbytes=self.engine.nbytes, bucket_bytes=self.engine.cfg.bucket_bytes)
 
     async def send(self, version: int, transfer: WeightTransfer | None, *, broadcast: bool = True) -> None:
         """Gather the weights of `version` with the other ranks; rank 0
@@ -710,6 +730,9 @@ class TorchTrainerEngine:
 
     async def close(self) -> None:
         self._let_go()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         # Abandoned if cancelled: a rank that died mid-step may leave this one's group unable to close.
         await trio.to_thread.run_sync(self.ranks.close, abandon_on_cancel=True)
 
@@ -745,12 +768,3 @@ def weight_offer(device: str, host: str, port: int, nbytes: int, bucket_bytes: i
     return WeightsGloo(host=host, port=port, nbytes=nbytes, bucket_bytes=bucket_bytes)
 
 
-def _rendezvous(world: int) -> tuple[str, int]:
-    """Where trainer rank 0 hosts the trainer's process group: MASTER_ADDR and
-    MASTER_PORT, which the launcher sets (a trainer of one rank started
-    without them takes a free local port)."""
-    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
-        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if world == 1:
-        return "127.0.0.1", free_port("127.0.0.1")
-    raise RuntimeError("trainer ranks meet at MASTER_ADDR:MASTER_PORT, which the launcher sets; neither is set")
