@@ -70,6 +70,15 @@ check_versions()
 # ---------------------------------------------------------------------------
 
 
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 matrices itself (AMX tiles or
+    AVX512-BF16), where bf16 passes are faster than float32 ones."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
+    except AttributeError:
+        return False
+
+
 def master_store(host: str, port: int, world_size: int, timeout: datetime.timedelta,
                  listener: socket.socket | None = None) -> dist.TCPStore:
     """The rendezvous store that rank 0 of a group hosts at host:port: over
@@ -354,6 +363,8 @@ _TORCH_INTERNALS = (
     ("torch.distributed", "ProcessGroupGloo._Options"),
     ("torch.distributed", "ProcessGroupGloo.create_device"),
     ("torch.distributed", "BroadcastOptions"),
+    ("torch.cpu", "_is_amx_tile_supported"),
+    ("torch.cpu", "_is_avx512_bf16_supported"),
 )
 
 

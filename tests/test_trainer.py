@@ -72,6 +72,25 @@ def test_the_objective_rises_on_a_fixed_batch(model_path):
     assert metrics["grad_norm"] > 0
 
 
+def test_a_mixed_precision_step_is_the_float32_step_to_bf16_accuracy(model_path):
+    """bf16 passes over float32 weights: the weights and optimizer stay
+    float32, and the step's loss and gradient are the float32 step's within
+    what bf16 rounding moves them (and not equal: the passes did run in bf16)."""
+    out, after = {}, {}
+    for mixed in (False, True):
+        engine = TorchEngine(TorchTrainer(lr=3e-3, mixed_precision=mixed, grad_clip=1e6), str(model_path))
+        batch = fixed_batch(engine)
+        out[mixed] = engine.train(batch)
+        after[mixed] = [p.detach().clone() for p in engine.model.parameters()]
+        assert all(p.dtype == torch.float32 for p in engine.model.parameters())
+    assert out[True]["loss"] == pytest.approx(out[False]["loss"], rel=0.05, abs=1e-3)
+    assert out[True]["grad_norm"] == pytest.approx(out[False]["grad_norm"], rel=0.05)
+    assert out[True]["grad_norm"] != out[False]["grad_norm"]
+    # Adam's first step moves each weight by about lr either way: bf16 flips the sign of few.
+    moved = torch.cat([(a - b).abs().flatten() for a, b in zip(after[True], after[False])])
+    assert 0 < float(moved.mean()) < 0.1 * 3e-3, float(moved.mean())
+
+
 def test_groups_without_signal_are_left_out(model_path):
     engine = TorchEngine(TorchTrainer(lr=3e-3), str(model_path))
     batch = fixed_batch(engine)

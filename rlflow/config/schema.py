@@ -399,6 +399,11 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """Tokens per forward / backward pass (samples are packed up to this)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameters and compute."""
+    mixed_precision: bool | Literal["auto"] = False
+    """On a CPU, run the forward and backward passes in bfloat16 over weights kept in `dtype`
+    (torch.autocast; log-probabilities, loss and optimizer in float32): about 1.6x faster a step
+    where the CPU multiplies bf16 matrices itself (AMX, AVX512-BF16), slower where it does not.
+    auto: where it does. On CUDA the passes are always bf16 (FSDP's mixed precision)."""
     checkpoint_every: NonNegInt = 0
     """Write a checkpoint every this many steps (0: only at the end)."""
     bucket_bytes: PosInt = 256 << 20

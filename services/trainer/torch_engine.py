@@ -39,6 +39,7 @@ for one more forward pass); checkpoints hold the adapter in PEFT's format.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -59,6 +60,7 @@ from rlflow.protocol import (
     Adapter, ParamSpec, SampleBatch, Tensor, WeightsGloo, WeightsNccl, WeightsPayload, WeightsZmq, WeightTransfer,
     samples, take,
 )
+from rlflow.services import compat
 from rlflow.services.base import EngineContext
 from rlflow.services.trainer.fsdp import Sharded, Solo, rendezvous
 from rlflow.services.trainer.lora import adapter_offer, save_adapter, trained_parameters, wrap
@@ -108,6 +110,9 @@ class TorchEngine:
         self.ranks = ranks or Solo()
         self.temperature = temperature if temperature > 0 else 1.0
         self.dtype = getattr(torch, cfg.dtype)
+        #: bf16 forward and backward passes on a CPU (`mixed_precision`; CUDA's are FSDP's business).
+        self.mixed = self.ranks.device.type == "cpu" and (
+            compat.cpu_multiplies_bf16() if cfg.mixed_precision == "auto" else cfg.mixed_precision)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         #: LoRA: only the adapter trains, and only it is sent (`_sent`); the base stays frozen.
         self.lora = cfg.lora
@@ -273,9 +278,11 @@ class TorchEngine:
         keep = _loss_mask(part)
         if keep is not None:  # the loss mask: an episode's observations are not trained on
             targets, where = targets[keep], (where[0][keep], where[1][keep])
-        logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[
-            where[0].to(device), where[1].to(device)
-        ]
+        with self._autocast():
+            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[
+                where[0].to(device), where[1].to(device)
+            ]
+        logits = logits.float() if self.mixed else logits
         targets = targets.to(device)
         if w > 0 and cfg.distill == "topk":
             # The sampled token and the teacher's top k from one log-softmax: a single
@@ -314,6 +321,10 @@ class TorchEngine:
         sums["kl"] += out.approx_kl.item()
         sums["ratio"] += out.ratio_mean.item() * len(adv)
         sums["weight"] += out.behaviour_weight_mean.item() * len(adv)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 passes over the weights' own dtype on a CPU, if asked (`mixed_precision`)."""
+        return torch.autocast("cpu", dtype=torch.bfloat16) if self.mixed else contextlib.nullcontext()
 
     def _idle_pass(self) -> None:
         """A pass of nothing, for a rank with fewer micro-batches than another:
