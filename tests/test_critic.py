@@ -269,6 +269,28 @@ def test_the_critic_trains_on_an_episodes_own_tokens_alone(model_path):
     assert not all(torch.allclose(a, b, atol=1e-6) for a, b in zip(after[0], after[2]))
 
 
+def test_a_mixed_precision_critic_values_and_steps_as_the_float32_one_to_bf16_accuracy(model_path):
+    """bf16 passes over float32 weights: values within bf16's rounding of the
+    float32 ones (and not equal: the passes ran in bf16), the value loss
+    likewise, the weights still float32."""
+    from rlflow.services.critic.torch_engine import CriticModel
+
+    rng = np.random.default_rng(2)
+    items = [(PromptGroup(group_id=g, prompt_ids=[3, 4, 5], n=1),
+              [Response(np.asarray(rng.integers(3, 17, 8), np.int32), np.zeros(8, np.float32),
+                        np.zeros(8, np.int32), FinishReason.STOP)]) for g in range(4)]
+    batch = msgspec.structs.replace(build_batch(items), rewards=Tensor.of([1.0, 0.0, 1.0, 0.0], "float32"))
+    values, stats = {}, {}
+    for mixed in (False, True):
+        model = CriticModel(C.TorchCritic(lr=1e-3, value_clip=0.0, mixed_precision=mixed), str(model_path))
+        values[mixed] = model.values(batch)
+        stats[mixed] = model.step(with_targets(batch, values[False]))
+        assert all(p.dtype == torch.float32 for p in model.model.parameters())
+    scale = float(np.abs(values[False]).max())
+    assert 0 < float(np.abs(values[True] - values[False]).max()) < 0.05 * scale + 1e-3
+    assert stats[True]["value_loss"] == pytest.approx(stats[False]["value_loss"], rel=0.05)
+
+
 # -- the trainer's side ---------------------------------------------------------------------------
 
 

@@ -470,6 +470,9 @@ class TorchCritic(Table, tag_field="kind", tag="torch"):
     """Tokens per forward / backward pass (samples are packed up to this)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameters and compute."""
+    mixed_precision: bool | Literal["auto"] = False
+    """On a CPU, the forward and backward passes in bfloat16 over weights kept in `dtype`, as the
+    torch trainer's setting of that name (auto: where the CPU multiplies bf16 itself)."""
 
 
 RolloutEngine = Union[SimRollout, VllmRollout]

@@ -1,6 +1,6 @@
 """Addresses: this node's IP, a free TCP port (or one held until its server
-takes it), this host's address toward a peer, where a service binds, which addresses stay on this host, and the keys
-that guard the ones that do not.
+takes it), this host's address toward a peer, where a service binds, which
+addresses stay on this host, and the keys that guard the ones that do not.
 
 One place for what every process needs to say where it listens, and the one
 rule about who may reach it: a socket on a loopback address (or ``ipc://``,

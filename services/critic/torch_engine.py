@@ -42,7 +42,7 @@ from rlflow.config import TorchCritic
 from rlflow.protocol import Codec, SampleBatch, samples
 from rlflow.rundir import CRITIC_STATE, RUN_STATE, TRAINER_OPTIMIZER, critic_beside
 from rlflow.services.base import EngineContext
-from rlflow.services.trainer.fsdp import Sharded, Solo, rendezvous
+from rlflow.services.trainer.fsdp import Sharded, Solo, autocast, bf16_passes, rendezvous
 
 #: Sums a step's passes add to, over every rank (divided by its tokens at the end).
 SUMS = ("loss", "clipped", "error")
@@ -101,6 +101,8 @@ class CriticModel:
                     head.bias.zero_()
         self.model = self.ranks.shard(model)
         self.model.train()
+        #: bf16 forward and backward passes on a CPU (`mixed_precision`).
+        self.mixed = bf16_passes(cfg.mixed_precision, self.ranks.device)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
         )
@@ -205,8 +207,9 @@ class CriticModel:
             positions = torch.arange(start - 1, start - 1 + len(sample.response_ids))
             rows.append(torch.full_like(positions, row))
             cols.append(positions)
-        out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-        return out[torch.cat(rows).to(device), torch.cat(cols).to(device), 0]
+        with autocast(self.mixed):
+            out = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        return out[torch.cat(rows).to(device), torch.cat(cols).to(device), 0].float()
 
     def _idle_pass(self, backward: bool = False) -> None:
         """A pass of nothing, for a rank with fewer micro-batches than another:

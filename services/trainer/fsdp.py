@@ -205,6 +205,21 @@ class Sharded(Solo):
             dist.destroy_process_group()
 
 
+def bf16_passes(setting: bool | str, device: torch.device) -> bool:
+    """Whether forward and backward passes on `device` run in bf16 over the
+    weights' own dtype, under `mixed_precision = setting`: a CPU's only (on
+    CUDA, FSDP's mixed precision does it), "auto" where the CPU multiplies
+    bf16 itself."""
+    if device.type != "cpu":
+        return False
+    return compat.cpu_multiplies_bf16() if setting == "auto" else bool(setting)
+
+
+def autocast(bf16: bool) -> contextlib.AbstractContextManager:
+    """The passes' precision: bf16 on the CPU if `bf16`, else the weights'."""
+    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
 def rendezvous(world: int) -> tuple[str, int]:
     """Where rank 0 hosts the ranks' process group: MASTER_ADDR and MASTER_PORT,
     which the launcher sets for each role (one rank meets no one: it needs

@@ -39,7 +39,6 @@ for one more forward pass); checkpoints hold the adapter in PEFT's format.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -60,9 +59,8 @@ from rlflow.protocol import (
     Adapter, ParamSpec, SampleBatch, Tensor, WeightsGloo, WeightsNccl, WeightsPayload, WeightsZmq, WeightTransfer,
     samples, take,
 )
-from rlflow.services import compat
 from rlflow.services.base import EngineContext
-from rlflow.services.trainer.fsdp import Sharded, Solo, rendezvous
+from rlflow.services.trainer.fsdp import Sharded, Solo, autocast, bf16_passes, rendezvous
 from rlflow.services.trainer.lora import adapter_offer, save_adapter, trained_parameters, wrap
 from rlflow.services.weights import GlooGroup, NcclGroup, layout, pieces, tensors_checksum
 from rlflow.services.zmq_weights import WeightServer
@@ -111,8 +109,7 @@ class TorchEngine:
         self.temperature = temperature if temperature > 0 else 1.0
         self.dtype = getattr(torch, cfg.dtype)
         #: bf16 forward and backward passes on a CPU (`mixed_precision`; CUDA's are FSDP's business).
-        self.mixed = self.ranks.device.type == "cpu" and (
-            compat.cpu_multiplies_bf16() if cfg.mixed_precision == "auto" else cfg.mixed_precision)
+        self.mixed = bf16_passes(cfg.mixed_precision, self.ranks.device)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
         #: LoRA: only the adapter trains, and only it is sent (`_sent`); the base stays frozen.
         self.lora = cfg.lora
@@ -278,7 +275,7 @@ class TorchEngine:
         keep = _loss_mask(part)
         if keep is not None:  # the loss mask: an episode's observations are not trained on
             targets, where = targets[keep], (where[0][keep], where[1][keep])
-        with self._autocast():
+        with autocast(self.mixed):
             logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[
                 where[0].to(device), where[1].to(device)
             ]
@@ -321,10 +318,6 @@ class TorchEngine:
         sums["kl"] += out.approx_kl.item()
         sums["ratio"] += out.ratio_mean.item() * len(adv)
         sums["weight"] += out.behaviour_weight_mean.item() * len(adv)
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        """bf16 passes over the weights' own dtype on a CPU, if asked (`mixed_precision`)."""
-        return torch.autocast("cpu", dtype=torch.bfloat16) if self.mixed else contextlib.nullcontext()
 
     def _idle_pass(self) -> None:
         """A pass of nothing, for a rank with fewer micro-batches than another:
