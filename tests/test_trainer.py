@@ -190,3 +190,64 @@ def test_a_checkpoint_from_before_sharding_still_resumes(model_path, tmp_path):
     assert resumed.train(batch)["loss"] == pytest.approx(after_save["loss"], rel=1e-5)
     for a, b in zip(engine.model.parameters(), resumed.model.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+async def test_a_version_whose_broadcast_broke_is_sent_whole_through_the_next_generation(model_path):
+    """A receiver that dies as the trainer broadcasts version 1 breaks the
+    group; the controller then moves the same version through a new
+    generation, and the trainer still has it to send: it arrives whole."""
+    import threading
+
+    import trio
+
+    from rlflow import config as C
+    from rlflow.services.base import standalone_context
+    from rlflow.services.trainer.torch_engine import TorchTrainerEngine
+    from rlflow.services.weights import GlooGroup, receive_pieces
+
+    config = C.load(text=f"""
+[pools.p]
+[roles.rollout]
+pool = "p"
+model = "{model_path}"
+[roles.reward]
+pool = "p"
+[roles.trainer]
+pool = "p"
+engine = {{ kind = "torch" }}
+[cluster]
+handshake_timeout_s = 20
+weight_timeout_s = 20
+""")
+    serving = TorchTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
+    offer, specs = serving.offer()
+
+    def join(transfer, receive: bool, box: dict) -> None:
+        group = GlooGroup(transfer.host, transfer.port, 1, 2, 20)
+        if receive:
+            box.update({name: t.clone() for name, t in receive_pieces(
+                lambda piece: group.broadcast(piece, 0), specs, transfer.nbytes, transfer.bucket_bytes)})
+        group.close()  # dies before the broadcast: the trainer's breaks
+
+    try:
+        with trio.fail_after(120):
+            first = msgspec.structs.replace(offer, world_size=2)
+            dying = threading.Thread(target=join, args=(first, False, {}), daemon=True)
+            dying.start()
+            await serving.connect(first)
+            dying.join(20)
+            await serving.publish(1)
+            with pytest.raises(Exception):
+                await serving.send(1, None)
+            second = serving.new_group(msgspec.structs.replace(first, generation=1))
+            received: dict = {}
+            receiver = threading.Thread(target=join, args=(second, True, received), daemon=True)
+            receiver.start()
+            await serving.send(1, second)
+            receiver.join(20)
+    finally:
+        await serving.close()
+    weights = dict(serving.engine.model.named_parameters())
+    assert set(received) == {s.name for s in specs}, set(received) ^ {s.name for s in specs}
+    whole = {name: getattr(w, "full_tensor", lambda w=w: w)().detach() for name, w in weights.items()}
+    assert all(torch.equal(received[name], whole[name]) for name in received)

@@ -704,10 +704,11 @@ class TorchTrainerEngine:
             await self.connect(transfer, first=False)
         await self._event(version).wait()  # this rank's own step may end a moment after rank 0's
         snapshot = self.snapshots[version]
-        for old in [v for v in self.snapshots if v <= version]:
-            del self.snapshots[old]
-            self._published.pop(old, None)
+        # Older versions will not be sent; this one is let go of once sent: a send that fails keeps
+        # it, as the controller may move it again through a new generation of the group.
+        self._forget(lambda v: v < version)
         if self.pulled:
+            self._forget(lambda v: v == version)
             return  # served since it was published: the replicas fetch it
         group = self.group if self.ranks.lead and broadcast else None
         try:
@@ -722,6 +723,13 @@ class TorchTrainerEngine:
             if self.group is group:
                 self.group = None
             raise
+        self._forget(lambda v: v == version)
+
+    def _forget(self, which: Callable[[int], bool]) -> None:
+        """Let go of the snapshots (and publish events) of the versions `which` picks."""
+        for v in [v for v in self.snapshots if which(v)]:
+            del self.snapshots[v]
+            self._published.pop(v, None)
 
     def _let_go(self) -> None:
         if self.group is not None:
