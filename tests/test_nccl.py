@@ -133,9 +133,13 @@ def test_a_new_generation_of_an_nccl_group_keeps_its_shape():
     offer = WeightsNccl(host="127.0.0.1", port=29500, nbytes=4096, bucket_bytes=1024, ranks_per_receiver=2)
     asked = msgspec.structs.replace(offer, world_size=3, port=0, generation=2)
     # ... and what the trainer hosts: a port of its own, the rest kept.
-    trainer = types.SimpleNamespace(host="127.0.0.1", engine=types.SimpleNamespace(
+    trainer = types.SimpleNamespace(host="127.0.0.1", _listener=None, engine=types.SimpleNamespace(
         nbytes=4096, cfg=types.SimpleNamespace(bucket_bytes=1024)))
     hosted = TorchTrainerEngine.new_group(trainer, asked)
-    assert isinstance(hosted, WeightsNccl) and hosted.port > 0
-    assert msgspec.structs.replace(hosted, port=0) == asked
-    assert nccl_ranks(hosted).world == 5
+    try:
+        assert isinstance(hosted, WeightsNccl) and hosted.port > 0
+        assert trainer._listener.getsockname()[1] == hosted.port  # held from now on, for the group's store
+        assert msgspec.structs.replace(hosted, port=0) == asked
+        assert nccl_ranks(hosted).world == 5
+    finally:
+        trainer._listener.close()
