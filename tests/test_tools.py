@@ -41,7 +41,7 @@ def test_a_short_run_parses_the_models_tool_calls_and_runs_them_on_the_env_pool(
     from rlflow.control.launch import run
     from rlflow.rundir import RunDir
 
-    config = C.load(TOOLS, ["run.steps=1", "run.batch_size=4"])
+    config = C.load(TOOLS, ["run.steps=1", "run.batch_size=8"])  # 32 episodes: some call parses
     summary = run(config, tmp_path / "run")
     assert summary.state == "stopped", summary.error
     folder = RunDir(tmp_path / "run")
