@@ -133,8 +133,8 @@ def test_a_new_generation_of_an_nccl_group_keeps_its_shape():
     offer = WeightsNccl(host="127.0.0.1", port=29500, nbytes=4096, bucket_bytes=1024, ranks_per_receiver=2)
     asked = msgspec.structs.replace(offer, world_size=3, port=0, generation=2)
     # ... and what the trainer hosts: a port of its own, the rest kept.
-    engine = types.SimpleNamespace(nbytes=4096, cfg=types.SimpleNamespace(bucket_bytes=1024))
-    trainer = types.SimpleNamespace(host="127.0.0.1", _listener=None, _close_listener=lambda: None, engine=engine)
+    trainer = types.SimpleNamespace(host="127.0.0.1", _listener=None, engine=types.SimpleNamespace(
+        nbytes=4096, cfg=types.SimpleNamespace(bucket_bytes=1024)))
     hosted = TorchTrainerEngine.new_group(trainer, asked)
     try:
         assert isinstance(hosted, WeightsNccl) and hosted.port > 0

@@ -670,11 +670,6 @@ class TorchTrainerEngine:
             held = None
         return held
 
-    def _close_listener(self) -> None:
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-
     async def deal(self, batch: SampleBatch) -> tuple[dict[str, float], list[SampleBatch]]:
         return await trio.to_thread.run_sync(self.engine.prepare, batch, self.replicas)
 
@@ -694,7 +689,8 @@ class TorchTrainerEngine:
 
     def new_group(self, transfer: WeightTransfer) -> WeightTransfer:
         """The next generation of the group, on a port this process listens on from now on."""
-        self._close_listener()
+        if self._listener is not None:
+            self._listener.close()
         self._listener = listener(self.host)
         return msgspec.structs.replace(transfer, host=self.host, port=self._listener.getsockname()[1],
                                        nbytes=self.engine.nbytes, bucket_bytes=self.engine.cfg.bucket_bytes)
@@ -746,7 +742,9 @@ class TorchTrainerEngine:
 
     async def close(self) -> None:
         self._let_go()
-        self._close_listener()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         # Abandoned if cancelled: a rank that died mid-step may leave this one's group unable to close.
         await trio.to_thread.run_sync(self.ranks.close, abandon_on_cancel=True)
 
