@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlflow.data.tasks import Arith
+from rlflow.data.arith import Arith
 from rlflow.env.core import Episode, Step
 
 
