@@ -274,9 +274,7 @@ def real_ratio(out: pathlib.Path, steps: int) -> tuple[float, dict]:
     are of a similar size, the case the overlap is for.
     """
     from rlflow.tools.cli import default_config_path
-    from rlflow.models import ensure_default
 
-    ensure_default()
     times = {}
     for mode, extra in (("sync", ["run.max_staleness=0"]), ("async", ["run.max_staleness=2"])):
         overrides = [

@@ -267,9 +267,9 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "lora.json")
     args = parser.parse_args()
 
-    from rlflow.models import cache_dir, ensure_default
+    from rlflow.models import SHIPPED, cache_dir
 
-    default = str(ensure_default())
+    default = str(SHIPPED)
     # Groups per measurement: four trainer steps' worth (an update after each of the first three).
     repeats, idle = (1, 3) if args.quick else (4, 5)
     result: dict = {}

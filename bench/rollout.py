@@ -268,9 +268,6 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "rollout.json")
     args = parser.parse_args()
 
-    from rlflow.models import ensure_default
-
-    ensure_default()
     config = resolve(load(DEFAULT))
     cfg: VllmRollout = config.roles.rollout.engine
     count, repeats = (64, 2) if args.quick else (128, 3)

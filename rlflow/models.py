@@ -6,8 +6,14 @@ it with a short supervised phase on worked additions until it solves a
 fixed share of a development set, so that RL starts clearly below the
 ceiling. Nothing is downloaded. The result is an ordinary Hugging Face
 directory (safetensors, tokenizer, generation config) that vLLM and
-transformers load as they are, cached under ``~/.cache/rlflow/models``
-(``$RLFLOW_CACHE`` to move it).
+transformers load as they are.
+
+rlflow ships the default model so built (`SHIPPED`, 17 MB): a build is the
+same recipe everywhere, but not the same weights (float sums differ from
+one CPU to another, and so does the step where the warm start stops), and
+a run's curve is only comparable with another's from the same start.
+`rlflow model build` builds it again, into ``~/.cache/rlflow/models``
+(``$RLFLOW_CACHE`` to move it), as it builds the default teacher.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import contextlib
 import json
 import os
 import pathlib
+import platform
 import shutil
 import tempfile
 import time
@@ -52,6 +59,22 @@ class Recipe:
     dev_size: int = 300
 
 
+def cpu_name() -> str:
+    """This machine's CPU, as its figures are named: the model, its cores, and whether it has
+    AVX-512 and multiplies bf16 itself (AVX512-BF16, AMX), which move every figure here."""
+    try:
+        text = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    model = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")),
+                 platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    extras = [name for name, flag in (("AVX-512", "avx512f"), ("AVX512-BF16", "avx512_bf16"), ("AMX", "amx_bf16"))
+              if flag in flags] or ["AVX2, no AVX-512" if "avx2" in flags else "no AVX2"]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{model}, {cores} cores, {', '.join(extras)}"
+
+
 def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("RLFLOW_CACHE", pathlib.Path.home() / ".cache" / "rlflow"))
 
@@ -64,7 +87,12 @@ BUILT = {
 }
 
 
+#: The default model as rlflow ships it (its rlflow_build.json says where and how it was built).
+SHIPPED = pathlib.Path(__file__).resolve().parent / "defaults" / DEFAULT_NAME
+
+
 def default_model_dir(name: str = "default") -> pathlib.Path:
+    """Where `rlflow model build` builds the model `name` of `BUILT` (the cache)."""
     return cache_dir() / "models" / f"{BUILT[name][0]}-v{BUILD_VERSION}"
 
 
@@ -78,14 +106,16 @@ TINY_VERSION = 3
 
 
 def resolve_model(name: str) -> pathlib.Path:
-    """A model directory: "default" is the built default model, "tiny-text"
-    a tiny text model (`build_tiny_text`), "tiny-chat" a tiny chat model that
-    calls tools (`build_tiny_chat`)."""
+    """A model directory: "default" is the default model rlflow ships,
+    "default-teacher" the default teacher once built, "tiny-text" a tiny
+    text model (`build_tiny_text`), "tiny-chat" a tiny chat model that calls
+    tools (`build_tiny_chat`)."""
+    if name == "default":
+        return SHIPPED
     if name in BUILT:
         path = default_model_dir(name)
         if not (path / "config.json").exists():
-            flag = "" if name == "default" else " --teacher"
-            raise FileNotFoundError(f"the {name} model is not built yet ({path}); run `rlflow model build{flag}`")
+            raise FileNotFoundError(f"the {name} model is not built yet ({path}); run `rlflow model build --teacher`")
         return path
     if name in (TINY_TEXT, TINY_CHAT):
         path = cache_dir() / "models" / f"{name}-v{TINY_VERSION}"
@@ -320,7 +350,7 @@ def greedy_accuracy(model, tokenizer, problems: list[tuple[int, int]], max_new_t
     """Share of `problems` whose greedy answer is right (transformers, no vLLM)."""
     import torch
 
-    from rlflow.data.tasks import Arith
+    from rlflow.data.arith import Arith
 
     tokenizer.padding_side = "left"
     prompts = [Arith.prompt_text(a, b) for a, b in problems]
@@ -386,7 +416,7 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
     from rlflow.config import ArithTask
-    from rlflow.data.tasks import Arith
+    from rlflow.data.arith import Arith
 
     torch.manual_seed(recipe.seed)
     task_cfg = ArithTask()
@@ -452,17 +482,10 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
             "dev_accuracy": accuracy,
             "history": history,
             "parameters": sum(p.numel() for p in model.parameters()),
+            "machine": cpu_name(),
         }
         (tmp / "rlflow_build.json").write_text(json.dumps(info, indent=1))
     report(f"built in {time.monotonic() - started:.0f} s: dev accuracy {accuracy:.1%}", 1.0)
     return out
-
-
-def ensure_default(progress: Callable[[str, float], None] | None = None) -> pathlib.Path:
-    """The default model's directory, building it first if it is missing."""
-    path = default_model_dir()
-    if not (path / "config.json").exists():
-        build_default(path, progress=progress)
-    return path
 
 

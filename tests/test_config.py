@@ -174,16 +174,15 @@ def test_run_dir_template():
 
 def test_the_launcher_resolves_the_model_and_paths_once(tmp_path, monkeypatch):
     from rlflow.control.launch import resolve
-    from rlflow.models import default_model_dir
+    from rlflow.models import SHIPPED
 
-    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("RLFLOW_CACHE", str(tmp_path / "cache"))  # nothing built: the default model ships
     real = C.load(ROOT / "rlflow" / "defaults" / "default.toml")
-    with pytest.raises(C.ConfigError, match="roles.rollout.model = 'default': the default model is not built yet"):
-        resolve(real)
-    built = default_model_dir()
-    built.mkdir(parents=True)
-    (built / "config.json").write_text("{}")
-    assert resolve(real).roles.rollout.model == str(built.resolve())
+    assert resolve(real).roles.rollout.model == str(SHIPPED.resolve()) == str(ROOT / "rlflow" / "defaults" /
+                                                                             "arith-qwen2-4x256")
+    teacher = C.load(ROOT / "examples" / "distill.toml")
+    with pytest.raises(C.ConfigError, match="the default-teacher model is not built yet"):
+        resolve(teacher)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "config.json").write_text("{}")
@@ -195,3 +194,19 @@ def test_the_launcher_resolves_the_model_and_paths_once(tmp_path, monkeypatch):
         resolve(C.load(ROOT / "rlflow" / "defaults" / "default.toml", ["roles.rollout.model=nowhere"]))
     # Simulated engines load no model: nothing to resolve.
     assert resolve(C.load(ROOT / "examples" / "sim.toml")).roles.rollout.model == "default"
+
+
+def test_config_show_prints_the_effective_config_which_loads_back_the_same(capsys, tmp_path):
+    import tomllib
+
+    from rlflow.tools.cli import main
+
+    assert main(["config", "show", "--set", "run.steps=7", "--set", "roles.rollout.engine.max_tokens=50"]) == 0
+    text = capsys.readouterr().out
+    raw = tomllib.loads(text)
+    assert raw["run"]["steps"] == 7 and raw["roles"]["trainer"]["engine"]["loss_norm"]  # defaults filled in
+    (tmp_path / "shown.toml").write_text(text)
+    assert C.load(tmp_path / "shown.toml") == C.load(ROOT / "rlflow" / "defaults" / "default.toml",
+                                                     ["run.steps=7", "roles.rollout.engine.max_tokens=50"])
+    assert main(["config", "show", "--set", "run.stepz=7"]) == 2
+    assert "run.stepz = 7: unknown key" in capsys.readouterr().err

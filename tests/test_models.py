@@ -1,4 +1,4 @@
-"""The default model's builder: its progress never goes back."""
+"""The default model: the one rlflow ships, its builder (whose progress never goes back), the tiny models' tokenizers."""
 
 from __future__ import annotations
 
@@ -31,6 +31,30 @@ def test_a_small_build_reports_progress_in_order_and_ends_at_one(tmp_path):
     fractions = [fraction for _, fraction in seen]
     assert len(seen) >= 2 and fractions == sorted(fractions) and fractions[-1] == 1.0
     assert seen[0][0].startswith("warm start: step 1 (at most 4), dev accuracy")
+
+
+def test_the_shipped_default_model_is_the_recipes_and_loads_as_it_is():
+    """rlflow ships the default model (every run starts from the same weights, whatever the CPU): it was
+    built by today's recipe (a recipe changed without building and shipping again fails here), and it
+    loads in transformers with its tokenizer speaking the task."""
+    import dataclasses
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlflow.data.tasks import Arith
+    from rlflow.models import BUILD_VERSION, SHIPPED, resolve_model
+
+    assert resolve_model("default") == SHIPPED
+    info = json.loads((SHIPPED / "rlflow_build.json").read_text())
+    assert info["recipe"] == dataclasses.asdict(Recipe()) and info["build_version"] == BUILD_VERSION
+    assert info["machine"] and info["dev_accuracy"] >= Recipe().target_accuracy
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED, dtype=torch.float32)
+    assert sum(p.numel() for p in model.parameters()) == info["parameters"] == 4_208_384
+    tokenizer = AutoTokenizer.from_pretrained(SHIPPED)
+    text = Arith.prompt_text(57, 68) + Arith.solution(57, 68)
+    assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
 
 
 # -- tokenizers as transformers and vLLM reload them ------------------------------------------------------

@@ -43,11 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="the embedded default model")
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
-    build = model_sub.add_parser("build", help="build and warm-start the default model (cached)")
+    build = model_sub.add_parser("build", help="build and warm-start the default model's recipe again (cached; "
+                                               "rlflow ships the default model)")
     build.add_argument("--force", action="store_true", help="rebuild even if it is cached")
     build.add_argument("--teacher", action="store_true",
                        help="build the default teacher instead (the same model, warm-started far longer)")
-    path_cmd = model_sub.add_parser("path", help="print where the default model is cached")
+    path_cmd = model_sub.add_parser("path", help="print where the default model is (the teacher: where it is cached)")
     path_cmd.add_argument("--teacher", action="store_true", help="the default teacher's folder")
 
     chk = sub.add_parser("check", help="load a config's task and reward functions and show what the model will see")
@@ -55,6 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                      help="override one config value (repeatable)")
     chk.add_argument("--rows", type=int, default=0, help="score the reference answers of this many rows (0: all)")
+
+    cfg = sub.add_parser("config", help="the effective config")
+    cfg_sub = cfg.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    show = cfg_sub.add_parser("show", help="print the config a run would get: every key, defaults filled in, "
+                                           "--set applied, checked")
+    show.add_argument("--config", type=pathlib.Path, help="TOML config (default: the embedded default)")
+    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                      help="override one config value (repeatable)")
 
     rep = sub.add_parser("report", help="where each role's time went, and the bottleneck")
     rep.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
@@ -86,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     commands = {
         "up": cmd_up, "status": cmd_status, "down": cmd_down, "model": cmd_model, "report": cmd_report, "plan": cmd_plan,
-        "check": cmd_check, "audit": cmd_audit, "join": cmd_join,
+        "check": cmd_check, "audit": cmd_audit, "join": cmd_join, "config": cmd_config,
     }
     return commands[args.command](args)
 
@@ -285,14 +294,12 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 def _build_models(config) -> None:
     """Build the models rlflow makes itself that `config` names and that are
-    not cached yet (the default policy, the default teacher)."""
+    not cached yet (the default teacher; the default policy ships with rlflow)."""
     from rlflow.config import ModelTeacher
     from rlflow.models import BUILT
 
     if not config.needs_model:
         return
-    if config.roles.rollout.model == "default" and not config.run.resume:
-        _build_default_model(force=False)
     teacher = config.roles.teacher
     if teacher is not None and isinstance(teacher.engine, ModelTeacher) and teacher.engine.model in BUILT:
         _build_default_model(force=False, name=teacher.engine.model)
@@ -330,6 +337,19 @@ def _build_default_model(force: bool, name: str = "default") -> pathlib.Path:
 
         build_default(path, recipe, progress=report)
     return path
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """`rlflow config show`: the effective config as TOML (exit 2, one line, when it does not load)."""
+    from rlflow.config import ConfigError, load, to_toml
+
+    try:
+        config = load(args.config or default_config_path(), args.overrides)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(to_toml(config), end="")
+    return 0
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -405,13 +425,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    from rlflow.models import default_model_dir
+    from rlflow.models import default_model_dir, resolve_model
 
     name = "default-teacher" if args.teacher else "default"
     if args.model_command == "path":
-        print(default_model_dir(name))
+        print(resolve_model(name) if name == "default" else default_model_dir(name))
         return 0
     path = _build_default_model(force=args.force, name=name)
+    if name == "default":
+        print(f"[rlflow] rlflow ships the default model ({resolve_model(name)}); this build of its recipe is "
+              f"another, used with --set roles.rollout.model={path}", file=sys.stderr)
     info = json.loads((path / "rlflow_build.json").read_text())
     print(
         f"[rlflow] {name} model at {path}: {info['parameters']:,} parameters, "
