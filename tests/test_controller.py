@@ -216,6 +216,18 @@ def test_a_round_completes_without_a_receiver_that_left():
     assert rounds.left({0}) is None and rounds.moving is None
 
 
+def test_a_held_round_lets_the_one_moving_end_and_starts_the_newest_once_released():
+    """An evaluation holds the rounds: the version moving completes, none starts until it is released."""
+    rounds = WeightRounds()
+    assert rounds.publish(1) == 1
+    rounds.hold()
+    assert rounds.publish(2) is None and rounds.publish(3) is None
+    assert rounds.loaded(0, 1, {0}) is None and not rounds.busy and rounds.moved == 1  # 1 is what is evaluated
+    assert rounds.release() == 3 and rounds.busy
+    rounds.hold()
+    assert rounds.release() is None  # nothing waited
+
+
 # -- statistics ---------------------------------------------------------------------------
 
 

@@ -24,6 +24,8 @@ from rlflow.data import transport
 from rlflow.protocol import (
     SCHEMA_VERSION,
     Bye,
+    EvalDone,
+    Evaluate,
     Hello,
     PromptGroup,
     Ready,
@@ -380,6 +382,57 @@ async def test_a_rollout_told_to_load_a_version_it_holds_says_so():
             await answer(Bye)
         nursery.cancel_scope.cancel()
     assert service.counters["weight_updates"] == 1
+
+
+async def test_an_evaluation_reads_one_version_and_the_weights_wait_for_it(monkeypatch):
+    """A version ordered while the held-out set is being answered is loaded once it is answered: the
+    evaluation reads the version it started on, whole."""
+    from rlflow.models import SHIPPED
+
+    config = sim_config("roles.trainer.engine.weights_bytes=4096", 'task={kind = "arith", heldout_size = 20}',
+                        f'roles.rollout.model="{SHIPPED}"')
+    trainer = SimTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
+    answering = trio.Event()
+
+    async def complete(self, prompt_ids, temperature):  # the simulated engine answers nothing; this one, slowly
+        answering.set()
+        await trio.sleep(0.05)
+        return list(prompt_ids)
+
+    monkeypatch.setattr(SimEngine, "complete", complete)
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:0") as router,
+        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(trainer.serve)
+        service = RolloutService(spec(config, "rollout", transport.bound_address(router)))
+        nursery.start_soon(service.run)
+        said = []
+
+        async def answer(kind: type) -> Any:
+            while not isinstance(msg := (await router.recv())[1], kind):
+                said.append(msg)
+            said.append(msg)
+            return msg
+
+        with trio.fail_after(30):
+            identity, hello = await router.recv()
+            await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
+                                                peers={"out": [transport.bound_address(downstream)]},
+                                                weights=WeightsZmq(address=trainer.server.address)))
+            await answer(Ready)
+            await router.send(identity, Evaluate(version=0))
+            await answering.wait()
+            await trainer.publish(1)
+            await router.send(identity, UpdateWeights(version=1))
+            done = await answer(EvalDone)
+            assert (done.version, done.version_end, done.metrics["problems"]) == (0, 0, 20)
+            assert (await answer(WeightsLoaded)).version == 1
+            assert not any(isinstance(m, WeightsLoaded) for m in said[: said.index(done)])
+            await router.send(identity, Shutdown(reason="done"))
+            await answer(Bye)
+        nursery.cancel_scope.cancel()
 
 
 @given(st.lists(st.integers(0, 60), max_size=120))

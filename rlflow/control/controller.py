@@ -125,6 +125,7 @@ class Controller:
         #: The version a replica loads when it starts (the checkpoint resumed from, else the policy's start).
         self.start_version = self.version
         self.weights = Weights(self.version, max_rebuilds=cluster.max_weight_rebuilds)
+        self._eval_due = False  # an evaluation waits for the weight round moving to end
         self.topology = Topology([name for name, _ in config.role_items()])
         self.supervisor = Supervisor(Policy.of(cluster), trio.current_time)
         self.stats = RunStats([name for name, _ in config.role_items()])
@@ -287,10 +288,12 @@ class Controller:
                 replica.version = version
                 self.stats.weights_loaded(seconds)
                 self.outboxes.order(self.weights.loaded(replica.rank, version, receivers, checksum), self.roster)
+                self._ask_eval()
                 self._grant()
                 self._changed.set()
             case EvalDone():
                 append_jsonl(self.run_dir.evals, self.stats.eval_done(msg, self.ledger.steps_done))
+                self.outboxes.order(self.weights.release(receivers), self.roster)
                 self._changed.set()
             case ErrorReport(fatal=fatal, kind=kind, message=message):
                 if fatal and replica.role in STATEFUL_ROLES:
@@ -371,12 +374,20 @@ class Controller:
             self.outboxes.post(self.roster.replicas[("rollout", rank)], credits)
 
     def _evaluate(self) -> int | None:
-        """Ask rollout 0 to evaluate the held-out set; the version it is asked at (None: no held-out set)."""
+        """Ask rollout 0 to evaluate the held-out set on one version: no weight round starts until it
+        has (one moving ends first); the version it reads (None: no held-out set)."""
         if kind_of(self.config.task) == "sim":
             return None
-        evaluate = Evaluate(version=self.version, temperature=self.config.eval.temperature)
-        self.outboxes.post(self.roster.replicas[("rollout", 0)], evaluate)
-        return self.version
+        self.weights.hold()
+        self._eval_due = True
+        self._ask_eval()
+        return self.weights.rounds.moved
+
+    def _ask_eval(self) -> None:
+        if self._eval_due and not self.weights.busy:
+            self._eval_due = False
+            evaluate = Evaluate(version=self.weights.rounds.moved, temperature=self.config.eval.temperature)
+            self.outboxes.post(self.roster.replicas[("rollout", 0)], evaluate)
 
     async def _evaluated(self) -> None:
         """Evaluate, and wait for this evaluation (an earlier one may still be running); asked again of
@@ -472,6 +483,10 @@ class Controller:
         self._warn(f"{text}; {len(again)} groups granted again")
         if rollout:
             self.outboxes.order(self.weights.left(replica.rank, self.roster.receivers()), self.roster)
+            if replica.rank == 0 and self.weights.rounds.held:  # its evaluation is lost with it
+                self._eval_due = False
+                self.outboxes.order(self.weights.release(self.roster.receivers()), self.roster)
+            self._ask_eval()
         else:  # the role before it stops sending to it (until its replacement is ready)
             self._send_peers_upstream(replica.role)
         if isinstance(verdict, GiveUp):

@@ -32,6 +32,8 @@ class WeightRounds:
         #: The newest version sent (or held by every receiver from the start).
         self.moved = version
         self._loaded: set[int] = set()
+        #: No round starts while held (one moving goes on): a held-out evaluation reads one version.
+        self.held = False
 
     def publish(self, version: int) -> int | None:
         """The trainer has `version`; the version to start moving now, if none is moving."""
@@ -60,8 +62,17 @@ class WeightRounds:
             return self._start()
         return None
 
+    def hold(self) -> None:
+        """Start no round until `release` (the one moving, if any, completes)."""
+        self.held = True
+
+    def release(self) -> int | None:
+        """Rounds start again: the version to move now, if one waits."""
+        self.held = False
+        return self._start()
+
     def _start(self) -> int | None:
-        if self.moving is None and self.published > self.moved:
+        if self.moving is None and not self.held and self.published > self.moved:
             self.moving, self._loaded = self.published, set()
             self.moved = self.published
             return self.moving
@@ -196,6 +207,15 @@ class Weights:
             self.regroup = True
             return [] if self.rounds.busy else self._move(self.rounds.repeat(), receivers)
         return [Order("rollout", rank, UpdateWeights(version=self.rounds.moved))]
+
+    def hold(self) -> None:
+        """Start no new round (one moving completes): a held-out evaluation is to read the version the
+        rollout replicas hold once it has."""
+        self.rounds.hold()
+
+    def release(self, receivers: set[int]) -> list[Order]:
+        """Rounds start again, from the newest version published."""
+        return self._move(self.rounds.release(), receivers)
 
     def hosted(self, transfer: WeightTransfer, receivers: set[int]) -> list[Order]:
         """The trainer hosts the new generation at `transfer`: each live

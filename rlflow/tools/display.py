@@ -52,7 +52,7 @@ def render(status: Status) -> Group:
         f"{status.mode} (max_staleness {status.max_staleness}, {status.staleness_check})  ",
         f"{status.elapsed_s:.0f} s",
         (f"  reward {last.reward_mean:.3f}" if last is not None and last.reward_mean is not None else ""),
-        (f"  held-out {100 * status.last_eval.accuracy:.1f}%"
+        (f"  held-out {100 * status.last_eval.accuracy:.1f}% (v{status.last_eval.version})"
          if status.last_eval is not None and status.last_eval.accuracy is not None else ""),
         *(f"  {trend_text(key, trend)}" for key, trend in status.trends.items()),
     )

@@ -286,9 +286,10 @@ def write_curves(run: Run, png: pathlib.Path | None = None) -> pathlib.Path | No
     scored = [e for e in run.evals if e.accuracy is not None]
     if run.evals:
         ax = axes[2]
-        ax.plot([e.step for e in scored], [100 * e.accuracy for e in scored], marker="o")
+        # Each evaluation reads one policy version: version v is the policy after v steps.
+        ax.plot([e.version for e in scored], [100 * e.accuracy for e in scored], marker="o")
         ax.set_title("held-out accuracy (%)")
-        ax.set_xlabel("step")
+        ax.set_xlabel("policy version (step)")
     if has_critic:
         ax = axes[-1 - has_kl]
         ax.plot(steps, fit["critic_value_loss"], lw=1, label="value loss")

@@ -62,6 +62,8 @@ class RolloutService(Service):
         self._scored: dict[int, SampleBatch] = {}
         self._wanted: UpdateWeights | None = None
         self._update = trio.Event()
+        #: Held while the held-out set is evaluated: weights wait, so that an evaluation reads one version.
+        self._evaluating = trio.Lock()
         #: Multi-turn episodes, in a run with an environment.
         self.episodes: EpisodeRunner | None = None
 
@@ -257,9 +259,10 @@ class RolloutService(Service):
                 await control.send(WeightsLoaded(version=self.engine.version, seconds=0.0,
                                                  checksum=self.engine.checksum))
                 continue
-            started = time.monotonic()
             try:
-                self.version = await self.engine.update_weights(msg.version, msg.transfer)
+                async with self._evaluating:
+                    started = time.monotonic()
+                    self.version = await self.engine.update_weights(msg.version, msg.transfer)
             except WeightGroupBroken as exc:
                 # The trainer or another member died mid-broadcast: wait for
                 # the next generation of the group, which the controller makes.
@@ -274,8 +277,13 @@ class RolloutService(Service):
             await control.send(WeightsLoaded(version=self.version, seconds=seconds, checksum=self.engine.checksum))
 
     async def evaluate(self, msg: Evaluate, task: Task, control: Control) -> None:
-        """Answer every held-out prompt once (play one episode of each, with an environment),
-        alongside training traffic."""
+        """Answer every held-out prompt once (play one episode of each, with an environment) on the
+        weights held now, which stay until it is done: the engine serves its requests first and
+        training traffic around them."""
+        async with self._evaluating:
+            await self._evaluate(msg, task, control)
+
+    async def _evaluate(self, msg: Evaluate, task: Task, control: Control) -> None:
         started, version = time.monotonic(), self.engine.version
         if self.episodes is not None:
             metrics = await self.episodes.evaluate(task.heldout_rows(), self.engine.eval_concurrency, msg.temperature)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import psutil
 import trio
 
 from rlflow.algo.staleness import too_stale
@@ -134,6 +135,10 @@ async def unless_dead(awaitable: Awaitable[Any], dead: Callable[[], bool], poll_
         task.cancel()
 
 
+#: vLLM's priority of an evaluation's requests (training's are 0; lower goes first).
+EVAL_PRIORITY = -1
+
+
 class VllmBackend:
     """vLLM's AsyncLLM on its asyncio thread, with the calls the rollout needs.
 
@@ -175,7 +180,7 @@ class VllmBackend:
             model=self.model_path,
             dtype=self.cfg.dtype,
             max_num_seqs=self.cfg.max_num_seqs,
-            kv_cache_memory_bytes=self.cfg.kv_cache_bytes,
+            kv_cache_memory_bytes=kv_cache_bytes(self.cfg, self.model_path),
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
             tensor_parallel_size=self.cfg.tensor_parallel_size,
             enforce_eager=self.cfg.enforce_eager,
@@ -186,6 +191,8 @@ class VllmBackend:
             seed=self.seed,
             disable_log_stats=True,
             enable_prefix_caching=False,
+            # An evaluation's requests go first (`complete`), so that it reads its version quickly.
+            scheduling_policy="priority",
             **self.lora_args(),
         )
 
@@ -348,11 +355,12 @@ class VllmBackend:
         ignore_eos: bool = False,
         first_token: trio.Event | None = None,
         lora_id: int = 0,
+        priority: int = 0,
     ):
         """The final RequestOutput of one request with `n` samples (`ignore_eos`:
         run to `max_tokens` without changing the sampling distribution;
         `first_token` is set once every sample has its first token; `lora_id`:
-        under that adapter, 0: the base alone)."""
+        under that adapter, 0: the base alone; `priority`: lower goes first)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -379,7 +387,7 @@ class VllmBackend:
                 self._users[lora_id] = self._users.get(lora_id, 0) + 1
             try:
                 async for out in llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id,
-                                              lora_request=lora):
+                                              lora_request=lora, priority=priority):
                     final = out
                     if not told and len(out.outputs) == n and all(c.token_ids for c in out.outputs):
                         trio_token.run_sync_soon(first_token.set)
@@ -411,6 +419,27 @@ class VllmBackend:
             return final.prompt_logprobs
 
         return await self.call(run)
+
+
+def kv_cache_bytes(cfg: VllmRollout, model_path: str) -> int | None:
+    """The KV cache a replica asks vLLM for: the config's, or ("auto") room for every slot at the model's
+    longest sequence, up to a quarter of this machine's memory (None on a GPU: vLLM sizes it there from
+    gpu_memory_utilization)."""
+    if cfg.kv_cache_bytes != "auto":
+        return cfg.kv_cache_bytes
+    from transformers import AutoConfig
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    model = AutoConfig.from_pretrained(model_path).get_text_config()
+    heads = model.num_attention_heads
+    head_dim = getattr(model, "head_dim", None) or model.hidden_size // heads
+    kv_heads = getattr(model, "num_key_value_heads", None) or heads
+    dtype = cfg.dtype if cfg.dtype != "auto" else str(getattr(model, "dtype", None) or "bfloat16").split(".")[-1]
+    per_token = 2 * model.num_hidden_layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
+    want = cfg.max_num_seqs * model.max_position_embeddings * per_token
+    return max(16 << 20, min(want, psutil.virtual_memory().total // 4))
 
 
 def lora_request(lora_id: int):
@@ -781,8 +810,9 @@ class VllmEngine:
         return self._responses(output, item, started)[0]
 
     async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
-        """One answer to `prompt_ids` (for evaluation: not a training sample)."""
-        output = await self.backend.generate(prompt_ids, 1, temperature, lora_id=self._lora_id(self.version))
+        """One answer to `prompt_ids` (for evaluation: not a training sample; served before training's)."""
+        output = await self.backend.generate(prompt_ids, 1, temperature, lora_id=self._lora_id(self.version),
+                                             priority=EVAL_PRIORITY)
         return list(output.outputs[0].token_ids)
 
     def _responses(self, output, item: _Group, started: float) -> list[Response]:
