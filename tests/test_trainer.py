@@ -60,7 +60,9 @@ def objective(engine: TorchEngine, batch) -> float:
 
 
 def test_the_objective_rises_on_a_fixed_batch(model_path):
-    engine = TorchEngine(TorchTrainer(lr=3e-3), str(model_path))
+    # Decoupled: each step clips around the weights it starts from, so the same batch keeps teaching (clipped
+    # around the behaviour policy, a batch trained on five times stops moving the policy past the clip).
+    engine = TorchEngine(TorchTrainer(lr=3e-3, decoupled=True), str(model_path))
     batch = fixed_batch(engine)
     values = [objective(engine, batch)]
     for _ in range(5):
@@ -118,7 +120,7 @@ def test_the_loss_normaliser_counts_the_tokens_of_groups_without_signal(model_pa
         assert out[norm]["grad_norm"] == pytest.approx(0.5 * out["trained_tokens"]["grad_norm"], rel=1e-4)
 
 
-def test_learning_rate_schedules_by_hand():
+def test_learning_rate_schedules_by_hand(model_path):
     linear = TorchTrainer(lr=1e-3, warmup_steps=2, lr_decay="linear", lr_final=0.1)
     # Warm-up 1/2, 2/2; then from 1e-3 at step 2 down to 1e-4 at step 11, the last of 12.
     got = [learning_rate(linear, step, 12) for step in (0, 1, 2, 6, 11)]
@@ -127,6 +129,10 @@ def test_learning_rate_schedules_by_hand():
     assert [learning_rate(cosine, step, 5) for step in (0, 1, 2, 4)] == pytest.approx(
         [1e-3, 1e-3 * (1 + math.cos(math.pi / 4)) / 2, 5e-4, 0.0])
     assert learning_rate(TorchTrainer(lr=1e-3), 50, 12) == 1e-3
+    # A run cut short of its schedule: the decay spans lr_decay_steps, not the run's steps.
+    spread = TorchTrainer(lr=1e-3, lr_decay="cosine", lr_decay_steps=9)
+    engine = TorchEngine(spread, str(model_path), total_steps=3)
+    assert engine.total_steps == 9 and learning_rate(spread, 4, engine.total_steps) == pytest.approx(5e-4)
     with pytest.raises(ValueError, match="lr_decay = 'linear' needs the run's step count"):
         TorchEngine(linear, "/unused")
 

@@ -260,8 +260,10 @@ class VllmRollout(Table, tag_field="kind", tag="vllm"):
     """Nucleus sampling."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
     """Weights and activations of the engine (match the trainer's for exact log-probabilities)."""
-    kv_cache_bytes: PosInt = 256 << 20
-    """KV cache size on CPU."""
+    kv_cache_bytes: PosInt | Literal["auto"] = "auto"
+    """KV cache size on CPU. auto: room for every slot (max_num_seqs) at the model's longest sequence,
+    up to a quarter of the machine's memory, so that the cache never holds requests back (on a GPU,
+    auto leaves it to gpu_memory_utilization)."""
     gpu_memory_utilization: Fraction = 0.5
     """Share of GPU memory vLLM may take (GPU only)."""
     tensor_parallel_size: PosInt = 1
@@ -369,9 +371,12 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """Linear learning-rate warm-up."""
     lr_decay: Literal["none", "linear", "cosine"] = "none"
     """After the warm-up, hold the learning rate (none) or bring it down, linearly or along a cosine,
-    to lr_final x lr at the run's last step (run.steps)."""
+    to lr_final x lr at the run's last step (run.steps, or lr_decay_steps)."""
     lr_final: Fraction = 0.0
     """With lr_decay: the learning rate at the last step, as a fraction of lr."""
+    lr_decay_steps: NonNegInt = 0
+    """With lr_decay: the steps the decay is spread over (0: run.steps). A run cut short of its
+    schedule (a benchmark of a run's first steps) sets the schedule's whole length here."""
     grad_clip: PosFloat = 1.0
     """Clip the gradient's global norm to this."""
     advantage: Literal["grpo", "rloo", "gae"] = "grpo"
@@ -381,18 +386,22 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     """GRPO: divide by the group's reward standard deviation."""
     skip_uniform_groups: bool = True
     """Leave out groups whose rewards are all equal (no signal, only noise)."""
-    loss_norm: Literal["trained_tokens", "batch_tokens", "sequences"] = "trained_tokens"
-    """What the policy loss's sum over tokens is divided by. trained_tokens: the tokens trained on
-    (groups without signal left out); batch_tokens: every response token of the batch, groups without
-    signal included (DAPO's token mean: a batch with less signal moves the policy less); sequences:
-    each sample's token mean, averaged over the batch's samples (GRPO's)."""
+    loss_norm: Literal["trained_tokens", "batch_tokens", "sequences"] = "batch_tokens"
+    """What the policy loss's sum over tokens is divided by. batch_tokens: every response token of the
+    batch, groups without signal included (DAPO's token mean, TRL's default: a batch with less signal
+    moves the policy less); trained_tokens: the tokens trained on (groups without signal left out: every
+    step as large, however little signal it had); sequences: each sample's token mean, averaged over
+    the batch's samples (GRPO's)."""
     clip_low: Fraction = 0.2
     """PPO clip range below 1."""
     clip_high: NonNegFloat = 0.28
     """PPO clip range above 1."""
-    decoupled: bool = True
-    """Decoupled PPO: clip against a proximal policy (the trainer's weights
-    before the step), correct for the behaviour policy with importance weights."""
+    decoupled: bool = False
+    """false: clip the ratio to the behaviour policy that generated each token (PPO's trust region,
+    around the samples, however many versions old). true: decoupled PPO, clip against a proximal policy
+    (the trainer's weights before the step) and correct for the behaviour policy with importance
+    weights truncated at tis_cap. With one optimizer step per batch, as here, the proximal ratio is 1
+    and nothing is clipped: stale samples move the policy as far as fresh ones."""
     tis_cap: NonNegFloat = 2.0
     """Truncate behaviour importance weights at this (0: no correction)."""
     micro_batch_tokens: PosInt = 8192

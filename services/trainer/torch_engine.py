@@ -91,13 +91,15 @@ class TorchEngine:
 
     def __init__(self, cfg: TorchTrainer, model_path: str, *, temperature: float = 1.0, seed: int = 0,
                  ranks: Solo | None = None, total_steps: int = 0, adapter: str = ""):
-        """`total_steps`: the run's steps, which a decaying learning rate needs; `adapter`: with LoRA, the
-        PEFT adapter directory to start from (empty: a new adapter)."""
+        """`total_steps`: the run's steps, which a decaying learning rate needs (unless its own
+        `lr_decay_steps` says how many it spans); `adapter`: with LoRA, the PEFT adapter directory to start
+        from (empty: a new adapter)."""
         from transformers import AutoModelForCausalLM
 
-        if cfg.lr_decay != "none" and total_steps < 1:
+        #: The steps the learning rate's schedule spans.
+        self.total_steps = cfg.lr_decay_steps or total_steps
+        if cfg.lr_decay != "none" and self.total_steps < 1:
             raise ValueError(f"lr_decay = {cfg.lr_decay!r} needs the run's step count")
-        self.total_steps = total_steps
 
         torch.manual_seed(seed)
         threads = int(os.environ.get("RLFLOW_NUM_THREADS", "0") or 0)
