@@ -53,6 +53,31 @@ class Record(msgspec.Struct, kw_only=True, frozen=True):
     """Base of the run directory's JSON records."""
 
 
+def _named(wire: type, name: str, doc: str) -> type:
+    """A record with `wire`'s fields by name: the wire's Structs are positional (`array_like`), and a file
+    for people and scripts says which number is which."""
+    fields = [(f.name, f.type, f.default if f.default is not msgspec.NODEFAULT
+               else msgspec.field(default_factory=f.default_factory)) for f in msgspec.structs.fields(wire)]
+    record = msgspec.defstruct(name, fields, bases=(Record,), module=__name__)
+    record.__doc__ = doc
+    return record
+
+
+#: A role's counts added up, by name (the fields of the wire's `Counters`).
+CounterTotals = _named(Counters, "CounterTotals", "A role's counts added up (the fields of the wire's Counters).")
+#: A rollout role's engines now, by name (the fields of the wire's `EngineLoad`).
+EngineTotals = _named(EngineLoad, "EngineTotals",
+                      "A rollout role's engines now, added up (the fields of the wire's EngineLoad).")
+
+
+def named(wire: Any) -> Any:
+    """A `Counters` or `EngineLoad` as the record of the same fields by name (None stays None)."""
+    if wire is None:
+        return None
+    kind = CounterTotals if isinstance(wire, Counters) else EngineTotals
+    return kind(**msgspec.structs.asdict(wire))
+
+
 class Shares(Record):
     """Shares of a role's time in each state (they add up to 1 when it reported)."""
 
@@ -154,9 +179,9 @@ class RoleStatus(Record):
     states: Shares = Shares()
     """Over the last few heartbeats."""
     queues: dict[str, int] = {}
-    counters: Counters = Counters()
+    counters: CounterTotals = CounterTotals()
     """Its replicas' counts, added up."""
-    engine: EngineLoad | None = None
+    engine: EngineTotals | None = None
     """A rollout role: its replicas' engines now, added up (KV-cache use: the fullest replica's)."""
     version: int | None = None
     """Oldest policy version its replicas hold (None: the role holds no policy)."""

@@ -207,6 +207,11 @@ def test_a_resource_shortfall_names_the_pool_and_the_numbers(clean, tmp_path):
         run(config, tmp_path / "run")
 
 
+def written_engine_slots(run_dir) -> int:
+    rollout = C.load(run_dir / "config.toml").roles.rollout
+    return rollout.engine.slots * rollout.replicas
+
+
 def test_cli_up_runs_twenty_steps(clean, tmp_path):
     run_dir = tmp_path / "run"
     done = subprocess.run(
@@ -223,6 +228,10 @@ def test_cli_up_runs_twenty_steps(clean, tmp_path):
     written = C.load(run_dir / "config.toml").run
     assert written.steps == 20
     assert late_starts(run_dir, written.batch_size, written.staleness) == []
+    # status.json names every count: a script reads it without the wire's field order.
+    roles = json.loads((run_dir / "status.json").read_text())["roles"]
+    assert roles["trainer"]["counters"]["samples"] > 0 and roles["rollout"]["counters"]["decode_steps"] > 0
+    assert roles["rollout"]["engine"]["slots"] == written_engine_slots(run_dir)
 
 
 @pytest.mark.parametrize("curve", ["auto", "on"])

@@ -371,11 +371,11 @@ def test_poison_names_the_group_its_grants_and_its_last_error():
 def test_the_live_table_shows_restarts_the_back_off_in_progress_and_the_engines_load():
     import rich.console
 
-    from rlflow.rundir import Placed, RoleStatus, Status
+    from rlflow.rundir import Placed, RoleStatus, Status, named
     from rlflow.tools.display import render
 
-    rollout = RoleStatus(replicas=2, up=1, restarts=3, engine=EngineLoad(slots=64, running=5, waiting=2,
-                                                                         kv_cache_usage=0.9, preemptions=1),
+    rollout = RoleStatus(replicas=2, up=1, restarts=3, engine=named(EngineLoad(slots=64, running=5, waiting=2,
+                                                                               kv_cache_usage=0.9, preemptions=1)),
                          placed=[Placed(rank=0, host="h", pid=1), Placed(rank=1, host="h", pid=2, state="lost",
                                                                          restart_in_s=3.2)])
     console = rich.console.Console(record=True, width=240)

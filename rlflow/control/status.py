@@ -18,7 +18,7 @@ from rlflow.control.ledger import GroupLedger
 from rlflow.control.replicas import Replica, State
 from rlflow.control.stats import process_cpu
 from rlflow.protocol import Counters, EngineLoad, Heartbeat
-from rlflow.rundir import ControllerStats, GroupCounts, JoinInfo, Placed, RoleStatus, Shares, Status, Summary
+from rlflow.rundir import ControllerStats, GroupCounts, JoinInfo, Placed, RoleStatus, Shares, Status, Summary, named
 
 #: Roles that hold versioned weights (and so can be behind the trainer): the
 #: policy's, and the critic's own (its version counts its steps as the policy's does).
@@ -83,8 +83,8 @@ def role_status(role: str, expected: int, replicas: list[Replica], beats: list[H
         placed=[placed(r, now) for r in replicas],
         states=shares,
         queues=dict(queues),
-        counters=add_counters(beat.counters for beat in beats),
-        engine=add_loads(beat.engine for beat in beats),
+        counters=named(add_counters(beat.counters for beat in beats)),
+        engine=named(add_loads(beat.engine for beat in beats)),
         version=oldest,
         behind=None if oldest is None else version - oldest,
     )
