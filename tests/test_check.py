@@ -3,10 +3,14 @@ the model will see; one line naming file, row and field when data is bad."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import pathlib
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 from models import tiny_model
@@ -17,8 +21,31 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SANDBOX = check_isolation()
 needs_sandbox = pytest.mark.skipif(SANDBOX is not None, reason=f"no sandbox on this machine: {SANDBOX}")
 
-#: Each check starts a process that imports torch, transformers and datasets.
+#: Each check loads a dataset and starts reward worker processes.
 pytestmark = pytest.mark.slow
+
+
+@dataclass
+class Done:
+    """What `rlflow check` said, as a finished process would have."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def rlflow(*args: str, cwd: pathlib.Path = ROOT) -> Done:
+    """The `rlflow` command in this process (the console script itself is run once, below)."""
+    from rlflow.tools.cli import main
+
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(before)
+    return Done(code, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +53,12 @@ def model(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("check") / "model", tied=True)
 
 
-def check(model, *sets: str, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "rlflow", "check", "--config", str(ROOT / "examples" / "dataset.toml"),
+def check(model, *sets: str, cwd: pathlib.Path = ROOT) -> Done:
+    args = ["check", "--config", str(ROOT / "examples" / "dataset.toml"),
             "--set", f"roles.rollout.model={json.dumps(str(model))}", "--rows", "50"]
     for item in sets:
         args += ["--set", item]
-    return subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=cwd)
+    return rlflow(*args, cwd=cwd)
 
 
 def test_a_good_dataset_and_reward_check_out(model):
@@ -110,11 +137,11 @@ train = "data.jsonl"
     assert done.stdout.splitlines()[-1] == "RESULT check rows=4 skipped=0 reference_reward_mean=1 failures=0"
 
 
-def code_check(*sets: str) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "rlflow", "check", "--config", str(ROOT / "examples" / "code.toml")]
+def code_check(*sets: str) -> Done:
+    args = ["check", "--config", str(ROOT / "examples" / "code.toml")]
     for item in sets:
         args += ["--set", item]
-    return subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return rlflow(*args)
 
 
 @needs_sandbox
