@@ -80,7 +80,8 @@ concurrency = {concurrency}
 timeout_s = 60
 max_turns = 8
 max_tokens = 8192
-environment = {{ path = "rlflow.env.sim:SimEnv", kwargs = {{ min_turns = 1, max_turns = 8, observation_chars = 16, latency = {{ kind = "lognormal", median = 0.5, sigma = 1.25, max = 30.0 }} }} }}
+environment = {{ path = "rlflow.env.sim:SimEnv", kwargs = {{ min_turns = 1, max_turns = 8, observation_chars = 16, \
+latency = {{ kind = "lognormal", median = 0.5, sigma = 1.25, max = 30.0 }} }} }}
 
 [roles.reward]
 pool = "score"

@@ -109,7 +109,8 @@ def simulated(work: pathlib.Path, steps: int, cost: float) -> dict[str, dict[str
         if summary.state != "stopped":
             raise RuntimeError(f"the {layout} run ended {summary.state}: {summary.error}")
         out[layout] = {**steady(run_dir), "trainer_busy": summary.roles["trainer"].busy}
-        print(f"{layout:>9}: {out[layout]['tokens_per_s']:8.0f} tokens/s ({out[layout]['samples_per_s']:.1f} samples/s), "
+        print(f"{layout:>9}: {out[layout]['tokens_per_s']:8.0f} tokens/s "
+              f"({out[layout]['samples_per_s']:.1f} samples/s), "
               f"trainer starved {100 * out[layout]['trainer_starved']:.1f}% "
               f"(whole run: busy {100 * summary.roles['trainer'].busy:.0f}%)", flush=True)
     return out
@@ -179,7 +180,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=pathlib.Path, help="where the runs go (default: a temporary folder)")
     parser.add_argument("--steps", type=int, default=30, help="steps of each simulated run")
-    parser.add_argument("--critic-cost", type=float, default=0.5, help="the critic's cost per token, times the trainer's")
+    parser.add_argument("--critic-cost", type=float, default=0.5,
+                        help="the critic's cost per token, times the trainer's")
     parser.add_argument("--grpo", type=pathlib.Path, help="a finished default run to take GRPO from")
     parser.add_argument("--ppo", type=pathlib.Path, help="a finished run of examples/ppo.toml to take PPO from")
     parser.add_argument("--sim-only", action="store_true", help="leave out the real model's runs")

@@ -165,7 +165,8 @@ class Workload:
                check: str = "admission") -> C.Config:
         text = BASE.format(**self._fields(mode, staleness, steps, partial, colocated, check))
         if colocated:  # one pool for both roles
-            text = text.replace('pool = "train"', 'pool = "generate"').replace("[pools.train]\ncpus_per_bundle = 0.5\n", "")
+            text = text.replace('pool = "train"', 'pool = "generate"').replace(
+                "[pools.train]\ncpus_per_bundle = 0.5\n", "")
             text = text.replace("[pools.generate]\ncpus_per_bundle = 0.5", "[pools.generate]\ncpus_per_bundle = 1.0")
         spread = ["pools.generate.cpus_per_bundle=1.0", "pools.score.cpus_per_bundle=0.5"] if self.spread else []
         return C.load(text=text, overrides=spread)
@@ -402,7 +403,8 @@ def main() -> None:
     print(
         f"RESULT longtail workload=reference async_vs_sync={async_ref.samples_per_s / sync_ref.samples_per_s:.2f} "
         f"bound_efficiency={async_ref.efficiency:.2f} "
-        f"async_vs_colocated_sync={async_ref.samples_per_s / colocated.samples_per_s:.2f} real_async_vs_sync={real_text}"
+        f"async_vs_colocated_sync={async_ref.samples_per_s / colocated.samples_per_s:.2f} "
+        f"real_async_vs_sync={real_text}"
     )
 
 if __name__ == "__main__":

@@ -304,7 +304,8 @@ def main() -> None:
         print(f"held-out accuracy at equal steps ({h['equal_steps']['step']}): LoRA {lora_acc:.3f}, full "
               f"{full_acc:.3f}; at equal wall time ({h['equal_time']['seconds']:.0f} s of training, steps "
               f"{h['equal_time']['steps']}): LoRA {h['equal_time']['lora']:.3f}, full {h['equal_time']['full']:.3f}")
-    print(f"RESULT lora update_bytes_ratio={big['update_bytes_ratio']:.4f} update_ms_ratio={big['update_ms_ratio']:.3f} "
+    print(f"RESULT lora update_bytes_ratio={big['update_bytes_ratio']:.4f} "
+          f"update_ms_ratio={big['update_ms_ratio']:.3f} "
           f"update_ratio={big['update_ratio_lora']:.3f} lora_heldout={lora_acc:.3f} full_heldout={full_acc:.3f}")
 
 

@@ -23,7 +23,8 @@ Measured in one run on this machine, with the default model and task:
 
 Ends with
 
-    RESULT rollout wrapper_ratio=A update_ratio=B update_ms_default=C update_ms_halfgb=D broadcast_2_vs_1=E stall_p99_ms=F
+    RESULT rollout wrapper_ratio=A update_ratio=B update_ms_default=C update_ms_halfgb=D \
+broadcast_2_vs_1=E stall_p99_ms=F
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def bare(backend: VllmBackend, groups: list[PromptGroup], temperature: float) ->
 
     async def one(group: PromptGroup) -> int:
         final = None
-        async for out in llm.generate({"prompt_token_ids": group.prompt_ids}, params, f"bare-{group.group_id}-{time.time()}"):
+        async for out in llm.generate({"prompt_token_ids": group.prompt_ids}, params,
+                                      f"bare-{group.group_id}-{time.time()}"):
             final = out
         return sum(len(c.token_ids) for c in final.outputs)
 

@@ -141,7 +141,8 @@ def vllm_cost(teacher: str, prompts, responses, top_k: int) -> float:
 
     config = C.load(DISTILL, [f'roles.teacher.engine.model="{teacher}"', 'roles.teacher.engine.backend="vllm"',
                               f"roles.teacher.engine.top_k={top_k}", 'roles.rollout.model="/unused"',
-                              'roles.trainer.engine.distill="topk"' if top_k else 'roles.trainer.engine.distill="sampled"'])
+                              'roles.trainer.engine.distill="topk"' if top_k
+                              else 'roles.trainer.engine.distill="sampled"'])
     groups = [(PromptGroup(group_id=i, prompt_ids=p.tolist(), n=1),
                [Response(r, np.zeros(len(r), np.float32), np.zeros(len(r), np.int32), FinishReason.STOP)])
               for i, (p, r) in enumerate(zip(prompts, responses))]
@@ -304,7 +305,8 @@ def main() -> None:
         line += f"; vLLM sampled {cost['vllm_sampled']:.2f}, vLLM top-32 {cost['vllm_top32']:.2f}"
     print(line)
     peaks = memory(student_wide, teacher_wide)
-    print(f"trainer peak memory: GRPO {peaks['grpo'] / 1024:.0f} MiB, top-k distillation {peaks['topk'] / 1024:.0f} MiB "
+    print(f"trainer peak memory: GRPO {peaks['grpo'] / 1024:.0f} MiB, "
+          f"top-k distillation {peaks['topk'] / 1024:.0f} MiB "
           f"({peaks['topk'] / peaks['grpo']:.3f}x); of which the steps added {peaks['grpo_steps'] / 1024:.0f} and "
           f"{peaks['topk_steps'] / 1024:.0f} MiB ({peaks['topk_steps'] / max(peaks['grpo_steps'], 1):.2f}x)")
 

@@ -189,7 +189,8 @@ def examples() -> dict[str, object]:
         "Bye": Bye(reason="done"),
         "Ack": Ack(stage=Stage.ROLLOUT_END, group_ids=[10, 12]),
         "Evaluate": Evaluate(version=7, temperature=0.0),
-        "EvalDone": EvalDone(version=7, metrics={"accuracy": 0.5, "accuracy.digits_2": 0.75}, seconds=3.5, version_end=8),
+        "EvalDone": EvalDone(version=7, metrics={"accuracy": 0.5, "accuracy.digits_2": 0.75}, seconds=3.5,
+                             version_end=8),
         "Peers": Peers(peers={"out": ["tcp://127.0.0.1:5001", "tcp://127.0.0.1:5009"]}),
         "WeightsGroup": WeightsGroup(
             transfer=WeightsGloo(host="10.0.0.2", port=29511, world_size=3, nbytes=4096, generation=2)
@@ -201,7 +202,8 @@ def examples() -> dict[str, object]:
         "SampleBatch.share": msgspec.structs.replace(_batch(), advantages=Tensor.of([0.75, -0.75], "float32")),
         "SendWeights.buckets": SendWeights(
             version=7,
-            transfer=WeightsGloo(host="10.0.0.2", port=29501, world_size=3, nbytes=4096, generation=2, bucket_bytes=1024),
+            transfer=WeightsGloo(host="10.0.0.2", port=29501, world_size=3, nbytes=4096, generation=2,
+                                 bucket_bytes=1024),
         ),
         "SendWeights.nccl": SendWeights(
             version=8,

@@ -130,15 +130,20 @@ def sample_batches(draw) -> SampleBatch:
                 )
             )
         prompt = draw(st.lists(st.integers(0, 2**31 - 1), max_size=5))
-        groups.append((PromptGroup(group_id=g, prompt_ids=prompt, n=max(1, len(responses)), reference=draw(st.text(max_size=5))), responses))
+        groups.append((PromptGroup(group_id=g, prompt_ids=prompt, n=max(1, len(responses)),
+                                   reference=draw(st.text(max_size=5))), responses))
     batch = build_batch(groups)
     n, t = batch.n_samples, batch.n_tokens
     if draw(st.booleans()):
-        batch = msgspec.structs.replace(batch, rewards=Tensor.of(draw(st.lists(st.floats(width=32), min_size=n, max_size=n)), "float32"))
+        batch = msgspec.structs.replace(
+            batch, rewards=Tensor.of(draw(st.lists(st.floats(width=32), min_size=n, max_size=n)), "float32")
+        )
     if draw(st.booleans()):
         batch = msgspec.structs.replace(batch, teacher_logprobs=Tensor.of(np.zeros(t), "float32"))
     if draw(st.booleans()):
-        batch = msgspec.structs.replace(batch, advantages=Tensor.of(draw(st.lists(st.floats(width=32), min_size=n, max_size=n)), "float32"))
+        batch = msgspec.structs.replace(
+            batch, advantages=Tensor.of(draw(st.lists(st.floats(width=32), min_size=n, max_size=n)), "float32")
+        )
     if draw(st.booleans()):
         k = draw(st.integers(1, 4))
         batch = msgspec.structs.replace(
@@ -152,7 +157,9 @@ def sample_batches(draw) -> SampleBatch:
     if draw(st.booleans()):
         k = draw(st.integers(1, 3))
         turns = draw(st.lists(st.floats(width=32), min_size=n * k, max_size=n * k))
-        batch = msgspec.structs.replace(batch, env_rewards=Tensor.from_numpy(np.asarray(turns, np.float32).reshape(n, k)))
+        batch = msgspec.structs.replace(
+            batch, env_rewards=Tensor.from_numpy(np.asarray(turns, np.float32).reshape(n, k))
+        )
     if n and draw(st.booleans()):
         failures = [SampleFailure(index=draw(st.integers(0, n - 1)), stage=Stage.REWARD_END, kind="timeout")]
         batch = msgspec.structs.replace(batch, failures=failures)
@@ -175,7 +182,8 @@ def nested(draw, min_depth: int = 1, max_depth: int = 20_000) -> bytes:
     """A msgpack value nested `depth` levels deep: arrays and one-entry maps,
     mixed, around a leaf."""
     depth = draw(st.integers(min_depth, max_depth))
-    openers = draw(st.lists(st.sampled_from([b"\x91", b"\x81\xa1k", b"\xdc\x00\x01", b"\x81\x00"]), min_size=1, max_size=4))
+    openers = draw(st.lists(st.sampled_from([b"\x91", b"\x81\xa1k", b"\xdc\x00\x01", b"\x81\x00"]),
+                            min_size=1, max_size=4))
     leaf = draw(st.sampled_from([b"\x00", b"\xc0", b"\xa1x", b"\x90", b"\x80"]))
     return b"".join(openers[i % len(openers)] for i in range(depth)) + leaf
 

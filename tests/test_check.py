@@ -87,7 +87,8 @@ def test_long_prompts_are_counted(model):
          r": line 1: field 'prompt'\[0\]: is not a \{role, content\} message"),
         ([{"prompt": "1+1=", "answer": "2"}], ['roles.reward.engine.functions=[{path = "no_such_module:f"}]'],
          r"reward function 'no_such_module:f': cannot import module"),
-        ([{"prompt": "1+1=", "answer": "2"}], ['roles.reward.engine.functions=[{path = "tomllib:loads", kwargs = {x = 1}}]'],
+        ([{"prompt": "1+1=", "answer": "2"}],
+         ['roles.reward.engine.functions=[{path = "tomllib:loads", kwargs = {x = 1}}]'],
          r"reward function 'tomllib:loads' cannot be called as loads\(sample, \*\*kwargs\) with x"),
     ],
 )

@@ -65,9 +65,12 @@ def test_overrides_go_through_the_same_validation():
         ('roles.rollout.engine.kind="vllmx"', "config error: roles.rollout.engine.kind = 'vllmx': expected one of"),
         ("roles.rollout.engine.slots=-1", "config error: roles.rollout.engine.slots = -1: expected an integer >= 1"),
         ('pools.gen.strategy="X"', "config error: pools.gen.strategy = 'X': expected one of 'PACK', 'SPREAD'"),
-        ("roles.rollout.engine.response_len={sigma=2}", "config error: roles.rollout.engine.response_len.kind = (missing): required: one of 'fixed', 'lognormal', 'pareto'"),
+        ("roles.rollout.engine.response_len={sigma=2}",
+         "config error: roles.rollout.engine.response_len.kind = (missing): required: one of 'fixed', 'lognormal', "
+         "'pareto'"),
         ("roles.teacher.replicas=2", "config error: roles.teacher.pool = (missing): not a pool; pools: gen, train"),
-        ("roles.reward.launch='external'", "config error: roles.reward.pool = 'gen': an external role (launch = 'external') runs on no pool"),
+        ("roles.reward.launch='external'",
+         "config error: roles.reward.pool = 'gen': an external role (launch = 'external') runs on no pool"),
         ("pools.spare.nodes=1", "config error: pools.spare = {"),
         ("run.max_staleness=3", None),  # fine in async mode
         ("nonsense", "config error: --set nonsense = 'nonsense': expected KEY.PATH=VALUE"),
@@ -94,9 +97,11 @@ def test_cross_field_checks():
 
 def test_the_signal_filter_needs_groups_that_can_differ():
     assert C.load(text=BASE, overrides=["run.filter=signal"]).run.filter == "signal"
-    with pytest.raises(C.ConfigError, match=r"run.filter = .signal.: a group of one sample .*run.samples_per_prompt >= 2"):
+    with pytest.raises(C.ConfigError,
+                       match=r"run.filter = .signal.: a group of one sample .*run.samples_per_prompt >= 2"):
         C.load(text=BASE, overrides=["run.filter=signal", "run.samples_per_prompt=1"])
-    with pytest.raises(C.ConfigError, match=r"run.filter = 'signal': the critic's advantages .* are not group-relative"):
+    with pytest.raises(C.ConfigError,
+                       match=r"run.filter = 'signal': the critic's advantages .* are not group-relative"):
         C.load(ROOT / "examples" / "ppo.toml", ["run.filter=signal", "run.samples_per_prompt=4"])
     with pytest.raises(C.ConfigError, match=r"run.filter = 'signal': with distillation"):
         C.load(ROOT / "examples" / "distill.toml", ["run.filter=signal"])
@@ -129,7 +134,8 @@ def test_the_mode_implies_its_staleness_unless_both_are_set():
         C.load(text=pinned, overrides=["run.max_staleness=2", "run.mode=sync"])
     with pytest.raises(C.ConfigError, match=wrong):
         C.load(text=BASE + "[run]\nmode = 'sync'\nmax_staleness = 2\n")
-    with pytest.raises(C.ConfigError, match=r"run.max_staleness = 3: must be 1 \(or left out\) when run.mode = 'one_step'"):
+    with pytest.raises(C.ConfigError,
+                       match=r"run.max_staleness = 3: must be 1 \(or left out\) when run.mode = 'one_step'"):
         C.load(text=BASE + "[run]\nmode = 'sync'\n", overrides=["run.mode=one_step", "run.max_staleness=3"])
 
 
@@ -190,7 +196,8 @@ def test_the_launcher_resolves_the_model_and_paths_once(tmp_path, monkeypatch):
     resolved = resolve(mine)
     assert resolved.roles.rollout.model == str(tmp_path / "mine")
     assert resolved.run.resume == str(tmp_path / "ckpt") and resolved.policy_path == str(tmp_path / "ckpt")
-    with pytest.raises(C.ConfigError, match="roles.rollout.model = 'nowhere': .* is not a Hugging Face model directory"):
+    with pytest.raises(C.ConfigError,
+                       match="roles.rollout.model = 'nowhere': .* is not a Hugging Face model directory"):
         resolve(C.load(ROOT / "rlflow" / "defaults" / "default.toml", ["roles.rollout.model=nowhere"]))
     # Simulated engines load no model: nothing to resolve.
     assert resolve(C.load(ROOT / "examples" / "sim.toml")).roles.rollout.model == "default"

@@ -629,7 +629,8 @@ async def test_a_replica_that_dies_is_restarted_its_groups_reissued_and_nothing_
                 await trio.sleep(0.05)
             before = controller.roster.replicas[(role, 0)].incarnation
             await launcher.crash(role, 0)
-            while controller.roster.replicas[(role, 0)].incarnation == before or not controller.roster.replicas[(role, 0)].live:
+            while controller.roster.replicas[(role, 0)].incarnation == before \
+                    or not controller.roster.replicas[(role, 0)].live:
                 await trio.sleep(0.05)
 
     config = sim("run.steps=14", "cluster.heartbeat_timeout_s=5", "roles.rollout.engine.step_s=0.002")
@@ -654,7 +655,8 @@ def ks_distance(a: list[int], b: list[int]) -> float:
 
     a, b = np.sort(a), np.sort(b)
     grid = np.concatenate([a, b])
-    return float(np.max(np.abs(np.searchsorted(a, grid, "right") / len(a) - np.searchsorted(b, grid, "right") / len(b))))
+    return float(np.max(np.abs(np.searchsorted(a, grid, "right") / len(a)
+                               - np.searchsorted(b, grid, "right") / len(b))))
 
 
 @pytest.mark.slow  # ten runs in a row
@@ -810,7 +812,8 @@ async def test_the_signal_filter_trains_every_step_on_groups_with_signal_and_the
     result = audit(tmp_path)
     assert (result.lost, result.duplicated, result.trained) == (0, 0, 24)
     # What was left at the end (over-granted, not needed) is dropped as the run ended; the rest had no signal.
-    assert result.reasons[NO_SIGNAL] >= filtered > 0 and set(result.reasons) <= {NO_SIGNAL, "the run ended before they were trained"}
+    assert result.reasons[NO_SIGNAL] >= filtered > 0 \
+        and set(result.reasons) <= {NO_SIGNAL, "the run ended before they were trained"}
 
 
 async def test_a_prompt_that_fails_every_time_is_dropped_as_poison_and_the_run_goes_on(tmp_path):

@@ -71,7 +71,8 @@ def test_the_clipped_value_loss_by_hand():
     old = torch.tensor([0.0, 0.0, 0.4])
     returns = torch.tensor([2.0, 1.0, 0.0])
     loss, clipped = value_loss(new, old, returns, clip=0.2)
-    # token 0: plain (1-2)^2 = 1, clipped (0.2-2)^2 = 3.24; token 1: both 1; token 2: plain 0.25, clipped (0.5-0)^2 = 0.25
+    # token 0: plain (1-2)^2 = 1, clipped (0.2-2)^2 = 3.24; token 1: both 1;
+    # token 2: plain 0.25, clipped (0.5-0)^2 = 0.25
     assert float(loss.detach()) == pytest.approx(0.5 * (3.24 + 1.0 + 0.25))
     assert int(clipped) == 1
     loss.backward()
@@ -343,7 +344,8 @@ def test_a_batch_without_the_critics_columns_is_refused_by_a_gae_trainer(model_p
     with pytest.raises(ValueError, match="without the critic's advantages"):
         engine.prepare(_batch(), 1)
     batch = _batch()
-    advantages = msgspec.structs.replace(batch, token_advantages=Tensor.from_numpy(np.zeros(batch.n_tokens, np.float32)))
+    advantages = msgspec.structs.replace(batch,
+                                         token_advantages=Tensor.from_numpy(np.zeros(batch.n_tokens, np.float32)))
     with pytest.raises(ValueError, match="without the critic's returns"):
         engine.prepare(advantages, 1)
 

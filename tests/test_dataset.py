@@ -117,7 +117,8 @@ def test_long_prompts_are_left_out_and_counted(tokenizer, tmp_path):
 @pytest.mark.parametrize(
     ("rows", "fields", "error"),
     [
-        ([{"prompt": "a", "answer": "1"}, {"question": "b", "answer": "2"}], {}, r"d.jsonl: line 2: has no field 'prompt'"),
+        ([{"prompt": "a", "answer": "1"}, {"question": "b", "answer": "2"}], {},
+         r"d.jsonl: line 2: has no field 'prompt'"),
         ([{"prompt": "a"}], {}, r"d.jsonl: line 1: has no field 'answer' \(task.answer"),
         ([{"prompt": [{"role": "user"}], "answer": "1"}], {},
          r"d.jsonl: line 1: field 'prompt'\[0\]: is not a \{role, content\} message"),
@@ -217,7 +218,8 @@ def test_reasoning_gym_problems_are_rows(tokenizer):
 async def test_reasoning_gym_problems_are_scored_by_their_own_verifier(tokenizer):
     from rlflow.rewards import FunctionSpec, Sample, Status, open_pool
 
-    gym = ReasoningGymTaskImpl(C.ReasoningGymTask(dataset="leg_counting", size=5, eval_size=1), seed=1, tokenizer=tokenizer)
+    gym = ReasoningGymTaskImpl(C.ReasoningGymTask(dataset="leg_counting", size=5, eval_size=1), seed=1,
+                               tokenizer=tokenizer)
     row = gym.row(0)
     with trio.fail_after(120):
         async with open_pool([FunctionSpec(path="rlflow.rewards:reasoning_gym", workers=1)]) as pool:

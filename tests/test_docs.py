@@ -30,8 +30,10 @@ RUN_BY = {
     "rlflow check --config": "tests/test_check.py::test_a_good_dataset_and_reward_check_out",
     "rlflow report": "tests/test_report_plan.py::test_a_slow_reward_is_reported_as_the_bottleneck",
     "rlflow audit": "tests/test_audit.py::test_lost_duplicated_and_dropped_groups_are_named",
-    "rlflow plan --devices": "tests/test_report_plan.py::test_the_planner_learns_unit_costs_from_a_run_and_ranks_layouts",
-    "rlflow join --role --rank": "tests/test_external.py::test_join_prints_what_an_external_replica_needs_and_spec_md_names_each",
+    "rlflow plan --devices":
+        "tests/test_report_plan.py::test_the_planner_learns_unit_costs_from_a_run_and_ranks_layouts",
+    "rlflow join --role --rank":
+        "tests/test_external.py::test_join_prints_what_an_external_replica_needs_and_spec_md_names_each",
     "rlflow model build": "tests/test_models.py",
     "rlflow model build --teacher": "bench/teacher.py",
 }

@@ -68,7 +68,8 @@ async def test_the_guessing_environment_of_the_readme_plays():
     examples = str(pathlib.Path(__file__).resolve().parent.parent / "examples")
     async with open_env_pool(EnvironmentSpec(path="guess:Guess"), workers=1, import_dir=examples) as pool:
         episode = {"row": {"secret": 42}, "turn": 1}
-        answers = [(await pool.call("step", {"episode": episode, "turn": said}, 5)).value for said in ("50", "x", " 42")]
+        answers = [(await pool.call("step", {"episode": episode, "turn": said}, 5)).value
+                   for said in ("50", "x", " 42")]
     assert [(a["text"], a["reward"], a["done"]) for a in answers] == [
         ("Lower. ", 0.0, False), ("Say a number. ", 0.0, False), ("", 1.0, True)]
 
@@ -454,7 +455,8 @@ def test_the_trainer_trains_on_the_model_tokens_alone(tmp_path):
         for g in range(2):
             responses = []
             for i in range(4):
-                ids = np.asarray(rng.integers(3, 17, 4).tolist() + [5, 6, 7] + rng.integers(3, 17, 3).tolist(), np.int32)
+                ids = np.asarray(rng.integers(3, 17, 4).tolist() + [5, 6, 7] + rng.integers(3, 17, 3).tolist(),
+                                 np.int32)
                 mask = np.asarray([1] * 4 + [0] * 3 + [1] * 3, np.uint8)
                 logprobs = np.where(mask == 1, -2.0, observed_logprob).astype(np.float32)
                 responses.append(Response(ids, logprobs, np.zeros(len(ids), np.int32), FinishReason.STOP,
@@ -495,7 +497,8 @@ def test_a_kl_penalty_in_the_reward_counts_the_model_tokens_alone(tmp_path):
                          for _ in range(4)]
             groups.append((PromptGroup(group_id=g, prompt_ids=[3, 4, 5], n=4), responses))
         teacher = np.tile(np.where(mask == 1, -2.5, observed_teacher), 8).astype(np.float32)
-        return msgspec.structs.replace(build_batch(groups), rewards=Tensor.of([float(i % 2) for i in range(8)], "float32"),
+        return msgspec.structs.replace(build_batch(groups),
+                                       rewards=Tensor.of([float(i % 2) for i in range(8)], "float32"),
                                        teacher_logprobs=Tensor.of(teacher.tolist(), "float32"))
 
     cfg = C.TorchTrainer(lr=1e-2, micro_batch_tokens=32, kl_coef=0.5, kl_in="reward")

@@ -25,7 +25,8 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(GPUS == 0, reason="no CUDA device: the CUDA path is proved by bench/gpu_check.sh on a GPU machine"),
+    pytest.mark.skipif(GPUS == 0,
+                       reason="no CUDA device: the CUDA path is proved by bench/gpu_check.sh on a GPU machine"),
 ]
 
 PROMPT_IDS = [5, 9, 4, 7, 12, 3, 8, 6, 10, 4, 11]

@@ -40,7 +40,8 @@ engine = {{ kind = "vllm", max_num_seqs = 16, max_tokens = 24, kv_cache_bytes = 
 pool = "p"
 [roles.trainer]
 pool = "p"
-engine = {{ kind = "torch", lr = 0.02, lora = {{ rank = {rank}, alpha = 16, adapter_update = "{update}", transfer = "{transfer}" }} }}
+engine = {{ kind = "torch", lr = 0.02, lora = {{ rank = {rank}, alpha = 16, adapter_update = "{update}", \
+transfer = "{transfer}" }} }}
 [run]
 max_staleness = {staleness}
 """
@@ -96,7 +97,8 @@ class Trainer:
         with torch.no_grad():
             for p in self.engine.model.parameters():
                 if p.requires_grad:  # (a trainer service's engine is sharded: one shard, the whole)
-                    (p.to_local() if hasattr(p, "to_local") else p).add_(torch.randn(p.shape, generator=generator) * 0.3)
+                    (p.to_local() if hasattr(p, "to_local") else p).add_(
+                        torch.randn(p.shape, generator=generator) * 0.3)
 
     def publish(self) -> tuple[list[torch.Tensor], str]:
         snapshot = self.engine.snapshot()

@@ -151,5 +151,6 @@ def test_a_tracker_that_is_not_installed_is_a_config_error_at_launch(monkeypatch
 def test_metrics_tables_are_checked_like_the_rest():
     with pytest.raises(C.ConfigError, match=r"metrics.wandb.project = \(missing\): required: a string"):
         C.load(text=BASE, overrides=["metrics.wandb.mode=offline"])
-    with pytest.raises(C.ConfigError, match=r"metrics.wandb.mode = 'cloud': expected one of 'auto', 'offline', 'online'"):
+    with pytest.raises(C.ConfigError,
+                       match=r"metrics.wandb.mode = 'cloud': expected one of 'auto', 'offline', 'online'"):
         C.load(text=BASE, overrides=['metrics.wandb={project = "x", mode = "cloud"}'])

@@ -1,4 +1,5 @@
-"""The default model: the one rlflow ships, its builder (whose progress never goes back), the tiny models' tokenizers."""
+"""The default model: the one rlflow ships, its builder (whose progress never goes back), \
+the tiny models' tokenizers."""
 
 from __future__ import annotations
 

@@ -56,12 +56,14 @@ def test_a_wheel_installs_and_imports_all_three(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "rlflow/protocol/SPEC.md" in names
     assert "rlflow/defaults/default.toml" in names
-    assert not any(n.startswith(("protocol/", "services/", "tests/", "bench/")) for n in names), "generic top-level names leaked"
+    assert not any(n.startswith(("protocol/", "services/", "tests/", "bench/")) for n in names), \
+        "generic top-level names leaked"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "rlflow = rlflow.tools.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
     target = tmp_path / "site"
-    run(sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel), cwd=tmp_path)
+    run(sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel),
+        cwd=tmp_path)
     env = {**os.environ, "PYTHONPATH": str(target)}
     out = run(
         sys.executable,

@@ -203,7 +203,8 @@ def test_with_no_restarts_allowed_a_dead_replica_fails_the_run_and_leaves_nothin
 
 def test_a_resource_shortfall_names_the_pool_and_the_numbers(clean, tmp_path):
     config = sim_config("pools.train.cpus_per_bundle=64")
-    with pytest.raises(PlacementError, match=r"pool 'train' asks for 64 CPU \(1 bundles x 64\); the cluster has [\d.]+ CPU after generate, score took 1.5"):
+    with pytest.raises(PlacementError, match=r"pool 'train' asks for 64 CPU \(1 bundles x 64\); "
+                                             r"the cluster has [\d.]+ CPU after generate, score took 1.5"):
         run(config, tmp_path / "run")
 
 

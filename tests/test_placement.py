@@ -53,7 +53,8 @@ def test_bundles_get_their_own_cores_in_order_and_small_ones_share():
 
 def test_a_shortfall_names_the_pool_the_resource_and_the_numbers():
     config = C.load(text=BASE)
-    with pytest.raises(PlacementError, match=r"pool 'generate' asks for 2 GPU \(2 bundles x 1\); the cluster has 1 GPU"):
+    with pytest.raises(PlacementError,
+                       match=r"pool 'generate' asks for 2 GPU \(2 bundles x 1\); the cluster has 1 GPU"):
         check_resources(config, {"CPU": 8, "GPU": 1}, [{"CPU": 8, "GPU": 1}])
     with pytest.raises(PlacementError, match=r"bundles of 2 CPU; the largest node has 1"):
         check_resources(config, {"CPU": 8, "GPU": 4}, [{"CPU": 1, "GPU": 2}] * 8)

@@ -100,7 +100,8 @@ def test_torch_and_numpy_views_share_the_received_frame():
     frames = wire(Codec().encode(WeightsPayload(version=1, names=["t"], tensors=[Tensor.from_torch(source)])))
     got = Codec().decode(frames).tensors[0].torch()
     assert torch.equal(got, source)
-    ints = Codec().decode(wire(Codec().encode(WeightsPayload(version=1, names=["t"], tensors=[Tensor.of([1, 2], "int64")]))))
+    ints = Codec().decode(wire(Codec().encode(
+        WeightsPayload(version=1, names=["t"], tensors=[Tensor.of([1, 2], "int64")]))))
     view = ints.tensors[0].numpy()
     assert not view.flags.writeable  # received buffers are read-only
     assert view.base is not None  # a view, not a copy
@@ -450,7 +451,8 @@ def test_spec_tables_match_the_code():
 
 def test_take_and_split_keep_rows_and_renumber_failures():
     batch = P.concat([examples()["SampleBatch"], examples()["SampleBatch"]])
-    batch = msgspec.structs.replace(batch, failures=[P.SampleFailure(index=3, stage=P.Stage.REWARD_END, kind="timeout")])
+    batch = msgspec.structs.replace(batch,
+                                    failures=[P.SampleFailure(index=3, stage=P.Stage.REWARD_END, kind="timeout")])
     parts = P.split(batch)
     assert [p.n_samples for p in parts] == [2, 2]
     assert parts[1].failures == [P.SampleFailure(index=1, stage=P.Stage.REWARD_END, kind="timeout")]

@@ -48,7 +48,8 @@ def test_a_resume_cuts_what_the_sessions_before_wrote_past_the_checkpoint(tmp_pa
     assert [json.loads(line)["step"] for line in folder.lengths(0).read_text().splitlines()] == list(range(8))
     assert (carried.step, carried.time_s, carried.groups_trained, carried.sessions) == (8, 8.0, 32, 1)
     said = caplog.text
-    assert "record cut to step 8, the checkpoint resumed from: 8 steps (3, 4, 8, 8, 9, 9, 10, 11) of metrics.jsonl and 1 line cut short by a crash" in said
+    assert ("record cut to step 8, the checkpoint resumed from: 8 steps (3, 4, 8, 8, 9, 9, 10, 11) of metrics.jsonl "
+            "and 1 line cut short by a crash") in said
     assert "2 evaluations of evals.jsonl" in said and "4 lines of lengths-0.jsonl" in said
     # Once cut, a second look finds nothing more to cut.
     caplog.clear()
@@ -115,7 +116,8 @@ async def test_a_run_resumed_three_times_reads_as_one_run(tmp_path, caplog):
     assert summary.state == "stopped", summary.error
     assert resume_at == sorted(resume_at) and resume_at[-1] > 0
     assert sum(written_past) > 0, "no session trained past its checkpoint: nothing was cut"
-    assert caplog.text.count("[controller] record cut to step") + caplog.text.count("[controller] record kept whole") == 3
+    assert caplog.text.count("[controller] record cut to step") \
+        + caplog.text.count("[controller] record kept whole") == 3
 
     rows = folder.read_metrics()
     assert [r.step for r in rows] == list(range(steps))
@@ -146,7 +148,8 @@ async def test_a_run_resumed_three_times_reads_as_one_run(tmp_path, caplog):
     assert [json.loads(line)["step"] for line in resumes] == resume_at
 
     whole = folder.read_summary()
-    assert (whole.steps, whole.samples, whole.tokens) == (steps, sum(r.samples for r in rows), sum(r.tokens for r in rows))
+    assert (whole.steps, whole.samples, whole.tokens) == (steps, sum(r.samples for r in rows),
+                                                          sum(r.tokens for r in rows))
     assert whole.groups.trained == steps * batch and whole.sessions == 4
     last = whole.session
     assert last.first_step == resume_at[-1] and last.steps == steps - resume_at[-1]

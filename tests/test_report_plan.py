@@ -81,7 +81,8 @@ def test_a_slow_reward_is_reported_as_the_bottleneck(ray_cluster, tmp_path):
     trace = json.loads((run_dir / "trace.json").read_text())
     lanes = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
     assert lanes == {"rollout-0", "reward-0", "trainer-0"}
-    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} >= {"generating", "scoring", "training", "starved"}
+    assert {e["name"] for e in trace["traceEvents"] if e["ph"] == "X"} \
+        >= {"generating", "scoring", "training", "starved"}
     cli = subprocess.run([sys.executable, "-m", "rlflow", "report", str(run_dir)], capture_output=True, text=True,
                          timeout=120)
     assert cli.returncode == 0 and "bottleneck: reward" in cli.stdout

@@ -208,7 +208,8 @@ def run_batcher(b: SimBatcher, times: list[float]) -> list[tuple[int, list[tuple
 def test_the_batcher_plays_the_same_steps_however_often_it_is_advanced(per_seq):
     """Advanced once at the end, or at a thousand times on the way, it starts
     and ends every sequence at the same step: a late engine is not a slow one."""
-    at_once, often = batcher(f"roles.rollout.engine.step_s_per_seq={per_seq}"), batcher(f"roles.rollout.engine.step_s_per_seq={per_seq}")
+    at_once, often = batcher(f"roles.rollout.engine.step_s_per_seq={per_seq}"), \
+        batcher(f"roles.rollout.engine.step_s_per_seq={per_seq}")
     coarse = run_batcher(at_once, [0.049, 0.05, 5.0])
     fine = run_batcher(often, [i * 0.0005 for i in range(1, 10_001)])
     assert len(coarse) == 12 and [g for g, _ in coarse] == [g for g, _ in fine]
@@ -528,7 +529,8 @@ def batch_of(groups: int, n: int, length: int = 5) -> SampleBatch:
 
 @pytest.mark.parametrize("latency", [0.0, 0.001])
 async def test_the_reward_service_scores_every_sample_and_keeps_failed_ones_unscored(latency):
-    service = RewardService(spec(sim_config(f"roles.reward.engine.latency_s={{kind='fixed', value={latency}}}"), "reward"))
+    service = RewardService(spec(sim_config(f"roles.reward.engine.latency_s={{kind='fixed', value={latency}}}"),
+                                 "reward"))
     batch = batch_of(3, 4)
     failed = SampleFailure(index=5, stage=Stage.ROLLOUT_END, kind="engine_error", message="refused")
     batch = msgspec.structs.replace(batch, failures=[failed])
@@ -640,7 +642,8 @@ def functions_config(tmp_path: pathlib.Path, on_failure: str = "drop", module: s
     data.write_text("".join(f'{{"prompt": "{i}+{i}=", "answer": "{2 * i}"}}\n' for i in range(6)))
     functions = '{path = "rlflow.rewards:math", kwargs = {extract = "marker", marker = "#"}}'
     if module:
-        functions += f', {{path = "{module}:slow", weight = 0.0, timeout_s = 0.5}}, {{path = "{module}:flaky", timeout_s = 0.5}}'
+        functions += (f', {{path = "{module}:slow", weight = 0.0, timeout_s = 0.5}}, '
+                      f'{{path = "{module}:flaky", timeout_s = 0.5}}')
     return C.load(text=f"""
 [pools.p]
 [roles.rollout]

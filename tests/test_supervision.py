@@ -45,7 +45,8 @@ def test_admission_refuses_with_a_kind_and_a_reason():
         return admit(h, expected=EXPECTED, secret="s", schema_version=SCHEMA_VERSION, current=current)
 
     assert refusal(hello()) is None
-    assert refusal(Hello(role=Role.ROLLOUT, rank=0, replicas=2, schema_version=SCHEMA_VERSION + 1)).kind == WRONG_VERSION
+    assert refusal(Hello(role=Role.ROLLOUT, rank=0, replicas=2,
+                         schema_version=SCHEMA_VERSION + 1)).kind == WRONG_VERSION
     assert refusal(hello(secret="guess")).kind == UNAUTHENTICATED
     assert refusal(hello(rank=5)) == Refusal(UNEXPECTED_HELLO, "a hello from rollout-5, which the config does not have")
     # A second hello while the first incarnation is up: refused.

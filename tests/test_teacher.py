@@ -215,7 +215,8 @@ def test_a_kl_penalty_in_the_loss_or_the_reward_keeps_the_policy_near_the_refere
 
 
 def test_a_teacher_at_another_temperature_is_refused(teacher_path):
-    with pytest.raises(C.ConfigError, match=r"roles.teacher.engine.temperature = 1.0: must equal the rollout's sampling temperature \(0.7\)"):
+    with pytest.raises(C.ConfigError, match=r"roles.teacher.engine.temperature = 1.0: "
+                                            r"must equal the rollout's sampling temperature \(0.7\)"):
         config_for(teacher_path, "roles.teacher.engine.temperature=1.0")
     with pytest.raises(C.ConfigError, match="roles.trainer.engine.distill_coef = 0.5: needs a teacher"):
         C.load(ROOT / "rlflow" / "defaults" / "default.toml", ["roles.trainer.engine.distill_coef=0.5"])
@@ -234,7 +235,8 @@ def test_a_teacher_with_another_tokenizer_is_refused(teacher_path, tmp_path):
     build_tokenizer("abc").save_pretrained(other)  # another vocabulary
     assert AutoTokenizer.from_pretrained(other).get_vocab() != AutoTokenizer.from_pretrained(teacher_path).get_vocab()
     config = config_for(teacher_path, f"roles.teacher.engine.model={json.dumps(str(other))}")
-    with pytest.raises(C.ConfigError, match=r"roles.teacher.engine.model = .*: its tokenizer differs from the policy's"):
+    with pytest.raises(C.ConfigError,
+                       match=r"roles.teacher.engine.model = .*: its tokenizer differs from the policy's"):
         resolve(config)
     policy = resolve(config_for(teacher_path, "roles.teacher.engine.model=policy"))
     assert policy.roles.teacher.engine.model == str(teacher_path.resolve())

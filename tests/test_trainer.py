@@ -53,7 +53,8 @@ def objective(engine: TorchEngine, batch) -> float:
             ids = torch.tensor([np.concatenate([r.prompt_ids, r.response_ids]).tolist()])
             logp = torch.log_softmax(engine.model(input_ids=ids).logits[0], -1)
             n = len(r.prompt_ids)
-            picked = logp[torch.arange(n - 1, n - 1 + len(r.response_ids)), torch.tensor(r.response_ids.astype(np.int64))]
+            picked = logp[torch.arange(n - 1, n - 1 + len(r.response_ids)),
+                          torch.tensor(r.response_ids.astype(np.int64))]
             total += float(a) * picked.sum().item()
             count += len(r.response_ids)
     return total / count
