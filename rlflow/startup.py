@@ -15,6 +15,7 @@ import msgspec
 
 from rlflow.config import Config
 from rlflow.data.net import CurveKeys
+from rlflow.roles import EXTERNAL
 
 
 def use_import_dir(config: Config) -> None:
@@ -61,7 +62,7 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
 JOIN_ENV = {
     "RLFLOW_CONTROLLER": "the controller's ROUTER address: connect a DEALER to it",
     "RLFLOW_RUN_ID": "the run's name",
-    "RLFLOW_ROLE": "the role to play (`Hello.role`, by its name: rollout, reward, teacher, env)",
+    "RLFLOW_ROLE": f"the role to play (`Hello.role`, by its name: {', '.join(EXTERNAL)})",
     "RLFLOW_RANK": "the replica's rank within its role (`Hello.rank`)",
     "RLFLOW_REPLICAS": "replicas of the role (`Hello.replicas`)",
     "RLFLOW_SECRET": "the run's secret (`Hello.secret`)",

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow.protocol import UNAUTHENTICATED, UNEXPECTED_HELLO, WRONG_VERSION, Hello
+from rlflow.roles import STATEFUL
 
 
 class State(enum.Enum):
@@ -307,7 +308,7 @@ class Supervisor:
 #: Roles whose replicas hold what a restart would lose (the trainer's policy and
 #: optimizer, the critic's value model): losing one ends the run, which resumes
 #: from its checkpoints (`rlflow up --resume`).
-STATEFUL_ROLES = ("trainer", "critic")
+STATEFUL_ROLES = STATEFUL
 
 #: Teacher replicas whose probe log-probabilities differ by more (nats) do not run together.
 PROBE_TOLERANCE = 1e-4
