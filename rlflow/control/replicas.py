@@ -145,6 +145,16 @@ def admit(hello: Hello, *, expected: set[tuple[str, int]], secret: str, schema_v
     return None
 
 
+def supersedes(hello: Hello, current: Replica | None, *, expected: set[tuple[str, int]], secret: str,
+               schema_version: int) -> bool:
+    """Whether `hello` is a later incarnation of `current`, an external replica still counted alive: its
+    user restarted it before its death was seen. The new one is admitted at once, the old one presumed lost.
+    An unauthenticated hello supersedes nothing."""
+    return (current is not None and current.external and current.registered
+            and hello.incarnation > current.incarnation
+            and admit(hello, expected=expected, secret=secret, schema_version=schema_version, current=None) is None)
+
+
 #: Groups a rollout replica may hold, in multiples of what fills its slots.
 HOLD = 16
 
@@ -363,6 +373,12 @@ class Roster:
     def ready(self) -> bool:
         """Every expected replica is live."""
         return self.complete and all(r.live for r in self.replicas.values())
+
+    def superseded(self, hello: Hello, *, secret: str, schema_version: int) -> Replica | None:
+        """The live external replica `hello` supersedes (see `supersedes`), if any."""
+        current = self.replicas.get((hello.role.label, hello.rank))
+        ok = supersedes(hello, current, expected=self.expected, secret=secret, schema_version=schema_version)
+        return current if ok else None
 
     def join(self, identity: bytes, hello: Hello, *, secret: str, schema_version: int, now: float,
              samples_per_prompt: int) -> Replica | Refusal:
