@@ -147,7 +147,8 @@ def join_info(controller: Any) -> JoinInfo:
     return JoinInfo(run_id=controller.run_id, controller=controller.address, secret=controller.secret,
                     host=config.cluster.host, replicas={name: role.replicas for name, role in config.role_items()},
                     external=sorted(f"{role}-{rank}" for role, rank in controller.roster.external),
-                    curve=controller.curve)
+                    curve=controller.curve, handshake_timeout_s=config.cluster.handshake_timeout_s,
+                    heartbeat_timeout_s=config.cluster.heartbeat_timeout_s)
 
 
 def run_summary(controller: Any) -> Summary:
