@@ -444,8 +444,8 @@ class Hello(Message, tag=10):
     host: str = ""
     """Host name or address, for diagnostics."""
     incarnation: NonNegInt = 0
-    """How many times this replica has been restarted (its launcher's count; an external replica: 0, then
-    one more at each start)."""
+    """Which start of this replica this is: above every earlier start's (rlflow's launcher counts 0, 1, 2,
+    ...; an external replica that keeps no state of its own may use the time in milliseconds)."""
     secret: str = ""
     """The run's secret, given to every replica at start; a hello without it is refused (`unauthenticated`)."""
     weights: WeightTransfer | None = None
