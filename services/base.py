@@ -522,7 +522,7 @@ class StageService(Service):
         ) as inbox:
             self.sockets.append(inbox)
             welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)}, **self.hello_fields())
-            self.say("up, sending to %s", ", ".join(welcome.peers["out"]))
+            self.say("up at version %d, sending to %s", self.version, ", ".join(welcome.peers["out"]))
             async with (
                 transport.open_push(
                     connect=welcome.peers["out"],
