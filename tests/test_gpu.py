@@ -94,7 +94,7 @@ def test_nccl_broadcast_into_vllm_matches_hugging_face(tmp_path, bucket_bytes):
 def test_fsdp2_trainer_step_on_cuda(tmp_path):
     from test_trainer import fixed_batch
 
-    from rlflow.services.trainer.fsdp import Sharded
+    from rlflow.services.fsdp import Sharded
     from rlflow.services.trainer.torch_engine import TorchEngine
 
     path = tiny_model(tmp_path / "model", tied=False, seed=1)
