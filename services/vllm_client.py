@@ -153,7 +153,7 @@ class VllmBackend:
 
         return AsyncEngineArgs(
             model=self.model_path,
-            dtype=self.cfg.dtype,
+            dtype=engine_dtype(self.cfg.dtype),
             max_num_seqs=self.cfg.max_num_seqs,
             kv_cache_memory_bytes=kv_cache_bytes(self.cfg, self.model_path),
             gpu_memory_utilization=self.cfg.gpu_memory_utilization,
@@ -396,6 +396,17 @@ class VllmBackend:
         return await self.call(run)
 
 
+def engine_dtype(setting: str) -> str:
+    """vLLM's dtype for the config's `dtype` (see `VllmRollout.dtype`: "auto" is rlflow's, on a CPU)."""
+    if setting != "auto":
+        return setting
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return "auto"
+    return "bfloat16" if compat.cpu_multiplies_bf16() else "float32"
+
+
 def kv_cache_bytes(cfg: VllmRollout, model_path: str) -> int | None:
     """The KV cache a replica asks vLLM for: the config's, or ("auto") room for every slot at the model's
     longest sequence, up to a quarter of this machine's memory (None on a GPU: vLLM sizes it there from
@@ -411,7 +422,7 @@ def kv_cache_bytes(cfg: VllmRollout, model_path: str) -> int | None:
     heads = model.num_attention_heads
     head_dim = getattr(model, "head_dim", None) or model.hidden_size // heads
     kv_heads = getattr(model, "num_key_value_heads", None) or heads
-    dtype = cfg.dtype if cfg.dtype != "auto" else str(getattr(model, "dtype", None) or "bfloat16").split(".")[-1]
+    dtype = engine_dtype(cfg.dtype)
     per_token = 2 * model.num_hidden_layers * kv_heads * head_dim * (4 if dtype == "float32" else 2)
     want = cfg.max_num_seqs * model.max_position_embeddings * per_token
     return max(16 << 20, min(want, psutil.virtual_memory().total // 4))

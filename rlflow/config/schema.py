@@ -261,7 +261,9 @@ class VllmRollout(Table, tag_field="kind", tag="vllm"):
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     """Nucleus sampling."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    """Weights and activations of the engine (match the trainer's for exact log-probabilities)."""
+    """Weights and activations of the engine. float32 gives a float32 trainer's log-probabilities exactly.
+    auto: bfloat16 on a CPU that multiplies bf16 itself (AMX, AVX512-BF16: where the trainer's
+    mixed_precision = "auto" runs its passes in bf16 too), float32 on other CPUs; vLLM's own choice on a GPU."""
     kv_cache_bytes: PosInt | Literal["auto"] = "auto"
     """KV cache size on CPU. auto: room for every slot (max_num_seqs) at the model's longest sequence,
     up to a quarter of the machine's memory, so that the cache never holds requests back (on a GPU,
