@@ -33,7 +33,7 @@ from models import tiny_model  # noqa: E402
 from rlflow.config import VllmRollout  # noqa: E402
 from rlflow.data.net import free_port  # noqa: E402
 from rlflow.protocol import WeightsNccl  # noqa: E402
-from rlflow.services.rollout.vllm_engine import NCCL, VllmBackend  # noqa: E402
+from rlflow.services.vllm_client import NCCL, VllmBackend  # noqa: E402
 from rlflow.services.weights import NcclGroup, layout  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"

@@ -95,7 +95,7 @@ def throughput(work: pathlib.Path, name: str, *, steps: int, warmup: int = 2, dr
 
 
 def sandbox_p50_ms(runs: int = 30) -> float:
-    from rlflow.rewards.sandbox import check_isolation, run_python
+    from rlflow.sandbox import check_isolation, run_python
 
     problem = check_isolation()
     if problem is not None:

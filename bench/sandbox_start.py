@@ -1,6 +1,6 @@
 """How long a sandboxed run of a trivial program takes, start to exit.
 
-Runs `print(1)` through `rlflow.rewards.sandbox.run_python` N times (after
+Runs `print(1)` through `rlflow.sandbox.run_python` N times (after
 one untimed run) and reports the median and 90th percentile of the wall
 time from the call to its return: spawning, namespaces and mounts, two
 interpreter starts (the sandbox's own and the program's), the program, and
@@ -17,7 +17,7 @@ import argparse
 import statistics
 import time
 
-from rlflow.rewards.sandbox import Status, check_isolation, run_python
+from rlflow.sandbox import Status, check_isolation, run_python
 
 #: The target for the median, from the issue.
 TARGET_P50_MS = 100.0

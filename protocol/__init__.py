@@ -27,6 +27,7 @@ from .messages import (
     UNAUTHENTICATED,
     UNEXPECTED_HELLO,
     WEIGHT_GROUP_BROKEN,
+    NO_SIGNAL,
     WRONG_VERSION,
     AnyMessage,
     Bye,

@@ -444,8 +444,8 @@ class Hello(Message, tag=10):
     host: str = ""
     """Host name or address, for diagnostics."""
     incarnation: NonNegInt = 0
-    """How many times this replica has been restarted (its launcher's count; an external replica: 0, then
-    one more at each start)."""
+    """Which start of this replica this is: above every earlier start's (rlflow's launcher counts 0, 1, 2,
+    ...; an external replica that keeps no state of its own may use the time in milliseconds)."""
     secret: str = ""
     """The run's secret, given to every replica at start; a hello without it is refused (`unauthenticated`)."""
     weights: WeightTransfer | None = None
@@ -707,6 +707,10 @@ class Evaluate(Message, tag=26):
     """0: greedy."""
 
 
+#: `Dropped.reason` of groups the trainer drops under `run.filter = "signal"`: every reward of each is equal.
+NO_SIGNAL = "no_signal"
+
+
 class Dropped(Message, tag=29):
     """Groups a role dropped for good (e.g. their reward could not be
     computed): they are counted with the reason and never granted again."""
@@ -714,7 +718,7 @@ class Dropped(Message, tag=29):
     group_ids: list[NonNegInt]
     """The groups."""
     reason: str = ""
-    """Why, for the ledger and the log."""
+    """Why, for the ledger and the log (`no_signal`: the signal filter's, not a fault)."""
 
 
 class Peers(Message, tag=30):

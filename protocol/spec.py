@@ -52,19 +52,30 @@ def _type_name(t: msgspec.inspect.Type) -> str:
     if isinstance(t, insp.StructType):
         return t.cls.__name__
     if isinstance(t, insp.AnyType):
-        return "any"
+        return "any msgpack value"
     raise NotImplementedError(repr(t))
 
 
 def _default(field: msgspec.inspect.Field) -> str:
+    """A field's default in the notation of *Fields, defaults, numbers*: msgpack's values, not Python's."""
     if field.required:
         return "required"
-    if field.default_factory is not msgspec.NODEFAULT:
-        return f"`{field.default_factory()!r}`"
-    value = field.default
+    value = field.default_factory() if field.default_factory is not msgspec.NODEFAULT else field.default
     if isinstance(value, enum.Enum):
         value = value.value
-    return "`nil`" if value is None else f"`{value!r}`"
+    if isinstance(value, msgspec.Struct):
+        return f"a `{type(value).__name__}` of defaults"
+    if value is None:
+        return "`nil`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, str):
+        return f'`"{value}"`'
+    if isinstance(value, (list, tuple)) and not value:
+        return "`[]` (empty array)"
+    if isinstance(value, dict) and not value:
+        return "`{}` (empty map)"
+    return f"`{value!r}`"
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -354,6 +354,11 @@ class JoinInfo(Record):
     """The replicas the user starts (``role-rank``)."""
     curve: CurveKeys | None = None
     """The run's CURVE keys (None: the run stays on loopback and needs none)."""
+    handshake_timeout_s: float = 300.0
+    """How long the controller waits for a hello, and for `Ready` after its welcome; a replica waits as
+    long for its `Welcome` (cluster.handshake_timeout_s)."""
+    heartbeat_timeout_s: float = 60.0
+    """A replica the controller hears nothing from for this long is presumed lost (cluster.heartbeat_timeout_s)."""
 
 
 class ControllerInfo(Record):

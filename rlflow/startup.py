@@ -15,6 +15,7 @@ import msgspec
 
 from rlflow.config import Config
 from rlflow.data.net import CurveKeys
+from rlflow.roles import EXTERNAL
 
 
 def use_import_dir(config: Config) -> None:
@@ -61,12 +62,16 @@ class ServiceSpec(msgspec.Struct, frozen=True, kw_only=True):
 JOIN_ENV = {
     "RLFLOW_CONTROLLER": "the controller's ROUTER address: connect a DEALER to it",
     "RLFLOW_RUN_ID": "the run's name",
-    "RLFLOW_ROLE": "the role to play (`Hello.role`, by its name: rollout, reward, teacher, env)",
+    "RLFLOW_ROLE": f"the role to play (`Hello.role`, by its name: {', '.join(EXTERNAL)})",
     "RLFLOW_RANK": "the replica's rank within its role (`Hello.rank`)",
     "RLFLOW_REPLICAS": "replicas of the role (`Hello.replicas`)",
     "RLFLOW_SECRET": "the run's secret (`Hello.secret`)",
     "RLFLOW_HOST": "the address to bind the replica's own sockets on (empty: the machine's own IP)",
     "RLFLOW_JOIN_FILE": "the owner-only file (JSON) that holds all of these",
+    "RLFLOW_HANDSHAKE_TIMEOUT_S": "seconds the replica waits for its `Welcome` after its hello (the controller "
+    "waits as long for a hello, and for `Ready` after its welcome)",
+    "RLFLOW_HEARTBEAT_TIMEOUT_S": "seconds of silence after which the controller presumes the replica lost: "
+    "send `Heartbeat` every `Welcome.heartbeat_s`, well within this",
     "RLFLOW_CURVE_SERVER_PUBLIC": "with CURVE: the run's server public key (Z85), which every socket that "
     "connects expects, and which every socket that binds serves with",
     "RLFLOW_CURVE_SERVER_SECRET": "with CURVE: the run's server secret key (Z85), for the sockets the replica binds",
@@ -85,7 +90,9 @@ def join_environment(info: Any, role: str, rank: int, path: str) -> dict[str, st
         raise ValueError(f"{role} has ranks 0 to {info.replicas[role] - 1}, not {rank}")
     env = {"RLFLOW_CONTROLLER": info.controller, "RLFLOW_RUN_ID": info.run_id, "RLFLOW_ROLE": role,
            "RLFLOW_RANK": str(rank), "RLFLOW_REPLICAS": str(info.replicas[role]), "RLFLOW_SECRET": info.secret,
-           "RLFLOW_HOST": info.host, "RLFLOW_JOIN_FILE": path}
+           "RLFLOW_HOST": info.host, "RLFLOW_JOIN_FILE": path,
+           "RLFLOW_HANDSHAKE_TIMEOUT_S": f"{info.handshake_timeout_s:g}",
+           "RLFLOW_HEARTBEAT_TIMEOUT_S": f"{info.heartbeat_timeout_s:g}"}
     if info.curve is not None:
         env.update(RLFLOW_CURVE_SERVER_PUBLIC=info.curve.server_public,
                    RLFLOW_CURVE_SERVER_SECRET=info.curve.server_secret,

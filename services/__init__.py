@@ -14,15 +14,10 @@ import importlib
 import logging
 import os
 
-#: Role -> "module:class" of its service.
-SERVICES = {
-    "rollout": "rlflow.services.rollout.service:RolloutService",
-    "reward": "rlflow.services.reward.service:RewardService",
-    "teacher": "rlflow.services.teacher.service:TeacherService",
-    "critic": "rlflow.services.critic.service:CriticService",
-    "trainer": "rlflow.services.trainer.service:TrainerService",
-    "env": "rlflow.services.env.service:EnvService",
-}
+from rlflow.roles import ROLES
+
+#: Role -> "module:class" of its service (the role registry's).
+SERVICES = {role.name: role.service for role in ROLES}
 
 
 def service_class(role: str) -> type:

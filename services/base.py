@@ -439,19 +439,36 @@ class Service:
 class StageService(Service):
     """A service in the middle of the stream: pull a batch, work on it, push it on.
 
-    Up to `max_batches` batches are worked on at once. Its clock reads busy
-    while any batch is being worked on, blocked while finished batches wait
-    for downstream and nothing is being worked on, starved otherwise.
+    Every streaming role plugs into this one loop: `process` (the role's
+    work on a batch), and, for a role that keeps what passes and trains on it
+    (the critic), `sent` (a batch went on), `idle` (work of its own while no
+    batch waits: a training step) and `finish` (at shutdown, what it owes).
+    Up to `max_batches` batches are worked on at once. Batches come in and go
+    on over shared memory between services of one machine (`cluster.shm`).
+    Its clock reads busy while any batch or work of its own is under way,
+    blocked while finished batches wait for downstream and nothing is being
+    worked on, starved otherwise. A role of several ranks whose ranks above 0
+    take no stream (`lead_only`) runs `follow` on those.
     """
 
     max_batches = 1
+    #: Only rank 0 takes the stream; the others `follow` it.
+    lead_only = False
+    #: Seconds `finish` may take at shutdown.
+    finish_s = 20.0
 
     def __init__(self, spec: ServiceSpec):
         super().__init__(spec)
         self._working = 0
         self._waiting_out = 0
+        self._due = trio.Event()
         #: The control channel, once `main` runs (`process` may tell the controller things).
         self.control: Control | None = None
+
+    @property
+    def lead(self) -> bool:
+        """Rank 0: the role's face to the stream."""
+        return self.spec.rank == 0
 
     async def prepare(self) -> None:
         """Get ready to work (load a model), before saying hello."""
@@ -462,6 +479,25 @@ class StageService(Service):
 
     async def process(self, batch: Any) -> Any:
         """The batch with this stage's fields filled in (None: nothing of it goes on)."""
+        raise NotImplementedError
+
+    async def sent(self, batch: Any) -> None:
+        """`batch` went on downstream."""
+
+    async def idle(self) -> bool:
+        """No batch waits: do some work of its own if there is any (True), or say there is none (False);
+        a role whose work falls due later says so with `work_due`."""
+        return False
+
+    def work_due(self) -> None:
+        """Work of the role's own is due: `idle` is asked again, even while no batch arrives."""
+        self._due.set()
+
+    async def finish(self) -> None:
+        """Shutting down (no more batches come in or go on): do what is owed."""
+
+    async def follow(self, control: Control) -> None:
+        """A rank above 0 of a `lead_only` role: take part in what rank 0 does until the run ends."""
         raise NotImplementedError
 
     def queues(self) -> dict[str, int]:
@@ -477,14 +513,16 @@ class StageService(Service):
 
     async def main(self, control: Control) -> None:
         self.control = control
-        bind = transport.tcp_address(bind_host(self.config))
         await self.prepare()
+        if self.lead_only and not self.lead:
+            return await self.follow(control)
+        bind = transport.tcp_address(bind_host(self.config))
         async with transport.open_pull(
             bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/in", shm=takes_shm(self.config)
         ) as inbox:
             self.sockets.append(inbox)
             welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)}, **self.hello_fields())
-            self.say("up, sending to %s", ", ".join(welcome.peers["out"]))
+            self.say("up at version %d, sending to %s", self.version, ", ".join(welcome.peers["out"]))
             async with (
                 transport.open_push(
                     connect=welcome.peers["out"],
@@ -495,6 +533,27 @@ class StageService(Service):
                 ) as out,
                 trio.open_nursery() as nursery,
             ):
+                nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
+                streaming = trio.CancelScope()
+                nursery.start_soon(self._stream, inbox, out, streaming)
+                await control.ready(self.version)
+                peers = welcome.peers["out"]
+                async for msg in control:
+                    match msg:
+                        case Peers():
+                            peers = follow(out, peers, msg.peers.get("out", []), msg.shm_peers)
+                        case Shutdown(reason=reason):
+                            self.say("shutting down (%s)", reason)
+                            streaming.cancel()
+                            with trio.move_on_after(self.finish_s):
+                                await self.finish()
+                            break
+                nursery.cancel_scope.cancel()
+
+    async def _stream(self, inbox: transport.Pull, out: transport.Push, scope: trio.CancelScope) -> None:
+        """Receive, work, send, until `scope` is cancelled."""
+        with scope:
+            async with trio.open_nursery() as nursery:
                 done_send, done_recv = trio.open_memory_channel(0)
                 slots = trio.Semaphore(self.max_batches)
 
@@ -511,11 +570,42 @@ class StageService(Service):
                     self._retime()
                     await done_send.send(result)
 
+                async def next_batch() -> Any:
+                    """The next message in; while none waits, the role's own work (`idle`, asked again
+                    whenever it says work is due)."""
+                    while (msg := inbox.recv_nowait()) is None:
+                        self._working += 1
+                        self._retime()
+                        try:
+                            did = await self.idle()
+                        finally:
+                            self._working -= 1
+                            self._retime()
+                        if did:
+                            continue
+                        self._due = trio.Event()
+                        got: list[Any] = []
+                        async with trio.open_nursery() as race:  # a message in, or work due (recv is cancel-safe)
+
+                            async def take() -> None:
+                                got.append(await inbox.recv())
+                                race.cancel_scope.cancel()
+
+                            async def due() -> None:
+                                await self._due.wait()
+                                race.cancel_scope.cancel()
+
+                            race.start_soon(take)
+                            race.start_soon(due)
+                        if got:
+                            return got[0]
+                    return msg
+
                 async def receive() -> None:
                     self._retime()
                     while True:
                         await slots.acquire()
-                        batch = self.checked_batch(await inbox.recv())
+                        batch = self.checked_batch(await next_batch())
                         if batch is None:
                             slots.release()
                             continue
@@ -529,19 +619,10 @@ class StageService(Service):
                         self._waiting_out -= 1
                         self.counters["groups"] += len(result.groups)
                         self.counters["samples"] += result.n_samples
+                        self.counters["bytes_out"] = out.bytes_sent
                         self.counters["bytes_shared"] = out.bytes_shared
                         self._retime()
+                        await self.sent(result)
 
-                nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
                 nursery.start_soon(send)
                 nursery.start_soon(receive)
-                await control.ready(self.version)
-                peers = welcome.peers["out"]
-                async for msg in control:
-                    match msg:
-                        case Peers():
-                            peers = follow(out, peers, msg.peers.get("out", []), msg.shm_peers)
-                        case Shutdown(reason=reason):
-                            self.say("shutting down (%s)", reason)
-                            break
-                nursery.cancel_scope.cancel()

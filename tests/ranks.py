@@ -57,7 +57,7 @@ def run_ranks(job: str, world: int, *args: Any, timeout_s: float = 180.0) -> lis
 
 def _main(job: str, rank: int, world: int, port: int, results: Any, args: tuple) -> None:
     try:
-        from rlflow.services.trainer.fsdp import Sharded
+        from rlflow.services.fsdp import Sharded
 
         ranks = Sharded(rank, world, "127.0.0.1", port, timeout_s=120)
         try:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 from models import tiny_model
 
-from rlflow.rewards.sandbox import check_isolation
+from rlflow.sandbox import check_isolation
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SANDBOX = check_isolation()

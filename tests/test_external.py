@@ -87,13 +87,14 @@ def test_join_prints_what_an_external_replica_needs_and_spec_md_names_each(tmp_p
     keys = new_curve_keys()
     write_json(folder.join, JoinInfo(run_id="r1", controller="tcp://10.0.0.1:5000", secret="s3", host="",
                                      replicas={"rollout": 1, "reward": 2, "trainer": 1}, external=["reward-1"],
-                                     curve=keys), private=True)
+                                     curve=keys, handshake_timeout_s=90.0), private=True)
     done = subprocess.run([sys.executable, "-m", "rlflow", "join", str(tmp_path), "--role", "reward", "--rank", "1"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     exported = dict(shlex.split(line)[1].split("=", 1) for line in done.stdout.splitlines())  # as a shell reads it
     assert exported["RLFLOW_CONTROLLER"] == "tcp://10.0.0.1:5000" and exported["RLFLOW_REPLICAS"] == "2"
     assert exported["RLFLOW_CURVE_CLIENT_SECRET"] == keys.client_secret and set(exported) == set(JOIN_ENV)
+    assert (exported["RLFLOW_HANDSHAKE_TIMEOUT_S"], exported["RLFLOW_HEARTBEAT_TIMEOUT_S"]) == ("90", "60")
     assert cli.main(["join", str(tmp_path), "--role", "reward", "--rank", "0"]) == 2  # rlflow starts that one
     assert cli.main(["join", str(tmp_path), "--role", "reward", "--rank", "5"]) == 2
     spec = (ROOT / "protocol" / "SPEC.md").read_text()

@@ -58,7 +58,7 @@ def _vllm_prompt_logprobs(backend, ids: list[int]) -> np.ndarray:
 @pytest.mark.skipif(GPUS == 1, reason="NCCL needs the trainer and the vLLM engine on two different GPUs")
 @pytest.mark.parametrize("bucket_bytes", [0, 64 << 10])
 def test_nccl_broadcast_into_vllm_matches_hugging_face(tmp_path, bucket_bytes):
-    from rlflow.services.rollout.vllm_engine import NCCL, VllmBackend
+    from rlflow.services.vllm_client import NCCL, VllmBackend
     from rlflow.services.weights import NcclGroup, layout
 
     path = tiny_model(tmp_path / "model", tied=False, seed=3)
@@ -95,7 +95,7 @@ def test_nccl_broadcast_into_vllm_matches_hugging_face(tmp_path, bucket_bytes):
 def test_fsdp2_trainer_step_on_cuda(tmp_path):
     from test_trainer import fixed_batch
 
-    from rlflow.services.trainer.fsdp import Sharded
+    from rlflow.services.fsdp import Sharded
     from rlflow.services.trainer.torch_engine import TorchEngine
 
     path = tiny_model(tmp_path / "model", tied=False, seed=1)

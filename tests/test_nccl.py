@@ -56,7 +56,7 @@ def test_vllm_accepts_the_init_and_update_info():
     from vllm.distributed.weight_transfer.nccl_common import NCCLWeightTransferInitInfo
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 
-    from rlflow.services.rollout.vllm_engine import nccl_init_info, nccl_update_info
+    from rlflow.services.vllm_client import nccl_init_info, nccl_update_info
 
     specs = _layout()
     transfer = WeightsNccl(host="10.0.0.2", port=29500, world_size=3, rank=2, nbytes=4096, bucket_bytes=1024,

@@ -32,7 +32,7 @@ from rlflow.rewards import (
     load_function,
     open_pool,
 )
-from rlflow.rewards.sandbox import check_isolation
+from rlflow.sandbox import check_isolation
 
 #: The README's example, verbatim: what a user copies.
 README_EXAMPLE = """\

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rlflow.rewards.sandbox import Limits, Result, SandboxError, Status, check_isolation, run_python
+from rlflow.sandbox import Limits, Result, SandboxError, Status, check_isolation, run_python
 
 REASON = check_isolation()
 

@@ -344,6 +344,46 @@ async def test_a_stage_service_registers_works_on_batches_and_accounts_its_time(
     assert totals["busy"] >= 2 * Slow.seconds and service.counters["samples"] == 4 * batch.n_samples
 
 
+class Passes(Slow):
+    """Passes each batch on at once."""
+
+    seconds = 0.0
+
+
+async def test_every_stage_runs_the_shared_loop_and_hands_its_batches_on_through_shared_memory():
+    """Every role between the rollout and the trainer (the registry's) is a `StageService`, and a stage's hop
+    to a replica on its machine carries its tensors in shared memory, not through the socket."""
+    from rlflow.roles import ROLES
+    from rlflow.services import service_class
+
+    stages = [role.name for role in ROLES if role.takes == role.hands_on == "samples"]
+    assert stages == ["reward", "teacher", "critic"]
+    assert all(issubclass(service_class(name), StageService) for name in stages)
+    batch = batch_of(groups=4, n=8, length=200)  # token columns of 25 KiB
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:0") as router,
+        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
+    ):
+        service = Passes(spec(sim_config("cluster.shm_min_bytes=4096"), "reward", transport.bound_address(router)))
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.run)
+                identity, hello = await router.recv()
+                out = transport.bound_address(downstream)
+                await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
+                                                    peers={"out": [out]}, shm_peers=[out]))
+                assert isinstance((await router.recv())[1], Ready)
+                async with transport.open_push(connect=hello.endpoints["in"]) as upstream:
+                    await upstream.send(batch)
+                    got = await downstream.recv()
+                await router.send(identity, Shutdown(reason="done"))
+                while not isinstance((await router.recv())[1], Bye):
+                    pass
+    assert (got.response_ids.numpy() == batch.response_ids.numpy()).all() and got.group_ids == batch.group_ids
+    assert service.counters["bytes_shared"] >= batch.response_ids.numpy().nbytes
+    assert service.counters["bytes_out"] < batch.response_ids.numpy().nbytes  # the socket took the header
+
+
 async def test_a_rollout_told_to_load_a_version_it_holds_says_so():
     """The trainer's weight server hands out its newest version: ordered to
     load v1 after v2 is out, the rollout loads v2; ordered to load v2 next,

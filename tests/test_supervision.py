@@ -12,7 +12,7 @@ import trio
 
 from rlflow.control.ledger import GroupLedger
 from rlflow.control.replicas import (
-    Policy, Refusal, Replica, Restart, Roster, State, Supervisor, admit,
+    Policy, Refusal, Replica, Restart, Roster, State, Supervisor, admit, supersedes,
 )
 from rlflow.control.rounds import Weights
 from rlflow.control.status import add_counters, add_loads, role_status
@@ -63,6 +63,25 @@ def test_admission_refuses_with_a_kind_and_a_reason():
     external = replica(state=State.LOST, external=True, incarnation=4)
     assert refusal(hello(incarnation=5), external) is None
     assert refusal(hello(incarnation=4), external).kind == UNEXPECTED_HELLO
+
+
+def test_a_live_external_replicas_next_incarnation_supersedes_it_at_once_and_a_forged_one_does_not():
+    def supersedes_(h: Hello, current: Replica) -> bool:
+        return supersedes(h, current, expected=EXPECTED, secret="s", schema_version=SCHEMA_VERSION)
+
+    alive = replica(external=True, incarnation=1700000000000)  # a time in ms: its user restarted it
+    assert supersedes_(hello(incarnation=1700000005000), alive)
+    assert not supersedes_(hello(incarnation=1700000005000, secret="guess"), alive)
+    assert not supersedes_(hello(incarnation=1699999999999), alive)  # an older start says hello late
+    assert not supersedes_(hello(incarnation=2), replica(incarnation=1))  # rlflow's own: it restarts them
+    assert not supersedes_(hello(incarnation=5), replica(state=State.LOST, external=True, incarnation=4))
+    roster = Roster(EXPECTED, external={("reward", 0)})
+    first = roster.join(b"a", hello(Role.REWARD, incarnation=7), secret="s", schema_version=SCHEMA_VERSION,
+                        now=0.0, samples_per_prompt=8)
+    first.state = State.READY
+    assert roster.superseded(hello(Role.REWARD, incarnation=9), secret="s", schema_version=SCHEMA_VERSION) is first
+    assert roster.superseded(hello(Role.REWARD, incarnation=9, secret="x"), secret="s",
+                             schema_version=SCHEMA_VERSION) is None
 
 
 def test_the_roster_registers_a_next_incarnation_in_place_and_retires_the_last():

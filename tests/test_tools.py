@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from rlflow import config as C
-from rlflow.rewards.sandbox import check_isolation
+from rlflow.sandbox import check_isolation
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "examples" / "tools.toml"

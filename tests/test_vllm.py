@@ -37,7 +37,7 @@ def tied_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def engine(tied_model):
     """(vLLM backend, the trainer's end of the weight group)."""
-    from rlflow.services.rollout.vllm_engine import VllmBackend
+    from rlflow.services.vllm_client import VllmBackend
 
     cfg = VllmRollout(max_num_seqs=16, max_tokens=64, kv_cache_bytes=64 << 20, temperature=1.0)
     backend = VllmBackend(cfg, str(tied_model), seed=0)
@@ -251,7 +251,7 @@ def test_a_weight_update_waiting_when_the_engine_core_dies_ends_with_engine_dead
     replica then ends, to be restarted), and closing the engine leaves no
     process of it behind."""
     from rlflow.services import compat
-    from rlflow.services.rollout.vllm_engine import VllmBackend
+    from rlflow.services.vllm_client import VllmBackend
 
     cfg = VllmRollout(max_num_seqs=2, max_tokens=8, kv_cache_bytes=8 << 20, temperature=1.0)
     backend = VllmBackend(cfg, str(tied_model), seed=0)

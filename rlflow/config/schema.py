@@ -18,6 +18,7 @@ from rlflow.data.net import is_loopback
 from rlflow.env.core import EnvironmentSpec, ToolSpec
 from rlflow.protocol.spec import field_docs
 from rlflow.rewards.core import FunctionSpec
+from rlflow.roles import NAMES
 
 PosInt = Annotated[int, Meta(ge=1)]
 NonNegInt = Annotated[int, Meta(ge=0)]
@@ -97,12 +98,13 @@ class ClusterConfig(Table):
     heartbeat_s: PosFloat = 0.5
     """Seconds between service heartbeats."""
     heartbeat_timeout_s: PosFloat = 60.0
-    """A service silent for this long is presumed dead (a rollout, reward or teacher replica is restarted)."""
+    """A service silent for this long is presumed dead (restarted, but for the trainer and the critic, whose
+    loss stops the run)."""
     progress_timeout_s: PosFloat = 300.0
-    """A rollout, reward or teacher replica that holds work but makes no progress (no decode step, no
+    """A replica (not the trainer's or the critic's) that holds work but makes no progress (no decode step, no
     finished group) for this long is presumed hung, and restarted."""
     max_restarts: NonNegInt = 3
-    """Deaths of a rollout, reward or teacher replica (dying, hanging, going silent) within
+    """Deaths of a replica, the trainer's and the critic's aside (dying, hanging, going silent), within
     `restart_window_s` after which it is not restarted again but given up on (the run goes on with the
     role's other replicas, if it has any): a long run survives a death a day."""
     restart_window_s: PosFloat = 3600.0
@@ -259,7 +261,9 @@ class VllmRollout(Table, tag_field="kind", tag="vllm"):
     top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
     """Nucleus sampling."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "float32"
-    """Weights and activations of the engine (match the trainer's for exact log-probabilities)."""
+    """Weights and activations of the engine. float32 gives a float32 trainer's log-probabilities exactly.
+    auto: bfloat16 on a CPU that multiplies bf16 itself (AMX, AVX512-BF16: where the trainer's
+    mixed_precision = "auto" runs its passes in bf16 too), float32 on other CPUs; vLLM's own choice on a GPU."""
     kv_cache_bytes: PosInt | Literal["auto"] = "auto"
     """KV cache size on CPU. auto: room for every slot (max_num_seqs) at the model's longest sequence,
     up to a quarter of the machine's memory, so that the cache never holds requests back (on a GPU,
@@ -901,16 +905,9 @@ class Config(Table):
     def role_items(self) -> list[tuple[str, Any]]:
         """(name, role config) of every configured role, in pipeline order (the env, asked by the rollout,
         after it; not when it runs in line)."""
-        roles = [("rollout", self.roles.rollout)]
-        if self.roles.env is not None and not self.roles.env.inline:
-            roles.append(("env", self.roles.env))
-        roles.append(("reward", self.roles.reward))
-        if self.roles.teacher is not None:
-            roles.append(("teacher", self.roles.teacher))
-        if self.roles.critic is not None:
-            roles.append(("critic", self.roles.critic))
-        roles.append(("trainer", self.roles.trainer))
-        return roles
+        roles = [(name, getattr(self.roles, name)) for name in NAMES]
+        # An env in line runs in the rollout's process: it has no replicas.
+        return [(name, role) for name, role in roles if role is not None and not (name == "env" and role.inline)]
 
 
 def undocumented_fields() -> list[str]:

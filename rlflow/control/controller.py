@@ -310,6 +310,9 @@ class Controller:
                 self.door.ignore("unexpected", f"a {type(msg).__name__} from {replica.name}")
 
     def _on_hello(self, identity: bytes, msg: Hello) -> None:
+        older = self.roster.superseded(msg, secret=self.secret, schema_version=SCHEMA_VERSION)
+        if older is not None:  # its user restarted it before its death was seen
+            self._lose(older, f"was replaced by its incarnation {msg.incarnation}")
         replica = self.roster.join(identity, msg, secret=self.secret, schema_version=SCHEMA_VERSION,
                                    now=trio.current_time(), samples_per_prompt=self.config.run.samples_per_prompt)
         if isinstance(replica, Refusal):

@@ -62,6 +62,9 @@ from dataclasses import dataclass
 
 import msgspec
 
+# `Event.reason` of a group the trainer dropped for having no signal (`run.filter`) is the wire's reason.
+from rlflow.protocol import NO_SIGNAL
+
 
 class GroupState(enum.Enum):
     QUEUED = "queued"
@@ -130,8 +133,6 @@ class LedgerState(msgspec.Struct, frozen=True, kw_only=True):
 
 #: `Event.reason` of a group dropped for having been granted `max_grants` times.
 POISON = "poison"
-#: `Event.reason` of a group the trainer dropped for having no signal (every reward equal; `run.filter`).
-NO_SIGNAL = "no_signal"
 #: Over-granting for groups without signal assumes at most this share of them (a factor of 5 at most).
 MAX_NO_SIGNAL_SHARE = 0.8
 #: A run is told once when at least this share of its latest groups had no signal.

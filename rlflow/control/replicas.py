@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow.protocol import UNAUTHENTICATED, UNEXPECTED_HELLO, WRONG_VERSION, Hello
+from rlflow.roles import STATEFUL
 
 
 class State(enum.Enum):
@@ -142,6 +143,16 @@ def admit(hello: Hello, *, expected: set[tuple[str, int]], secret: str, schema_v
         return Refusal(UNEXPECTED_HELLO, f"a hello from {name} incarnation {hello.incarnation}, while the one "
                                          f"expected is incarnation {current.launched} ({current.state.value})")
     return None
+
+
+def supersedes(hello: Hello, current: Replica | None, *, expected: set[tuple[str, int]], secret: str,
+               schema_version: int) -> bool:
+    """Whether `hello` is a later incarnation of `current`, an external replica still counted alive: its
+    user restarted it before its death was seen. The new one is admitted at once, the old one presumed lost.
+    An unauthenticated hello supersedes nothing."""
+    return (current is not None and current.external and current.registered
+            and hello.incarnation > current.incarnation
+            and admit(hello, expected=expected, secret=secret, schema_version=schema_version, current=None) is None)
 
 
 #: Groups a rollout replica may hold, in multiples of what fills its slots.
@@ -307,7 +318,7 @@ class Supervisor:
 #: Roles whose replicas hold what a restart would lose (the trainer's policy and
 #: optimizer, the critic's value model): losing one ends the run, which resumes
 #: from its checkpoints (`rlflow up --resume`).
-STATEFUL_ROLES = ("trainer", "critic")
+STATEFUL_ROLES = STATEFUL
 
 #: Teacher replicas whose probe log-probabilities differ by more (nats) do not run together.
 PROBE_TOLERANCE = 1e-4
@@ -362,6 +373,12 @@ class Roster:
     def ready(self) -> bool:
         """Every expected replica is live."""
         return self.complete and all(r.live for r in self.replicas.values())
+
+    def superseded(self, hello: Hello, *, secret: str, schema_version: int) -> Replica | None:
+        """The live external replica `hello` supersedes (see `supersedes`), if any."""
+        current = self.replicas.get((hello.role.label, hello.rank))
+        ok = supersedes(hello, current, expected=self.expected, secret=secret, schema_version=schema_version)
+        return current if ok else None
 
     def join(self, identity: bytes, hello: Hello, *, secret: str, schema_version: int, now: float,
              samples_per_prompt: int) -> Replica | Refusal:

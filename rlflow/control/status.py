@@ -18,11 +18,12 @@ from rlflow.control.ledger import GroupLedger
 from rlflow.control.replicas import Replica, State
 from rlflow.control.stats import process_cpu
 from rlflow.protocol import Counters, EngineLoad, Heartbeat
+from rlflow.roles import VERSIONED
 from rlflow.rundir import ControllerStats, GroupCounts, JoinInfo, Placed, RoleStatus, Shares, Status, Summary, named
 
 #: Roles that hold versioned weights (and so can be behind the trainer): the
 #: policy's, and the critic's own (its version counts its steps as the policy's does).
-VERSIONED_ROLES = ("rollout", "critic", "trainer")
+VERSIONED_ROLES = VERSIONED
 
 
 def add_counters(counts: Iterable[Counters]) -> Counters:
@@ -146,7 +147,8 @@ def join_info(controller: Any) -> JoinInfo:
     return JoinInfo(run_id=controller.run_id, controller=controller.address, secret=controller.secret,
                     host=config.cluster.host, replicas={name: role.replicas for name, role in config.role_items()},
                     external=sorted(f"{role}-{rank}" for role, rank in controller.roster.external),
-                    curve=controller.curve)
+                    curve=controller.curve, handshake_timeout_s=config.cluster.handshake_timeout_s,
+                    heartbeat_timeout_s=config.cluster.heartbeat_timeout_s)
 
 
 def run_summary(controller: Any) -> Summary:

@@ -40,8 +40,7 @@ import trio
 from rlflow.env.core import EnvironmentSpec, ToolSpec, check_tools
 from rlflow.env.worker import Call, Done, Failed, FromWorker, Hello, Ready
 from rlflow.errors import leaves
-from rlflow.rewards.pool import PoolError, WorkerBroken, WorkerProcess, spawn, worker_env
-from rlflow.rewards.worker import frame
+from rlflow.workers import PoolError, WorkerBroken, WorkerProcess, frame, spawn, worker_env
 
 log = logging.getLogger("rlflow.env")
 

@@ -1,14 +1,14 @@
 """Built-in tools.
 
 * `python`: runs the model's program in the code sandbox
-  (`rlflow.rewards.sandbox`: no network, its own processes and scratch
+  (`rlflow.sandbox`: no network, its own processes and scratch
   space, limits on time, CPU and memory) and returns what it printed, its
   errors, and how it ended when that was not well.
 """
 
 from __future__ import annotations
 
-from rlflow.rewards.sandbox import Limits, Status, run_python
+from rlflow.sandbox import Limits, Status, run_python
 
 #: Characters of a program's output shown to the model, at most (the end is cut).
 OUTPUT_CHARS = 4000

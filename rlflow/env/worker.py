@@ -36,7 +36,7 @@ from rlflow.env.core import (
     tool_schema,
     tool_text,
 )
-from rlflow.rewards.worker import describe, die_with_parent, frame, read_message, take_pipes, write_message
+from rlflow.workers import describe, die_with_parent, frame, read_message, take_pipes, write_message
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True):

@@ -35,7 +35,7 @@ Built in, by the same mechanism (``rlflow.rewards:math`` ...):
 * `reasoning_gym`: the verifier of the reasoning-gym dataset a problem (a
   row of the `reasoning_gym` task) came from.
 
-`rlflow.rewards.sandbox` is the code sandbox. Importing this package is
+`rlflow.sandbox` is the code sandbox. Importing this package is
 cheap: the built-ins and the pool load on first use.
 """
 
@@ -68,7 +68,7 @@ _LAZY = {
     "open_pool": "rlflow.rewards.pool",
     "RewardPool": "rlflow.rewards.pool",
     "FunctionInfo": "rlflow.rewards.pool",
-    "PoolError": "rlflow.rewards.pool",
+    "PoolError": "rlflow.workers",
     "check_references": "rlflow.rewards.pool",
 }
 

@@ -33,9 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -46,7 +43,8 @@ import trio
 
 from rlflow.errors import leaves
 from rlflow.rewards.core import Combined, FunctionSpec, Sample, Scored, Status, check_specs, combine
-from rlflow.rewards.worker import HEADER, Call, Failed, FromWorker, Hello, Ready, Returned, frame
+from rlflow.rewards.worker import Call, Failed, FromWorker, Hello, Ready, Returned
+from rlflow.workers import PoolError, WorkerBroken, WorkerProcess, frame, spawn, worker_env
 
 log = logging.getLogger("rlflow.reward")
 
@@ -55,11 +53,6 @@ _BOOT = "from rlflow.rewards.worker import main; main()"
 
 #: Seconds to wait for killed workers to be reaped on the way out.
 _REAP_S = 5.0
-
-
-class PoolError(RuntimeError):
-    """The pool cannot score with one of its functions: a worker of it did
-    not start (the message names the function, its path and why)."""
 
 
 @dataclass(frozen=True)
@@ -196,29 +189,6 @@ async def check_references(pool: RewardPool, samples: Sequence[Sample]) -> list[
     return problems
 
 
-class WorkerBroken(Exception):
-    """A worker can no longer be used; the message says what happened to it."""
-
-
-async def spawn(boot: str, env: dict[str, str]) -> trio.Process:
-    """A worker process running the Python code `boot`, with the pipes of
-    `WorkerProcess` and a process group of its own (killed as one)."""
-    return await trio.lowlevel.open_process(
-        [sys.executable, "-c", boot],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        env=env,
-        start_new_session=True,
-    )
-
-
-def worker_env(import_dir: str) -> tuple[list[str], dict[str, str]]:
-    """The import path of the workers (`import_dir` first, then where this
-    process imports from; '' resolved now, once) and their environment."""
-    sys_path = [os.path.abspath(entry) for entry in ([import_dir, *sys.path] if import_dir else sys.path)]
-    return sys_path, {**os.environ, "PYTHONPATH": os.pathsep.join(sys_path)}
-
-
 class _Job:
     """One sample waiting for one function."""
 
@@ -230,80 +200,6 @@ class _Job:
         self.done = trio.Event()
         self.result: Scored | None = None
         self.abandoned = False  # its caller stopped waiting before it was sent
-
-
-class WorkerProcess:
-    """One worker process and the pipes to it (its replies of type `replies`)."""
-
-    def __init__(self, process: trio.Process, replies: Any = FromWorker):
-        self.process = process
-        self._buffer = bytearray()
-        self._decoder = msgspec.msgpack.Decoder(replies)
-
-    async def request(self, data: bytes) -> FromWorker:
-        """Send a framed message and read the reply."""
-        assert self.process.stdin is not None
-        try:
-            await self.process.stdin.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise WorkerBroken(await self._ended()) from None
-        return await self.receive()
-
-    async def receive(self) -> FromWorker:
-        assert self.process.stdout is not None
-        buffer = self._buffer
-        while True:
-            if len(buffer) >= HEADER:
-                end = HEADER + int.from_bytes(buffer[:HEADER], "big")
-                if len(buffer) >= end:
-                    body = bytes(buffer[HEADER:end])
-                    del buffer[:end]
-                    try:
-                        return self._decoder.decode(body)
-                    except msgspec.DecodeError as error:
-                        self.kill()
-                        raise WorkerBroken(f"the worker sent an unreadable reply ({error}); it was killed") from None
-            try:
-                chunk = await self.process.stdout.receive_some(1 << 16)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                chunk = b""
-            if not chunk:
-                raise WorkerBroken(await self._ended())
-            buffer += chunk
-
-    async def _ended(self) -> str:
-        """How the worker ended, once its pipe has: it normally has exited
-        already; one that closed its pipe and lives on is killed."""
-        with trio.move_on_after(1.0):
-            await self.process.wait()
-        if self.process.returncode is None:
-            self.kill()
-            await self.process.wait()
-            return "the worker closed its pipe; it was killed"
-        code = self.process.returncode
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            return f"the worker died of {name} (its stderr is in this process's log)"
-        return f"the worker exited with code {code}"
-
-    def kill(self) -> None:
-        """SIGKILL the worker and everything it started (its process group;
-        a sandboxed run ends with its caller anyway)."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    async def reap(self) -> None:
-        """Kill, wait for the end, close the pipes."""
-        self.kill()
-        await self.process.wait()
-        for pipe in (self.process.stdin, self.process.stdout):
-            if pipe is not None:
-                await pipe.aclose()
 
 
 class _Lane:
@@ -459,7 +355,7 @@ class _Lane:
     async def _start_worker(self) -> WorkerProcess:
         spec = self.spec
         process = await spawn(_BOOT, self._env)
-        worker = WorkerProcess(process)
+        worker = WorkerProcess(process, FromWorker)
         self._workers.add(worker)
         try:
             with trio.fail_after(self._start_timeout_s):

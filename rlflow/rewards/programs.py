@@ -29,7 +29,7 @@ import secrets
 from typing import Any
 
 from rlflow.rewards.core import Sample
-from rlflow.rewards.sandbox import Limits, SandboxError, Status, check_isolation, run_python
+from rlflow.sandbox import Limits, SandboxError, Status, check_isolation, run_python
 
 _FENCE = re.compile(r"^```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
 

@@ -17,21 +17,19 @@ Kept light: the standard library and msgspec, until `Hello` names what to import
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import sys
-import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
 
 from rlflow.rewards.core import BadReturn, Sample, Status, check_result, load_function, show_value
+from rlflow.workers import describe, die_with_parent, frame, read_message, take_pipes, write_message
 
 T = TypeVar("T")
 
 #: Bytes of a message's length prefix.
-HEADER = 4
 
 
 class Hello(msgspec.Struct, tag="hello", array_like=True, frozen=True):
@@ -88,26 +86,6 @@ FromWorker = Ready | Failed | Returned
 #: A place held in a call's outcomes until its sample is scored.
 _PENDING = Outcome(Status.ERROR, message="not scored")
 
-_encoder = msgspec.msgpack.Encoder()
-
-
-def frame(message: ToWorker | FromWorker) -> bytes:
-    """A message as it goes down a pipe."""
-    body = _encoder.encode(message)
-    return len(body).to_bytes(HEADER, "big") + body
-
-
-def take_pipes() -> tuple[int, int]:
-    """The descriptors of the parent's pipes (incoming, outgoing), moved out
-    of the way of the worker's own I/O: stdin reads nothing, stdout goes to
-    stderr. A segfault leaves the Python stack on stderr."""
-    incoming, outgoing = os.dup(0), os.dup(1)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    os.dup2(2, 1)
-    faulthandler.enable()
-    return incoming, outgoing
 
 
 def main() -> None:
@@ -221,64 +199,3 @@ class _Function:
         if self.runner is None:
             self.runner = asyncio.Runner()
         return self.runner.run(wait())
-
-
-def describe(error: BaseException) -> str:
-    """The exception's type and message, and where it was raised."""
-    kind = type(error)
-    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-    text = f"{name}: {error}"
-    frames = traceback.extract_tb(error.__traceback__)
-    if frames:
-        last = frames[-1]
-        text += f" (at {last.filename}:{last.lineno} in {last.name})"
-    return text if len(text) <= 2000 else text[:1997] + "..."
-
-
-def read_message(fd: int) -> bytes | None:
-    """One message's body, or None at end of input."""
-    header = _read_exactly(fd, HEADER)
-    if header is None:
-        return None
-    body = _read_exactly(fd, int.from_bytes(header, "big"))
-    if body is None:
-        raise EOFError("the pool closed the pipe in the middle of a message")
-    return body
-
-
-def _read_exactly(fd: int, n: int) -> bytes | None:
-    chunks, left = [], n
-    while left:
-        chunk = os.read(fd, min(left, 1 << 20))
-        if not chunk:
-            if left == n:
-                return None
-            raise EOFError("the pool closed the pipe in the middle of a message")
-        chunks.append(chunk)
-        left -= len(chunk)
-    return b"".join(chunks)
-
-
-def write_message(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """SIGKILL this worker's process group when its parent dies, even mid-call.
-
-    A thread watches the parent: PR_SET_PDEATHSIG would fire when the
-    *thread* that started the worker ends, and trio starts processes from
-    its worker threads, which end after a while idle (a worker that took
-    longer to start than that was killed)."""
-    import signal
-    import threading
-    import time
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.2)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

@@ -16,6 +16,7 @@ import sys
 import time
 
 from rlflow import __version__
+from rlflow.roles import EXTERNAL, spoken
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     join = sub.add_parser("join", help="what a replica you start yourself needs, as environment variables")
     join.add_argument("run_dir", type=pathlib.Path, help="the run directory (of a run with external roles)")
-    join.add_argument("--role", required=True, help="the role it plays: rollout, reward or teacher")
+    join.add_argument("--role", required=True, help=f"the role it plays: {spoken(EXTERNAL)}")
     join.add_argument("--rank", type=int, required=True, help="its rank within the role")
 
     down = sub.add_parser("down", help="stop a detached run")

@@ -26,15 +26,15 @@ import msgspec
 
 from rlflow import timeline
 from rlflow.control.stats import TREND_STEPS
+from rlflow.roles import NAMES, ROLES
 from rlflow.rundir import EvalRow, RunDir, Status, StepRow, Summary
 from rlflow.runstate import RunState, run_state
 
-ORDER = ("rollout", "reward", "teacher", "critic", "trainer")
+ORDER = NAMES
 STATES = ("busy", "starved", "blocked", "loading")
 COLOURS = {"busy": "#2e7d32", "starved": "#f9a825", "blocked": "#c62828", "loading": "#1565c0", "idle": "#e0e0e0"}
 #: What "busy" means for each role, in pictures.
-BUSY = {"rollout": "generating", "reward": "scoring", "teacher": "scoring", "critic": "valuing and training",
-        "trainer": "training"}
+BUSY = {role.name: role.busy for role in ROLES}
 
 
 @dataclass

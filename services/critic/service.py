@@ -1,17 +1,19 @@
 """The critic service: a learned value function in the stream, between the
 roles that score samples and the trainer.
 
-Its loop (rank 0), one piece of work at a time: for each batch that
-arrives, the value before every response token with its current weights,
-then GAE advantages and returns from those values and the per-token rewards
-(the sample's reward at its last token, less the run's KL penalty at each
-token where the run puts it in the reward), attached as columns with the
-critic version that made them, and the batch sent on to the trainer; then,
-each time a step's worth of groups (`run.batch_size`) has gone by, one
-optimizer step on them, while the trainer takes its own step on them. It
+Its loop is the shared stage loop (`StageService`: receive, work, send, over
+shared memory between services of one machine), one piece of work at a time
+on rank 0: for each batch that arrives, the value before every response token
+with its current weights, then GAE advantages and returns from those values
+and the per-token rewards (the sample's reward at its last token, less the
+run's KL penalty at each token where the run puts it in the reward),
+attached as columns with the critic version that made them, and the batch
+sent on to the trainer; then, each time a step's worth of groups
+(`run.batch_size`) has gone by, one optimizer step on them (its own work,
+while no batch waits), while the trainer takes its own step on them. It
 computes values for new batches while at most `max_staleness` of its steps
-are owed, so the trainer does not wait for a critic step, and the values
-it gets lag the critic's stream by a bounded number of steps (the trainer
+are owed, so the trainer does not wait for a critic step, and the values it
+gets lag the critic's stream by a bounded number of steps (the trainer
 reports by how many versions, per step).
 
 Failed samples keep their rows with NaN columns and are not trained on.
@@ -24,7 +26,6 @@ rank, ends the run, which resumes from its checkpoints.
 
 from __future__ import annotations
 
-import collections
 import math
 import time
 
@@ -33,32 +34,23 @@ import trio
 
 from rlflow.algo.values import batch_gae
 from rlflow.config import TorchTrainer
-from rlflow.data import transport
-from rlflow.protocol import Heartbeat, Peers, SampleBatch, Shutdown, Stage, Tensor, concat, split, stamp, take
-from rlflow.services.base import Control, Service, bind_host, follow
+from rlflow.protocol import Heartbeat, SampleBatch, Shutdown, Stage, Tensor, concat, split, stamp, take
+from rlflow.services.base import Control, StageService
 from rlflow.services.critic.engine import CriticEngine, make_engine
 
 
-class CriticService(Service):
-    """Attaches values, advantages and returns; trains on what passes."""
+class CriticService(StageService):
+    """Attaches values, advantages and returns; trains on what passes (the shared stage loop, with a
+    training step as its own work)."""
+
+    lead_only = True
 
     def __init__(self, spec):
         super().__init__(spec)
         self.role = self.config.roles.critic
         self.engine: CriticEngine | None = None
-        #: Batches taken off the stream, not yet valued.
-        self.arrived: collections.deque[SampleBatch] = collections.deque()
         #: Groups sent on, not yet trained on (with their values and returns), in order.
         self.pending: list[SampleBatch] = []
-        self._wake = trio.Event()
-        self._stopping = False
-        #: While the worker waits to hand a batch on (cancelled at shutdown: the trainer may take no more).
-        self._handing = trio.CancelScope()
-
-    @property
-    def lead(self) -> bool:
-        """Rank 0: the critic's face to the stream."""
-        return self.spec.rank == 0
 
     @property
     def owed(self) -> int:
@@ -66,7 +58,7 @@ class CriticService(Service):
         return len(self.pending) // self.config.run.batch_size
 
     def queues(self) -> dict[str, int]:
-        return {"in": len(self.arrived), "owed": self.owed} if self.lead else {}
+        return {**super().queues(), "owed": self.owed} if self.lead else {}
 
     def heartbeat(self, seq: int) -> Heartbeat:
         if self.engine is not None:  # a rank above 0 steps with rank 0, in its engine
@@ -77,16 +69,13 @@ class CriticService(Service):
         engine = self.engine = await make_engine(self.context())
         self.version = engine.version
         try:
-            if self.lead:
-                await self._lead(control)
-            else:
-                await self._follow(control)
+            await super().main(control)
         finally:
             with trio.move_on_after(60) as scope:
                 scope.shield = True
                 await engine.close()
 
-    async def _follow(self, control: Control) -> None:
+    async def follow(self, control: Control) -> None:
         """A rank above 0: rank 0's work, until it says stop or the run ends."""
         welcome = await control.hello(endpoints={})
         self.say("up, rank %d of %d, following rank 0", self.spec.rank, self.spec.replicas)
@@ -107,92 +96,40 @@ class CriticService(Service):
                     break
             nursery.cancel_scope.cancel()
 
-    async def _lead(self, control: Control) -> None:
-        bind = transport.tcp_address(bind_host(self.config))
-        async with transport.open_pull(bind=bind, curve=self.spec.curve, name=f"{self.spec.name}/in") as inbox:
-            self.sockets.append(inbox)
-            welcome = await control.hello(endpoints={"in": transport.bound_address(inbox)})
-            self.say("up at version %d, sending to %s", self.version, ", ".join(welcome.peers["out"]))
-            async with (
-                transport.open_push(connect=welcome.peers["out"], curve=self.spec.curve,
-                                    name=f"{self.spec.name}/out") as out,
-                trio.open_nursery() as nursery,
-            ):
-                results, to_send = trio.open_memory_channel(0)
-                worked = trio.Event()
+    async def process(self, batch: SampleBatch) -> SampleBatch:
+        """`batch` valued, after the steps owed past `max_staleness` (values never lag further)."""
+        while self.owed > self.role.max_staleness:
+            await self.step()
+        return await self.value(batch)
 
-                async def work() -> None:
-                    await self.work(results)
-                    worked.set()
+    async def sent(self, batch: SampleBatch) -> None:
+        """Keep what the trainer will train on, to train on it too; a step's worth makes a step due."""
+        for group in split(batch):
+            rows = _trainable(group)
+            if rows:
+                self.pending.append(take(group, rows))
+        if self.owed:
+            self.work_due()
 
-                nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
-                nursery.start_soon(self.receive, inbox)
-                nursery.start_soon(self.send, out, to_send)
-                nursery.start_soon(work)
-                await control.ready(self.version)
-                peers = welcome.peers["out"]
-                async for msg in control:
-                    match msg:
-                        case Peers():
-                            peers = follow(out, peers, msg.peers.get("out", []))
-                        case Shutdown(reason=reason):
-                            self.say("shutting down (%s); steps owed: %d", reason, self.owed)
-                            self._stopping = True
-                            self._handing.cancel()
-                            self._wake.set()
-                            with trio.move_on_after(20):
-                                await worked.wait()
-                            break
-                nursery.cancel_scope.cancel()
+    async def idle(self) -> bool:
+        """Nothing to value: take a step owed, if there is one."""
+        if not self.owed:
+            return False
+        await self.step()
+        return True
 
-    async def receive(self, inbox: transport.Pull) -> None:
-        async for msg in inbox:
-            batch = self.checked_batch(msg)
-            if batch is not None:
-                self.arrived.append(batch)
-                self._wake.set()
-
-    async def send(self, out: transport.Push, to_send: trio.MemoryReceiveChannel) -> None:
-        async for batch in to_send:
-            await out.send(batch)
-            self.counters["groups"] += len(batch.groups)
-            self.counters["samples"] += batch.n_samples
-
-    async def work(self, results: trio.MemorySendChannel) -> None:
-        """Value what arrives and send it on; step when a step's groups have
-        gone by, before valuing more only when `max_staleness` steps are owed
-        (or nothing waits); at shutdown, the steps owed and no more."""
-        while True:
-            if self._stopping:
-                while self.owed:
-                    await self.step()
-                self.clock.set("idle")
-                return
-            if self.owed > self.role.max_staleness or (self.owed and not self.arrived):
-                await self.step()
-            elif self.arrived:
-                batch = await self.value(self.arrived.popleft())
-                if self._stopping:
-                    continue
-                with self.clock.state("blocked"), trio.CancelScope() as self._handing:
-                    await results.send(batch)
-                if self._handing.cancelled_caught:
-                    continue  # shutting down: the trainer needs no more
-                for group in split(batch):
-                    rows = _trainable(group)
-                    if rows:
-                        self.pending.append(take(group, rows))
-            else:
-                self._wake = trio.Event()
-                with self.clock.state("starved"):
-                    await self._wake.wait()
+    async def finish(self) -> None:
+        """At shutdown: the steps owed, and no more."""
+        self.say("steps owed: %d", self.owed)
+        while self.owed:
+            await self.step()
+        self.clock.set("idle")
 
     async def value(self, batch: SampleBatch) -> SampleBatch:
         """`batch` with the critic's columns (see the module)."""
-        with self.clock.state("busy"):
-            started = time.monotonic()
-            values = await self.engine.values(batch)
-            self.counters["value_s"] += time.monotonic() - started
+        started = time.monotonic()
+        values = await self.engine.values(batch)
+        self.counters["value_s"] += time.monotonic() - started
         advantages, returns = self.advantages(batch, values)
         self.counters["tokens"] += batch.n_tokens
         return stamp(

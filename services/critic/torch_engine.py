@@ -1,5 +1,5 @@
 """The critic's torch engine: a Hugging Face model with a scalar value head,
-sharded over the critic's ranks with FSDP2 as the trainer is (`fsdp`).
+sharded over the critic's ranks with FSDP2 as the trainer is (`rlflow.services.fsdp`).
 
 The model is the Hugging Face token-classification class of the policy's
 architecture with one label (the value head, a linear layer on the last
@@ -42,7 +42,7 @@ from rlflow.config import TorchCritic
 from rlflow.protocol import Codec, SampleBatch, samples
 from rlflow.rundir import CRITIC_STATE, RUN_STATE, TRAINER_OPTIMIZER, critic_beside
 from rlflow.services.base import EngineContext
-from rlflow.services.trainer.fsdp import Sharded, Solo, autocast, bf16_passes, rendezvous
+from rlflow.services.fsdp import Sharded, Solo, autocast, bf16_passes, rendezvous
 
 #: Sums a step's passes add to, over every rank (divided by its tokens at the end).
 SUMS = ("loss", "clipped", "error")

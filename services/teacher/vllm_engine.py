@@ -16,7 +16,7 @@ import trio
 from rlflow.config import ModelTeacher, VllmRollout
 from rlflow.protocol import SampleBatch, samples
 from rlflow.services.base import EngineContext
-from rlflow.services.rollout.vllm_engine import VllmBackend
+from rlflow.services.vllm_client import VllmBackend
 from rlflow.services.teacher.scores import PROBE_IDS, PROBE_PROMPT, Scores
 
 

@@ -34,6 +34,7 @@ from collections.abc import Iterable
 import numpy as np
 import trio
 from rlflow.protocol import (
+    NO_SIGNAL,
     WEIGHT_GROUP_BROKEN,
     Ack,
     Dropped,
@@ -57,7 +58,6 @@ from rlflow.services.base import Control, Service, bind_host, shm_settings, take
 from rlflow.services.trainer.engine import TrainerEngine, make_engine
 
 from rlflow.algo.staleness import too_stale
-from rlflow.control.ledger import NO_SIGNAL
 from rlflow.algo.values import critic_stats
 from rlflow.data import transport
 

@@ -60,7 +60,7 @@ from rlflow.protocol import (
     samples, take,
 )
 from rlflow.services.base import EngineContext
-from rlflow.services.trainer.fsdp import Sharded, Solo, autocast, bf16_passes, rendezvous
+from rlflow.services.fsdp import Sharded, Solo, autocast, bf16_passes, rendezvous
 from rlflow.services.trainer.lora import adapter_offer, save_adapter, trained_parameters, wrap
 from rlflow.services.weights import GlooGroup, NcclGroup, layout, pieces, tensors_checksum
 from rlflow.services.zmq_weights import WeightServer

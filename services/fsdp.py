@@ -1,5 +1,7 @@
-"""The trainer's ranks: every trainer replica in one process group, the
-model sharded across them with FSDP2, and the few collectives a step needs.
+"""The ranks of a role that trains a torch model (the trainer, the critic):
+every replica of the role in one process group, the model sharded across them
+with FSDP2, bf16 passes on a CPU, checkpoints of the optimizer's shards, and the
+few collectives a step needs. Shared machinery: the roles import it from here.
 
 One code path for CPU and GPU: the device is CUDA where there is one (a GPU
 per rank, NCCL, bf16 compute with fp32 gradient reduction and fp32 master

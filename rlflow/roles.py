@@ -1,0 +1,79 @@
+"""The roles of a run, in one table: whatever keeps a list of roles derives it from here.
+
+A role is a folder under ``services/`` (its service and its engines) plus one
+`RoleSpec` in `ROLES`: its name (the config's ``[roles.NAME]`` and the wire's
+`Role`, whose value is `wire`), the service class, where it sits in the
+stream, what it takes and what it hands on, whether it holds a policy
+version, whether losing one of its replicas stops the run, whether a user
+may start its replicas (``launch = "external"``) and what its busy time is
+called. The order of `ROLES` is the stream's: the config's order of roles,
+the report's, the live table's.
+
+Plain data, importable from anywhere above `rlflow.protocol` (the config
+imports it; it imports nothing of rlflow).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role."""
+
+    name: str
+    """``[roles.NAME]`` in the config, ``Role.NAME`` on the wire, ``NAME-RANK`` for its replicas."""
+    wire: int
+    """Its `rlflow.protocol.Role` value."""
+    service: str
+    """``module:Class`` of its service."""
+    takes: str
+    """What it works on: ``credits`` (group ids from the controller), ``samples`` (batches from the role
+    before it in the stream) or ``requests`` (asked by the rollout, request and reply)."""
+    hands_on: str
+    """What it sends: ``samples`` (to the next role), ``replies`` (to who asked) or ``weights`` (the
+    trainer's new versions, to the rollout)."""
+    busy: str
+    """What its busy time is, in the report's pictures."""
+    optional: bool = False
+    """A run may leave it out (its ``[roles.NAME]`` table)."""
+    versioned: bool = False
+    """Its replicas hold a policy version (shown with how far it is behind the trainer)."""
+    stateful: bool = False
+    """Its state (weights, an optimizer) is nowhere else: a lost replica stops the run, which resumes from its
+    checkpoint, instead of being restarted."""
+    external: bool = False
+    """Its replicas may be started by the user (``launch = "external"``, see SPEC.md)."""
+
+
+ROLES: tuple[RoleSpec, ...] = (
+    RoleSpec("rollout", 1, "rlflow.services.rollout.service:RolloutService", takes="credits", hands_on="samples",
+             busy="generating", versioned=True, external=True),
+    RoleSpec("env", 5, "rlflow.services.env.service:EnvService", takes="requests", hands_on="replies",
+             busy="stepping episodes", optional=True, external=True),
+    RoleSpec("reward", 2, "rlflow.services.reward.service:RewardService", takes="samples", hands_on="samples",
+             busy="scoring", external=True),
+    RoleSpec("teacher", 3, "rlflow.services.teacher.service:TeacherService", takes="samples", hands_on="samples",
+             busy="scoring", optional=True, external=True),
+    RoleSpec("critic", 6, "rlflow.services.critic.service:CriticService", takes="samples", hands_on="samples",
+             busy="valuing and training", optional=True, versioned=True, stateful=True),
+    RoleSpec("trainer", 4, "rlflow.services.trainer.service:TrainerService", takes="samples", hands_on="weights",
+             busy="training", versioned=True, stateful=True),
+)
+
+#: Role name -> its spec.
+BY_NAME: dict[str, RoleSpec] = {role.name: role for role in ROLES}
+#: Every role's name, in the stream's order.
+NAMES: tuple[str, ...] = tuple(role.name for role in ROLES)
+#: Roles whose lost replica stops the run (resumed from its checkpoint).
+STATEFUL: tuple[str, ...] = tuple(role.name for role in ROLES if role.stateful)
+#: Roles whose replicas hold a policy version.
+VERSIONED: tuple[str, ...] = tuple(role.name for role in ROLES if role.versioned)
+#: Roles whose replicas a user may start.
+EXTERNAL: tuple[str, ...] = tuple(role.name for role in ROLES if role.external)
+
+
+def spoken(names: tuple[str, ...]) -> str:
+    """``a, b or c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"

@@ -1,0 +1,43 @@
+"""The role registry: the one list of roles, which the wire, the config and the services agree with."""
+
+from __future__ import annotations
+
+import pathlib
+
+import msgspec
+
+from rlflow import config as C
+from rlflow.protocol import Role
+from rlflow.roles import BY_NAME, EXTERNAL, NAMES, ROLES, STATEFUL
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def role_table(name: str) -> tuple[type, bool]:
+    """The config's table of role `name` ([roles.NAME]) and whether a run may leave it out."""
+    field = next(f for f in msgspec.inspect.type_info(C.RolesConfig).fields if f.name == name)
+    kinds = field.type.types if isinstance(field.type, msgspec.inspect.UnionType) else (field.type,)
+    return next(t.cls for t in kinds if isinstance(t, msgspec.inspect.StructType)), not field.required
+
+
+def test_every_role_is_one_entry_that_the_wire_the_config_and_its_folder_agree_with():
+    assert {role.name: role.wire for role in ROLES} == {r.label: r.value for r in Role if r is not Role.CONTROLLER}
+    assert set(NAMES) == {f.name for f in msgspec.structs.fields(C.RolesConfig)}
+    for role in ROLES:
+        module, cls = role.service.split(":")
+        path = (ROOT / "services" / module.removeprefix("rlflow.services.").replace(".", "/")).with_suffix(".py")
+        assert f"class {cls}(" in path.read_text(), role.service
+        table, optional = role_table(role.name)
+        assert role.optional == optional, role.name
+        # A user may start the replicas of a role whose config says how it is launched.
+        assert role.external == ("launch" in table.__struct_fields__), role.name
+        # A role whose state is its own stops the run when one of its replicas is lost: rlflow starts it.
+        assert not (role.stateful and role.external), role.name
+    assert STATEFUL == ("critic", "trainer") and set(EXTERNAL) == {"rollout", "env", "reward", "teacher"}
+    assert BY_NAME["trainer"].hands_on == "weights" and BY_NAME["env"].takes == "requests"
+
+
+def test_the_roles_a_config_lists_are_in_the_registrys_order():
+    config = C.load(ROOT / "examples" / "ppo.toml")
+    names = [name for name, _ in config.role_items()]
+    assert names == [n for n in NAMES if n in names] and "critic" in names
