@@ -14,14 +14,12 @@ import importlib
 import logging
 import os
 
-from rlflow.roles import ROLES
-
-#: Role -> "module:class" of its service (the role registry's).
-SERVICES = {role.name: role.service for role in ROLES}
-
 
 def service_class(role: str) -> type:
-    module, name = SERVICES[role].split(":")
+    """The service class of `role`, from the role registry."""
+    from rlflow.roles import BY_NAME
+
+    module, name = BY_NAME[role].service.split(":")
     return getattr(importlib.import_module(module), name)
 
 
