@@ -534,8 +534,8 @@ class StageService(Service):
                 trio.open_nursery() as nursery,
             ):
                 nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
-                streaming = trio.CancelScope()
-                nursery.start_soon(self._stream, inbox, out, streaming)
+                streaming, streamed = trio.CancelScope(), trio.Event()
+                nursery.start_soon(self._stream, inbox, out, streaming, streamed)
                 await control.ready(self.version)
                 peers = welcome.peers["out"]
                 async for msg in control:
@@ -546,12 +546,20 @@ class StageService(Service):
                             self.say("shutting down (%s)", reason)
                             streaming.cancel()
                             with trio.move_on_after(self.finish_s):
+                                await streamed.wait()  # work under way ends first (a step in a thread)
                                 await self.finish()
                             break
                 nursery.cancel_scope.cancel()
 
-    async def _stream(self, inbox: transport.Pull, out: transport.Push, scope: trio.CancelScope) -> None:
-        """Receive, work, send, until `scope` is cancelled."""
+    async def _stream(self, inbox: transport.Pull, out: transport.Push, scope: trio.CancelScope,
+                      streamed: trio.Event) -> None:
+        """Receive, work, send, until `scope` is cancelled; `streamed` is set when it has."""
+        try:
+            await self._streaming(inbox, out, scope)
+        finally:
+            streamed.set()
+
+    async def _streaming(self, inbox: transport.Pull, out: transport.Push, scope: trio.CancelScope) -> None:
         with scope:
             async with trio.open_nursery() as nursery:
                 done_send, done_recv = trio.open_memory_channel(0)

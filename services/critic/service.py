@@ -156,19 +156,21 @@ class CriticService(StageService):
         return batch_gae(batch, values, self.role.gamma, self.role.lam, penalty)
 
     async def step(self) -> None:
-        """One optimizer step on the oldest step's worth of groups sent on."""
+        """One optimizer step on the oldest step's worth of groups sent on. A step begun ends, with its
+        checkpoint, whatever cancels the loop that took it (every rank is in it)."""
         size = self.config.run.batch_size
         batch, self.pending = concat(self.pending[:size]), self.pending[size:]
-        with self.clock.state("busy"):
-            started = time.monotonic()
-            stats = await self.engine.train(batch)
-            seconds = time.monotonic() - started
-        self.version = self.engine.version
-        self.counters["critic_step_s"] += seconds
-        self.counters["critic_steps"] += 1
-        self.counters["critic_tokens"] += batch.n_tokens
-        self.say("step %d: value loss %.4g, %.2f s", self.version, stats.get("value_loss", math.nan), seconds)
-        await self._checkpoint()
+        with trio.CancelScope(shield=True):
+            with self.clock.state("busy"):
+                started = time.monotonic()
+                stats = await self.engine.train(batch)
+                seconds = time.monotonic() - started
+            self.version = self.engine.version
+            self.counters["critic_step_s"] += seconds
+            self.counters["critic_steps"] += 1
+            self.counters["critic_tokens"] += batch.n_tokens
+            self.say("step %d: value loss %.4g, %.2f s", self.version, stats.get("value_loss", math.nan), seconds)
+            await self._checkpoint()
 
     async def _checkpoint(self) -> None:
         """A checkpoint at the trainer's checkpoint steps (in the critic's own count)."""
