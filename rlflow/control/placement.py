@@ -158,11 +158,19 @@ class PoolManager:
     groups: dict[str, PlacementGroup] = field(default_factory=dict)
 
     def create(self) -> None:
-        check_resources(
-            self.config,
-            ray.available_resources(),
-            [n["Resources"] for n in ray.nodes() if n.get("Alive")],
-        )
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        check_resources(self.config, ray.cluster_resources(), nodes)
+        # The pools fit the cluster: wait a little for resources a run that just ended gives back (Ray
+        # frees a removed placement group's bundles a moment later).
+        deadline = time.monotonic() + 10.0
+        while True:
+            try:
+                check_resources(self.config, ray.available_resources(), nodes)
+                break
+            except PlacementError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         for name, pool in self.config.pools.items():
             self.groups[name] = placement_group(
                 [_bundle(pool)] * pool.bundles, strategy=pool.strategy, name=f"rlflow:{self.run_id}:{name}"
