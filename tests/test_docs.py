@@ -13,6 +13,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
+SHOW = "tests/test_config.py::test_config_show_prints_the_effective_config_which_loads_back_the_same"
 #: Where each command the docs show is run: a test (file::function) or a bench.
 RUN_BY = {
     "make up": "Makefile (up: the venv, then rlflow up; the default run's figures in README.md)",
@@ -35,6 +36,8 @@ RUN_BY = {
     "rlflow join --role --rank":
         "tests/test_external.py::test_join_prints_what_an_external_replica_needs_and_spec_md_names_each",
     "rlflow model build": "tests/test_models.py",
+    "rlflow config show": SHOW,
+    "rlflow config show --config --set": SHOW,
     "rlflow model build --teacher": "bench/teacher.py",
 }
 
@@ -61,7 +64,8 @@ def shape(command: str) -> str:
     """A command's verb and flags, without values (``rlflow up --config --steps``)."""
     words = shlex.split(command)
     verbs = [w for w in words[:3] if not w.startswith("-") and re.fullmatch(r"[a-z-]+", w)]
-    head = " ".join(verbs[:3] if words[0] == "rlflow" and len(verbs) > 2 and verbs[1] == "model" else verbs[:2])
+    grouped = words[0] == "rlflow" and len(verbs) > 2 and verbs[1] in ("model", "config")
+    head = " ".join(verbs[:3] if grouped else verbs[:2])
     return " ".join([head, *[w for w in words if w.startswith("--")]])
 
 
@@ -116,6 +120,7 @@ def test_every_command_the_docs_show_is_taken_by_the_code_and_run_by_a_test_or_a
 
 
 @pytest.mark.parametrize("command", ["rlflow up --config my.toml --set run.mode=sync --set roles.rollout.replicas=4",
-                                     "rlflow model build --teacher", "rlflow join RUN_DIR --role reward --rank 0"])
+                                     "rlflow model build --teacher", "rlflow join RUN_DIR --role reward --rank 0",
+                                     "rlflow config show --config my.toml --set run.steps=5"])
 def test_the_shape_of_a_command_is_its_verb_and_flags(command):
     assert shape(command) in RUN_BY
