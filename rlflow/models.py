@@ -321,7 +321,8 @@ def build_tokenizer(alphabet: str):
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", clean_up_tokenization_spaces=False
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False
     )
 
 
@@ -462,7 +463,8 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
         elapsed = time.monotonic() - started
         if step % recipe.eval_every == 0:
             accuracy = greedy_accuracy(model, tokenizer, dev)
-            history.append({"step": step, "seconds": round(elapsed, 1), "loss": round(loss.item(), 4), "dev_accuracy": accuracy})
+            history.append({"step": step, "seconds": round(elapsed, 1), "loss": round(loss.item(), 4),
+                            "dev_accuracy": accuracy})
         report(*shown.update(step, accuracy, loss.item()))
         if accuracy >= recipe.target_accuracy or step >= recipe.max_steps:
             break

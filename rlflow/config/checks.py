@@ -67,7 +67,8 @@ def check(config: Config) -> None:
         raise ConfigError("roles.reward.inline", True,
                           "scoring in line is a layout of the simulated rollout with a sim or task reward engine")
     _check_env(config)
-    if isinstance(config.task, (DatasetTask, ReasoningGymTask)) and not isinstance(reward, (FunctionsReward, EnvReward)):
+    if (isinstance(config.task, (DatasetTask, ReasoningGymTask))
+            and not isinstance(reward, (FunctionsReward, EnvReward))):
         raise ConfigError(
             "roles.reward.engine.kind", kind_of(reward),
             f"task.kind = {kind_of(config.task)!r} is scored by reward functions: use kind = 'functions'",
@@ -163,9 +164,11 @@ def _check_teacher(config: Config) -> None:
     if needs and (teacher is None or not isinstance(teacher.engine, ModelTeacher)):
         key = "roles.trainer.engine.distill_coef" if trainer.distill_coef > 0 else "roles.trainer.engine.kl_coef"
         value = trainer.distill_coef if trainer.distill_coef > 0 else trainer.kl_coef
-        raise ConfigError(key, value, "needs a teacher that scores with a model ([roles.teacher] with engine.kind = 'model')")
+        raise ConfigError(key, value,
+                          "needs a teacher that scores with a model ([roles.teacher] with engine.kind = 'model')")
     if needs and trainer.distill_coef > 0 and trainer.distill == "topk" and teacher.engine.top_k == 0:
-        raise ConfigError("roles.teacher.engine.top_k", 0, "must be at least 1 for roles.trainer.engine.distill = 'topk'")
+        raise ConfigError("roles.teacher.engine.top_k", 0,
+                          "must be at least 1 for roles.trainer.engine.distill = 'topk'")
     if teacher is not None and isinstance(teacher.engine, ModelTeacher) and teacher.engine.temperature is not None:
         rollout_t = getattr(config.roles.rollout.engine, "temperature", None)
         if rollout_t is not None and teacher.engine.temperature != rollout_t:

@@ -3,10 +3,10 @@ every prompt group it issued.
 
 Every group issued to a rollout replica is trained (an optimizer step used
 it), dropped with a reason (a role gave up on it, or the run ended before it
-was needed), or lost (neither): issued = trained + dropped + lost. A group trained by two steps is duplicated. When a run
-resumes from a checkpoint at step s, the steps from s on that it trained
-before it stopped never reached the weights it goes on with: they do not
-count, nor do the groups issued that the checkpoint had not yet created
+was needed), or lost (neither): issued = trained + dropped + lost. A group
+trained by two steps is duplicated. When a run resumes from a checkpoint at
+step s, the steps from s on that it trained before it stopped never reached
+the weights it goes on with: they do not count, nor do the groups issued that the checkpoint had not yet created
 (the run creates them anew if it needs them). A group is lost only once the run has ended (`rlflow.runstate`:
 stopped, or no status to say): of a run still going, or one that did not
 finish (failed, interrupted, dead), the groups neither trained nor dropped

@@ -124,7 +124,9 @@ async def _play_scripted(config: Config, task, tokenizer, say: Callable[[str], N
 
     env = config.roles.env
     text = EpisodeText(tokenizer)
-    show = text.tokenizer.decode if tokenizer is None else (lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
+    show = text.tokenizer.decode if tokenizer is None else (
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
+    )
     rewards = []
     async with open_env_pool(env.environment, env.tools, workers=1, start_timeout_s=env.start_timeout_s,
                              import_dir=config.run.import_dir) as pool:

@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     commands = {
-        "up": cmd_up, "status": cmd_status, "down": cmd_down, "model": cmd_model, "report": cmd_report, "plan": cmd_plan,
+        "up": cmd_up, "status": cmd_status, "down": cmd_down, "model": cmd_model,
+        "report": cmd_report, "plan": cmd_plan,
         "check": cmd_check, "audit": cmd_audit, "join": cmd_join, "config": cmd_config,
     }
     return commands[args.command](args)
@@ -240,7 +241,8 @@ def _detach(args: argparse.Namespace, run_dir: pathlib.Path) -> int:
     if args.steps is not None:
         argv += ["--steps", str(args.steps)]
     log = open(folder.run_log, "ab")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
     folder.run_pid.write_text(str(proc.pid))
     started = time.time()
     while True:

@@ -221,7 +221,8 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
                     q.first_version = rollout_version
                     start(q, q.length)
             for group in doomed:
-                done = n - left[group] - sum(1 for q in pending if q.group == group) - sum(1 for q in active if q.group == group)
+                done = (n - left[group] - sum(1 for q in pending if q.group == group)
+                        - sum(1 for q in active if q.group == group))
                 for _ in range(max(done, 0)):
                     pending.appendleft(_Seq(group, int(rng.choice(lengths)), 0))
                 left[group] = n

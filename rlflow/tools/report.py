@@ -123,7 +123,8 @@ def bottleneck(fractions: dict[str, dict[str, float]], max_staleness: int | None
             parts.append(f"{role} blocked {_pct(share(role, 'blocked'))} on {busiest}")
     if busiest == "trainer" and share("rollout", "starved") >= 0.1:
         bound = f" (max_staleness = {max_staleness})" if max_staleness is not None else ""
-        parts.append(f"rollout starved {_pct(share('rollout', 'starved'))}: out of credits until the trainer catches up{bound}")
+        parts.append(f"rollout starved {_pct(share('rollout', 'starved'))}: "
+                     f"out of credits until the trainer catches up{bound}")
     for role in roles:
         if share(role, "loading") >= 0.1:
             parts.append(f"{role} loading weights {_pct(share(role, 'loading'))}")

@@ -127,7 +127,9 @@ class Scorer:
                     return await trio.to_thread.run_sync(
                         self.task.score, row.group, row.index, row.response_ids, abandon_on_cancel=True
                     )
-                raise ScoringFailed("timeout", f"scoring took longer than roles.reward.engine.timeout_s = {timeout:g} s")
+                raise ScoringFailed(
+                    "timeout", f"scoring took longer than roles.reward.engine.timeout_s = {timeout:g} s"
+                )
             case FunctionsReward() as cfg:
                 return await self._functions(cfg, sample_of(self.task, row))
         raise ValueError(f"unknown reward engine {self.engine!r}")

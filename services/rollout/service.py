@@ -209,7 +209,8 @@ class RolloutService(Service):
         (`roles.reward.inline`)."""
         from rlflow.services.reward.scorer import Scorer
 
-        scorer = Scorer(self.config.roles.reward.engine, task, self.counters, (self.config.run.seed, self.spec.rank, 11))
+        scorer = Scorer(self.config.roles.reward.engine, task, self.counters,
+                        (self.config.run.seed, self.spec.rank, 11))
 
         async def inline(group, responses) -> None:
             self._scored[group.group_id], _ = await scorer.score(build_batch([(group, responses)]))
@@ -309,7 +310,8 @@ class RolloutService(Service):
         else:
             metrics = task.heldout_metrics(responses)
         seconds = time.monotonic() - started
-        self.say("eval v%d: accuracy %.3f over %d problems in %.1f s", version, metrics["accuracy"], len(prompts), seconds)
+        self.say("eval v%d: accuracy %.3f over %d problems in %.1f s",
+                 version, metrics["accuracy"], len(prompts), seconds)
         await control.send(EvalDone(version=version, metrics=metrics, seconds=seconds, version_end=self.engine.version))
 
     async def _scored_metrics(self, answers: list) -> dict[str, float]:

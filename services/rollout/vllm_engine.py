@@ -335,7 +335,8 @@ class VllmEngine:
                         raise EngineDead(f"vLLM's engine died while generating group {group_id}: {exc}") from exc
                     # Per request: failed samples in the batch, the engine goes on.
                     self.ctx.counters["failed_requests"] += 1
-                    self.ctx.log.warning("[%s] group %d failed: %s: %s", self.ctx.name, group_id, type(exc).__name__, exc)
+                    self.ctx.log.warning("[%s] group %d failed: %s: %s",
+                                         self.ctx.name, group_id, type(exc).__name__, exc)
                     responses = [_failed(item, started, exc)] * item.group.n
             if scope.cancelled_caught:
                 return

@@ -63,7 +63,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.group: GlooGroup | None = None
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        self.group = GlooGroup(init_info.host, init_info.port, init_info.rank, init_info.world_size, init_info.timeout_s)
+        self.group = GlooGroup(init_info.host, init_info.port, init_info.rank, init_info.world_size,
+                               init_info.timeout_s)
 
     def start_weight_update(self) -> None:
         compat.begin_reload(self.model)

@@ -167,7 +167,8 @@ class TrainerService(Service):
                 batch = concat(groups)
                 versions = batch.versions.numpy()
                 # Versions behind the trainer's, per token (from the extremes: no array as long as the batch).
-                staleness = (self.version - versions.mean(), self.version - versions.min()) if versions.size else (0.0, 0.0)
+                staleness = (self.version - versions.mean(), self.version - versions.min()) if versions.size \
+                    else (0.0, 0.0)
                 self._record_lengths(batch, [self._oldest(g) for g in groups])
                 with self.clock.state("busy"):
                     started = time.monotonic()
@@ -246,7 +247,8 @@ class TrainerService(Service):
         if self.run_dir is None or not (self.step == run.steps or (every and self.step % every == 0)):
             return False
         with self.clock.state("loading"):
-            return await self.engine.save(self.run_dir.checkpoint(self.step), {"step": self.step, "version": self.version})
+            return await self.engine.save(self.run_dir.checkpoint(self.step),
+                                          {"step": self.step, "version": self.version})
 
     async def send_weights(self, to_send: trio.MemoryReceiveChannel, control: Control) -> None:
         """Send each version asked for, in order; a send that fails (a receiver

@@ -70,7 +70,8 @@ class SimTrainerEngine:
         return {}, [take(batch, part) for part in deal(lengths, self.ctx.replicas)]
 
     async def train(self, share: SampleBatch) -> dict[str, float]:
-        seconds = self.cfg.step_overhead_s + (self.cfg.s_per_token + self.cfg.inline_critic_s_per_token) * share.n_tokens
+        seconds = (self.cfg.step_overhead_s
+                   + (self.cfg.s_per_token + self.cfg.inline_critic_s_per_token) * share.n_tokens)
         if seconds > 0:
             await trio.sleep(seconds)
         return {"loss": 0.0}

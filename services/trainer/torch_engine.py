@@ -165,7 +165,9 @@ class TorchEngine:
             references = self._base_rows(rows) if self.base_reference else [r.teacher_logprobs for r in rows]
             # Over the model's own tokens: an episode's observations are not the policy's to pay for.
             penalty = torch.tensor([
-                float(_own(r, kl_to_reference(torch.from_numpy(r.logprobs), torch.as_tensor(ref), cfg.kl_estimator)).sum())
+                float(_own(
+                    r, kl_to_reference(torch.from_numpy(r.logprobs), torch.as_tensor(ref), cfg.kl_estimator)
+                ).sum())
                 for r, ref in zip(rows, references)
             ])
             rewards = rewards - cfg.kl_coef * penalty
@@ -175,7 +177,8 @@ class TorchEngine:
         group = torch.tensor([r.group.group_id for r in rows])
         advantages = group_advantages(rewards, group, kind=cfg.advantage, normalize_std=cfg.normalize_std)
         # Distillation has a signal at every token: only pure RL leaves out groups without one.
-        uniform = uniform_groups(rewards, group) if cfg.skip_uniform_groups and w == 0 else torch.zeros(len(rows), dtype=torch.bool)
+        uniform = uniform_groups(rewards, group) if cfg.skip_uniform_groups and w == 0 \
+            else torch.zeros(len(rows), dtype=torch.bool)
         # Tokens trained on per sample: an episode's observations (loss mask 0) are not.
         responses = torch.tensor([own_count(r) for r in rows], dtype=torch.long)
         trained_mask = ~uniform & (responses > 0)
@@ -434,7 +437,8 @@ class TorchEngine:
         for j, spec in enumerate(self.specs):
             yield spec.name, self._full(snapshot, j)
 
-    def send_named(self, snapshot: list[torch.Tensor], send: Callable[[Iterator[tuple[str, torch.Tensor]]], None] | None) -> None:
+    def send_named(self, snapshot: list[torch.Tensor],
+                   send: Callable[[Iterator[tuple[str, torch.Tensor]]], None] | None) -> None:
         """Gather `snapshot` parameter by parameter (every rank) and hand them
         to `send` (rank 0, e.g. `NcclGroup.send`; None: gather only)."""
         named = self.named_full(snapshot)
