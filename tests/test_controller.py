@@ -250,6 +250,52 @@ def test_getters_have_no_side_effects_and_a_step_closes_its_window():
     assert stats.summary(6.0, run_id="r", state="stopped").samples == 8
 
 
+def test_the_summary_is_summed_as_steps_come_and_the_controller_keeps_no_row_but_the_last():
+    """The summary's figures are those of the rows (written to metrics.jsonl, not kept), and the
+    statistics hold the same memory after 2,000 steps as after 200: nothing grows with a run's length."""
+    import tracemalloc
+
+    from rlflow.protocol import EngineLoad
+
+    stats = RunStats(["rollout", "trainer"])
+
+    def steps(first: int, count: int) -> int:
+        """Steps `first`... closed (their rows let go, as the controller lets them go once written);
+        the bytes of those rows."""
+        written = 0
+        for step in range(first, first + count):
+            metrics = {"samples": 8.0 + step % 3, "tokens": 100.0 + step, "staleness_mean": step % 2,
+                       "staleness_max": step % 4, "reward_mean": math.nan if step % 5 == 0 else step % 7 / 7,
+                       "kl_teacher": 0.1 * (step % 10)}
+            stats.heartbeat("rollout", 0, Heartbeat(seq=step, version=step, busy_s=step, engine=EngineLoad(
+                slots=16, running=step % 9, waiting=step % 4, kv_cache_usage=(step % 10) / 10,
+                preemptions=step // 50)))
+            row = stats.close_step(StepDone(step=step, version=step + 1, acked=[], metrics=metrics), float(step), 0)
+            written += len(msgspec.json.encode(row))
+        return written
+
+    def held() -> int:
+        """Bytes still held that were allocated under the statistics' code."""
+        mine = tracemalloc.Filter(True, "*/rlflow/control/stats.py", all_frames=True)
+        return sum(stat.size for stat in tracemalloc.take_snapshot().filter_traces([mine]).statistics("filename"))
+
+    tracemalloc.start(16)
+    steps(0, 200)
+    before = held()
+    written = steps(200, 1800)
+    after = held()
+    tracemalloc.stop()
+    assert after - before < 2048, (after - before, written)
+    summary = stats.summary(100.0, run_id="r", state="stopped")
+    assert summary.samples == sum(8 + step % 3 for step in range(2000))
+    assert summary.tokens == sum(100 + step for step in range(2000))
+    assert summary.staleness_max == 3 and summary.staleness_mean == pytest.approx(0.5)
+    rewards = [step % 7 / 7 for step in range(2000) if step % 5]
+    assert summary.reward_mean == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)
+    assert summary.session.steps == 2000 and summary.samples_per_s == pytest.approx(summary.samples / 100.0, abs=1e-3)
+    assert stats.last_row.step == 1999 and stats.trends()["kl_teacher"].steps == 10
+
+
 def test_the_gain_is_in_points():
     from rlflow.rundir import EvalRow
 
@@ -271,9 +317,10 @@ def test_the_kl_to_the_teacher_is_shown_with_its_trend(tmp_path):
 
     stats = RunStats(["trainer"])
     assert stats.trends() == {}
+    rows = []
     for step in range(25):  # 1.0 for 8 steps, then 0.5; one step without a teacher's figure
         metrics = {} if step == 3 else {"kl_teacher": 1.0 if step < 8 else 0.5}
-        stats.close_step(StepDone(step=step, version=step + 1, acked=[], metrics=metrics), float(step), 0)
+        rows.append(stats.close_step(StepDone(step=step, version=step + 1, acked=[], metrics=metrics), float(step), 0))
     trend = stats.trends()["kl_teacher"]
     assert (trend.last, trend.mean, trend.steps) == (0.5, 0.5, 10)
     assert trend.change == pytest.approx(0.5 - (3 * 1.0 + 7 * 0.5) / 10)  # steps 15-24 against 5-14
@@ -283,7 +330,7 @@ def test_the_kl_to_the_teacher_is_shown_with_its_trend(tmp_path):
     console.print(render(status))
     assert "kl_teacher 0.500" in console.export_text()
     folder = RunDir(tmp_path)
-    folder.metrics.write_text("".join(msgspec.json.encode(row).decode() + "\n" for row in stats.rows))
+    folder.metrics.write_text("".join(msgspec.json.encode(row).decode() + "\n" for row in rows))
     png = write_curves(load(tmp_path), tmp_path / "curves.png")
     import matplotlib.image
 

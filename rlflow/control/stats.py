@@ -1,19 +1,21 @@
 """What the controller knows of a run's progress, kept in memory: each
-replica's heartbeats, the rows of the steps and evaluations so far, and the
-status and summary built from them.
+replica's latest heartbeats, running totals of the steps so far (no step's
+row is kept but the latest few: the controller's memory does not grow with
+a run's length), the evaluations, and the status and summary built from them.
 
 Getters have no side effects. The one place where a window moves is
 `close_step`, a command: it makes the step's row and starts the next step's
 window.
 
 A resumed session `carry`s the rows the sessions before it kept (see
-`rlflow.control.record`): the status and the summary count the whole run,
-and the summary this session beside it.
+`rlflow.control.record`), folded into the totals: the status and the summary
+count the whole run, and the summary this session beside it.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import math
 import time
@@ -48,6 +50,40 @@ class ReplicaClock:
         return self.recent[-1]
 
 
+@dataclass
+class Totals:
+    """What the summary takes of every step's row, summed as the rows come."""
+
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    staleness_max: float = 0.0
+    staleness_sum: float = 0.0
+    rewards: int = 0
+    """Steps with a reward (not every sample failed)."""
+    reward_sum: float = 0.0
+    engines: int = 0
+    """Steps with the rollout engines' load."""
+    kv_cache_usage_sum: float = 0.0
+    waiting_sum: float = 0.0
+    preemptions: int = 0
+
+    def add(self, row: StepRow) -> None:
+        self.steps += 1
+        self.samples += row.samples
+        self.tokens += row.tokens
+        self.staleness_max = max(self.staleness_max, row.staleness_max)
+        self.staleness_sum += row.staleness_mean
+        if row.reward_mean is not None:
+            self.rewards += 1
+            self.reward_sum += row.reward_mean
+        if row.engine is not None:
+            self.engines += 1
+            self.kv_cache_usage_sum += row.engine.kv_cache_usage
+            self.waiting_sum += row.engine.waiting
+            self.preemptions += row.engine.preemptions
+
+
 def _shares(pairs: list[tuple[Heartbeat, Heartbeat]]) -> Shares:
     """Shares of each state between the (earlier, later) heartbeats of each replica."""
     sums = dict.fromkeys(STATES, 0.0)
@@ -64,17 +100,34 @@ class RunStats:
     def __init__(self, roles: list[str]):
         self.roles = roles
         self.clocks: dict[tuple[str, int], ReplicaClock] = {}
-        self.rows: list[StepRow] = []
+        #: The whole run's steps (those of the sessions before a resume too), and this session's.
+        self.totals, self.session = Totals(), Totals()
+        #: The latest step's row.
+        self.last_row: StepRow | None = None
+        #: Per statistic of `TRENDS`, its latest values (two trend windows).
+        self.recent: dict[str, collections.deque[float]] = {
+            key: collections.deque(maxlen=2 * TREND_STEPS) for key in TRENDS
+        }
         self.evals: list[EvalRow] = []
-        self.load_seconds: list[float] = []
+        self.loads, self.load_s = 0, 0.0
         self.carried = Carried()
 
     def carry(self, carried: Carried) -> None:
         """Go on from the record of the sessions before (a resume): their rows
-        and evaluations, and their training time."""
-        self.carried = carried
-        self.rows = list(carried.rows)
+        (folded into the totals, then let go) and evaluations, and their training time."""
+        for row in carried.rows:
+            self._add(row, session=False)
+        self.carried = dataclasses.replace(carried, rows=[])
         self.evals = list(carried.evals)
+
+    def _add(self, row: StepRow, *, session: bool) -> None:
+        self.totals.add(row)
+        if session:
+            self.session.add(row)
+        self.last_row = row
+        for key, values in self.recent.items():
+            if math.isfinite(row.train.get(key, math.nan)):
+                values.append(row.train[key])
 
     # -- input ----------------------------------------------------------------
 
@@ -114,7 +167,7 @@ class RunStats:
         )
         for clock in self.clocks.values():
             clock.at_step = clock.last
-        self.rows.append(row)
+        self._add(row, session=True)
         return row
 
     def evaluated(self, row: EvalRow) -> None:
@@ -134,7 +187,8 @@ class RunStats:
         return any(e.step == step for e in self.evals)
 
     def weights_loaded(self, seconds: float) -> None:
-        self.load_seconds.append(seconds)
+        self.loads += 1
+        self.load_s += seconds
 
     # -- views ------------------------------------------------------------------
 
@@ -192,22 +246,17 @@ class RunStats:
             failed += last.failed_samples - first.failed_samples
         return round(failed / scored, 4) if scored > 0 else None
 
-    def trends(self, window: int = TREND_STEPS) -> dict[str, Trend]:
-        """The statistics of `TRENDS` over the last `window` steps, and how
-        their mean moved from the `window` steps before."""
+    def trends(self) -> dict[str, Trend]:
+        """The statistics of `TRENDS` over the last `TREND_STEPS` steps that have them, and how their
+        mean moved from the `TREND_STEPS` before."""
         out = {}
-        for key in TRENDS:
-            values = []
-            for row in reversed(self.rows):  # the latest 2 x window that have it
-                if math.isfinite(row.train.get(key, math.nan)):
-                    values.insert(0, row.train[key])
-                    if len(values) == 2 * window:
-                        break
-            if not values:
+        for key, kept in self.recent.items():
+            if not kept:
                 continue
-            recent, before = values[-window:], values[-2 * window:-window]
+            values = list(kept)
+            recent, before = values[-TREND_STEPS:], values[-2 * TREND_STEPS:-TREND_STEPS]
             mean = sum(recent) / len(recent)
-            change = mean - sum(before) / len(before) if len(before) == window else None
+            change = mean - sum(before) / len(before) if len(before) == TREND_STEPS else None
             out[key] = Trend(last=values[-1], mean=mean, steps=len(recent), change=change)
         return out
 
@@ -220,32 +269,31 @@ class RunStats:
         return [clock.last for clock in self.replicas(role)]
 
     def summary(self, wall_s: float, *, groups: GroupCounts = GroupCounts(), **fields: Any) -> Summary:
-        """The run's summary from its rows in memory (`wall_s`: this session's
+        """The run's summary from its totals (`wall_s`: this session's
         training time; `groups`: the whole run's)."""
-        rows = self.rows
-        samples = sum(r.samples for r in rows)
-        tokens = sum(r.tokens for r in rows)
-        mine = [r for r in rows if r.step >= self.carried.step]
-        session = _totals(mine, wall_s, self.carried.step, groups.trained - self.carried.groups_trained)
+        run, mine = self.totals, self.session
+        session = SessionTotals(
+            first_step=self.carried.step, steps=mine.steps, samples=mine.samples, tokens=mine.tokens,
+            groups_trained=groups.trained - self.carried.groups_trained, wall_time_s=round(wall_s, 3),
+            samples_per_s=_per(mine.samples, wall_s), tokens_per_s=_per(mine.tokens, wall_s),
+        )
         wall_s += self.carried.time_s
-        rewards = [r.reward_mean for r in rows if r.reward_mean is not None]
         accuracy = [e.accuracy for e in self.evals if e.accuracy is not None]
         tail = accuracy[-3:]
         last3 = sum(tail) / len(tail) if tail else None
-        engines = [r.engine for r in rows if r.engine is not None]
         return Summary(
-            kv_cache_usage_mean=_mean([e.kv_cache_usage for e in engines]) if engines else None,
-            waiting_mean=_mean([float(e.waiting) for e in engines]) if engines else None,
-            preemptions=sum(e.preemptions for e in engines),
-            samples=samples,
-            tokens=tokens,
+            kv_cache_usage_mean=_mean(run.kv_cache_usage_sum, run.engines) if run.engines else None,
+            waiting_mean=_mean(run.waiting_sum, run.engines) if run.engines else None,
+            preemptions=run.preemptions,
+            samples=run.samples,
+            tokens=run.tokens,
             wall_time_s=round(wall_s, 3),
-            samples_per_s=round(samples / wall_s, 3) if wall_s > 0 else 0.0,
-            tokens_per_s=round(tokens / wall_s, 3) if wall_s > 0 else 0.0,
-            staleness_max=max((r.staleness_max for r in rows), default=0.0),
-            staleness_mean=_mean([r.staleness_mean for r in rows]),
-            reward_mean=_mean(rewards) if rewards else None,
-            weights_load_s_mean=_mean(self.load_seconds),
+            samples_per_s=_per(run.samples, wall_s),
+            tokens_per_s=_per(run.tokens, wall_s),
+            staleness_max=run.staleness_max,
+            staleness_mean=_mean(run.staleness_sum, run.steps),
+            reward_mean=_mean(run.reward_sum, run.rewards) if run.rewards else None,
+            weights_load_s_mean=_mean(self.load_s, self.loads),
             evals=self.evals,
             accuracy_before=accuracy[0] if accuracy else None,
             accuracy_after=accuracy[-1] if accuracy else None,
@@ -260,23 +308,12 @@ class RunStats:
         )
 
 
-def _totals(rows: list[StepRow], wall_s: float, first_step: int, groups_trained: int) -> SessionTotals:
-    samples = sum(r.samples for r in rows)
-    tokens = sum(r.tokens for r in rows)
-    return SessionTotals(
-        first_step=first_step,
-        steps=len(rows),
-        samples=samples,
-        tokens=tokens,
-        groups_trained=groups_trained,
-        wall_time_s=round(wall_s, 3),
-        samples_per_s=round(samples / wall_s, 3) if wall_s > 0 else 0.0,
-        tokens_per_s=round(tokens / wall_s, 3) if wall_s > 0 else 0.0,
-    )
+def _per(amount: int, seconds: float) -> float:
+    return round(amount / seconds, 3) if seconds > 0 else 0.0
 
 
-def _mean(values: list[float]) -> float:
-    return round(sum(values) / len(values), 6) if values else 0.0
+def _mean(total: float, count: int) -> float:
+    return round(total / count, 6) if count else 0.0
 
 
 def process_cpu() -> tuple[float, float]:

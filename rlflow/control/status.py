@@ -131,9 +131,9 @@ def run_status(controller: Any, now: float) -> Status:
         run_id=controller.run_id, state=controller.state, error=controller.error, pid=os.getpid(),
         host=socket.gethostname(), address=controller.address,
         elapsed_s=round(time.monotonic() - controller.started, 2), step=controller.ledger.steps_done,
-        steps=run.steps, samples=sum(r.samples for r in stats.rows), version=controller.version, mode=run.mode,
+        steps=run.steps, samples=stats.totals.samples, version=controller.version, mode=run.mode,
         max_staleness=run.staleness, staleness_check=run.staleness_check, groups=group_counts(controller.ledger),
-        last_step=stats.rows[-1] if stats.rows else None, last_eval=stats.evals[-1] if stats.evals else None,
+        last_step=stats.last_row, last_eval=stats.evals[-1] if stats.evals else None,
         roles=roles, controller=controller_stats(controller), warnings=list(controller.warnings),
         trends=stats.trends(),
         waiting_for=sorted(f"{role}-{rank}" for role, rank in controller.roster.external
