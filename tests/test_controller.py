@@ -595,6 +595,27 @@ def test_a_dropped_group_is_gone_for_good_and_makes_room_for_a_new_one():
     assert GroupLedger.restore(state, 2, 0, 10).dropped == {"reward function 'math': timeout": 1}
 
 
+def test_a_late_copy_of_a_recent_drop_undoes_it_and_the_ledger_forgets_old_drops():
+    from rlflow.control.ledger import DROPS_KEPT
+
+    ledger = GroupLedger(batch_size=2, max_staleness=0, steps=10**6)
+    step = 0
+    for step in range(3 * DROPS_KEPT):  # every step: one group dropped, its place taken by the next
+        ids = [g.group_id for g in ledger.grant({0: 10}, step)[0]]
+        ledger.generated(0, ids)
+        ledger.drop(ids[:1], "timeout")
+        ids += [g.group_id for g in ledger.grant({0: 10}, step)[0]]
+        ledger.generated(0, ids[1:])
+        ledger.received(ids[1:])
+        ledger.trained(step, ids[1:])
+        ledger.journal.clear()
+    assert ledger.dropped == {"timeout": 3 * DROPS_KEPT} and not ledger.groups
+    assert len(ledger._drop_reasons) <= DROPS_KEPT * 2  # a long run's drops do not pile up
+    latest = next(reversed(ledger._drop_reasons))
+    ledger.received([latest])  # a copy of the latest drop arrives after all: it counts as not dropped
+    assert ledger.dropped == {"timeout": 3 * DROPS_KEPT - 1} and latest in ledger.groups
+
+
 def test_groups_without_signal_are_replaced_and_the_missing_ones_over_granted_by_their_share():
     ledger = GroupLedger(batch_size=4, max_staleness=0, steps=10)
     assert [g.group_id for g in ledger.grant({0: 100}, 0)[0]] == [0, 1, 2, 3]

@@ -141,6 +141,8 @@ NO_SIGNAL_WARNING = 0.9
 #: raises the lead; `PACE_PATIENCE` steps in a row in which it did not lower it.
 PACE_STARVED = 0.05
 PACE_PATIENCE = 3
+#: Steps' worth of dropped groups whose reason the ledger remembers (see `GroupLedger._drop_reasons`).
+DROPS_KEPT = 64
 
 
 def min_version(group_id: int, batch_size: int, max_staleness: int) -> int:
@@ -165,7 +167,10 @@ class GroupLedger:
         self.trained_count = 0
         #: Groups dropped for good, by reason.
         self.dropped: collections.Counter[str] = collections.Counter()
-        self._drop_reasons: dict[int, str] = {}
+        #: The reason each of the latest dropped groups was dropped for (a copy that still arrives, granted
+        #: again after a loss, undoes it): the latest `DROPS_KEPT` steps' worth, so that a long run's
+        #: drops do not pile up (a copy older than that is far past any staleness bound).
+        self._drop_reasons: collections.OrderedDict[int, str] = collections.OrderedDict()
         #: Changes not yet written out (the controller drains it).
         self.journal: list[Event] = []
         #: What a person should hear of since the controller last asked (groups dropped as poison;
@@ -307,6 +312,8 @@ class GroupLedger:
             self._unqueue(gone)
             self.dropped[reason or "dropped"] += len(gone)
             self._drop_reasons.update(dict.fromkeys(gone, reason or "dropped"))
+            while len(self._drop_reasons) > DROPS_KEPT * self.batch_size:
+                self._drop_reasons.popitem(last=False)
             if reason == NO_SIGNAL:
                 self._no_signal.extend([1] * len(gone))
                 self._tell_no_signal()
