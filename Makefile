@@ -1,5 +1,6 @@
 # Two entry points: `make up` (train the embedded default) and `make test`
-# (`make test-fast` leaves out vLLM, Ray and slow tests, for the edit-test loop).
+# (`make test-fast` runs the tests the last whole run timed as cheap, for the
+# edit-test loop; `make lint` is ruff).
 # Both create or refresh .venv first; a second `make venv` with nothing
 # changed installs nothing.
 
@@ -14,7 +15,7 @@ STAMP := $(VENV)/.rlflow-installed-$(ACCEL)
 # the CPU build of torch; text models need none of them.
 BROKEN := torchvision torchaudio torchcodec
 
-.PHONY: venv up test test-fast bench clean
+.PHONY: venv up test test-fast lint bench clean
 
 venv: $(STAMP)
 
@@ -35,12 +36,18 @@ $(STAMP): pyproject.toml | $(BIN)/python
 up: venv
 	$(BIN)/rlflow up $(ARGS)
 
+# A whole run writes each test's seconds into tests/durations.json, which
+# chooses the tests of `make test-fast`; the slowest 15 are printed at the end.
 test: venv
-	$(BIN)/python -m pytest --durations=25 $(ARGS)
+	$(BIN)/python -m pytest --durations=15 $(ARGS)
 
-# The edit-test loop: everything but the tests that start vLLM or Ray, or are slow.
+# The edit-test loop: the tests the last whole run timed under a second,
+# without a shared fixture (vLLM, Ray, a run) that took longer to set up.
 test-fast: venv
-	$(BIN)/python -m pytest -m "not vllm and not ray and not slow" $(ARGS)
+	$(BIN)/python -m pytest --fast $(ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
 
 bench: venv
 	$(BIN)/python bench/transport.py --quick

@@ -71,3 +71,70 @@ def late_starts(run_dir, batch_size: int, max_staleness: int) -> list[tuple[int,
     belongs to step g // batch_size and may start on weights no older than
     that step - max_staleness)."""
     return [(s, g, v) for s, g, v in trained_groups(run_dir) if v < g // batch_size - max_staleness]
+
+
+# -- lanes: the edit loop runs what the last whole run timed as cheap -------------------------------------------
+
+#: Each test's seconds in the last whole run (setup, call and teardown), and its fixtures that outlive it.
+DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+#: `--fast` runs the tests that took under this, without a fixture that took longer to set up.
+FAST_S = 1.0
+_timed: dict[str, float] = {}
+
+
+def pytest_addoption(parser):
+    parser.addoption("--fast", action="store_true",
+                     help="the edit loop: only tests the last whole run (tests/durations.json) "
+                          f"timed under {FAST_S:g} s, none of them needing a fixture that took longer to set up; "
+                          "new tests too")
+
+
+def _shared_fixtures(item) -> list[str]:
+    """The fixtures of `item` set up once for several tests (module or session scope)."""
+    closure = getattr(item, "_fixtureinfo", None)
+    defs = closure.name2fixturedefs if closure is not None else {}
+    return sorted(name for name, fixturedefs in defs.items() if fixturedefs and fixturedefs[-1].scope != "function")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    import json
+
+    try:
+        with open(DURATIONS) as f:
+            timed = json.load(f)
+    except (OSError, ValueError):
+        return
+    # A shared fixture is dear when a test that set it up took long to: each test that needs it pays it alone.
+    dear = {name for record in timed.values() if record["setup_s"] > FAST_S for name in record["shared"]}
+    keep, slow = [], []
+    for item in items:
+        record = timed.get(item.nodeid)
+        dear_fixture = any(name in dear for name in _shared_fixtures(item))
+        (slow if dear_fixture or (record is not None and record["total_s"] > FAST_S) else keep).append(item)
+    config.hook.pytest_deselected(items=slow)
+    items[:] = keep
+
+
+def pytest_runtest_logreport(report):
+    _timed[f"{report.nodeid}:{report.when}"] = report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """After a whole run of the suite (no selection of any kind), write each test's seconds for `--fast`."""
+    import json
+
+    config = session.config
+    chosen = config.getoption("--fast") or config.getoption("keyword") or config.getoption("markexpr") or \
+        config.getoption("lf", False) or any(arg not in ("tests", "tests/") for arg in config.args)
+    if chosen or exitstatus not in (0, 1) or not session.items:
+        return
+    records = {}
+    for item in session.items:
+        phases = {when: _timed.get(f"{item.nodeid}:{when}", 0.0) for when in ("setup", "call", "teardown")}
+        records[item.nodeid] = {"total_s": round(sum(phases.values()), 3), "setup_s": round(phases["setup"], 3),
+                                "shared": _shared_fixtures(item)}
+    with open(DURATIONS, "w") as f:
+        json.dump(records, f, indent=0, sort_keys=True)
+        f.write("\n")
