@@ -15,7 +15,7 @@ STAMP := $(VENV)/.rlflow-installed-$(ACCEL)
 # the CPU build of torch; text models need none of them.
 BROKEN := torchvision torchaudio torchcodec
 
-.PHONY: venv up test test-fast lint bench clean
+.PHONY: venv up test test-fast lint bench peer clean
 
 venv: $(STAMP)
 
@@ -52,5 +52,23 @@ lint: venv
 bench: venv
 	$(BIN)/python bench/transport.py --quick
 
+# The peer of bench/peer.py, TRL's GRPOTrainer, in an environment of its own
+# (vLLM's pins stay untouched): the CPU build of torch, and transformers at
+# rlflow's version.
+PEER := .venv-peer
+PEER_TORCH := torch==2.13.0+cpu
+PEER_PACKAGES := trl==1.16.0 transformers==5.19.0 accelerate==1.16.0 datasets==5.2.0 numpy
+
+peer: $(PEER)/.installed
+
+$(PEER)/.installed: Makefile
+	$(PYTHON) -m venv $(PEER)
+	$(PEER)/bin/python -m pip install --quiet --upgrade pip
+	$(PEER)/bin/python -m pip install --quiet '$(PEER_TORCH)' 2>/dev/null || \
+		$(PEER)/bin/python -m pip install --quiet --index-url https://download.pytorch.org/whl/cpu '$(PEER_TORCH)'
+	$(PEER)/bin/python -m pip install --quiet $(PEER_PACKAGES)
+	$(PEER)/bin/python -c "import torch, trl, transformers"
+	touch $@
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(PEER) build dist *.egg-info

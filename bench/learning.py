@@ -75,6 +75,7 @@ VARIANTS: dict[str, list[str]] = {
     "async-k4": ['run.mode="async"', "run.max_staleness=4", 'run.filter="none"', 'run.credits="bound"'],
     "async-k2-filter": ['run.mode="async"', "run.max_staleness=2", 'run.filter="signal"', 'run.credits="bound"'],
     "async-k2-paced": ['run.mode="async"', "run.max_staleness=2", 'run.filter="none"', 'run.credits="paced"'],
+    "default": [],  # the embedded default as it ships
 }
 #: (without the filter, with it): the variants whose time to 60% gives filter_speedup.
 FILTER: tuple[str, str] | None = ("async-k2", "async-k2-filter")
@@ -119,6 +120,7 @@ def evaluate(folder: pathlib.Path) -> list[dict]:
     the run in `folder`, each on one engine holding exactly those weights;
     written to `heldout.jsonl` there (and the optimizer state of each
     checkpoint removed once read: only the weights are kept)."""
+    import msgspec
     import torch
     import trio
     from safetensors.torch import load_file
@@ -135,10 +137,14 @@ def evaluate(folder: pathlib.Path) -> list[dict]:
 
     config = C.load(folder / "config.toml")
     base = config.roles.rollout.model
-    cfg = config.roles.rollout.engine
+    # One evaluator for every run, whatever its rollout's dtype: the policy's float32 weights, greedily.
+    cfg = msgspec.structs.replace(config.roles.rollout.engine, dtype="float32")
     task = make_task(config, load_tokenizer(base))
     prompts = task.heldout_prompts()
-    checkpoints = sorted((folder / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    # step-N (a run's, a peer's) and time-T (a peer's weights at T seconds of training).
+    checkpoints = sorted(
+        (folder / "checkpoints").glob("*-*"), key=lambda p: (p.name.split("-")[0], int(p.name.split("-")[1]))
+    )
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     specs, nbytes = layout(model.named_parameters())
 
@@ -179,13 +185,15 @@ def evaluate(folder: pathlib.Path) -> list[dict]:
 
     rows = []
     try:
-        for step, path in [(0, None), *((int(p.name.split("-")[1]), p) for p in checkpoints)]:
+        for version, (name, path) in enumerate([("step-0", None), *((p.name, p) for p in checkpoints)]):
             started = time.monotonic()
             if path is not None:
-                trio.run(load, step, path)
+                trio.run(load, version, path)
             metrics = trio.run(heldout)
-            rows.append({"step": step, **metrics, "eval_s": time.monotonic() - started})
-            print(f"[learning]   step {step:4d}: {100 * metrics['accuracy']:.1f}% held-out "
+            kind, number = name.split("-")
+            rows.append({"checkpoint": name, "step" if kind == "step" else "time_mark": int(number), **metrics,
+                         "eval_s": time.monotonic() - started})
+            print(f"[learning]   {name:>10}: {100 * metrics['accuracy']:.1f}% held-out "
                   f"({time.monotonic() - started:.0f} s)", flush=True)
             if path is not None and (path / TRAINER_OPTIMIZER).exists():
                 shutil.rmtree(path / TRAINER_OPTIMIZER)
@@ -210,7 +218,7 @@ def read_run(folder: pathlib.Path) -> dict:
     """A finished, evaluated run: its curve (step, wall time, accuracy) and per-step statistics."""
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
     by_step = {m["step"] + 1: m for m in metrics}  # steps done after this row
-    heldout = [json.loads(line) for line in (folder / "heldout.jsonl").read_text().splitlines() if line.strip()]
+    heldout = read_heldout(folder)
     curve = []
     for row in heldout:
         step = row["step"]
@@ -259,6 +267,13 @@ def _checkpoint_seconds(folder: pathlib.Path) -> float:
     the checkpoints cost the run."""
     events = json.loads((folder / "trace" / "trainer-0.json").read_text())["events"]
     return sum(b[0] - a[0] for a, b in zip(events, events[1:]) if a[1] == "loading")
+
+
+def read_heldout(folder: pathlib.Path, kind: str = "step") -> list[dict]:
+    """The evaluated checkpoints of the run in `folder` of one kind: "step" (step-N, the start
+    included) or "time" (a peer's time-T)."""
+    rows = [json.loads(line) for line in (folder / "heldout.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if r.get("checkpoint", "step-").startswith(f"{kind}-")]
 
 
 def first_reaching(curve: list[dict], target: float) -> dict | None:
@@ -330,11 +345,14 @@ def table(summary: dict[str, dict], results: dict[str, dict[int, dict]]) -> str:
         ("seeds", lambda s: ",".join(map(str, s["seeds"]))),
         ("samples/s", lambda s: fmt(s["samples_per_s"], ".1f")),
         ("wall time of the run (s)", lambda s: fmt(s["time_s"])),
-        (f"time to {round(100 * TARGET_FILTER)}% (s, step)", lambda s: f"{fmt(s['time_to_60'])} ({fmt(s['step_to_60'], 'd')})"),
-        (f"time to {round(100 * TARGET)}% (s, step)", lambda s: f"{fmt(s['time_to_63'])} ({fmt(s['step_to_63'], 'd')})"),
+        (f"time to {round(100 * TARGET_FILTER)}% (s, step)",
+         lambda s: f"{fmt(s['time_to_60'])} ({fmt(s['step_to_60'], 'd')})"),
+        (f"time to {round(100 * TARGET)}% (s, step)",
+         lambda s: f"{fmt(s['time_to_63'])} ({fmt(s['step_to_63'], 'd')})"),
         (f"training reward, steps {REWARD_WINDOW[0]}-{REWARD_WINDOW[1]}", lambda s: fmt(s["reward_window"], ".3f")),
         ("no-signal sample share (all right + all wrong)",
-         lambda s: f"{fmt(s['no_signal_share'], '.2f')} ({fmt(s['all_right_share'], '.2f')} + {fmt(s['all_wrong_share'], '.2f')})"),
+         lambda s: f"{fmt(s['no_signal_share'], '.2f')} "
+                   f"({fmt(s['all_right_share'], '.2f')} + {fmt(s['all_wrong_share'], '.2f')})"),
         ("groups generated and dropped by the signal filter (share)", lambda s: fmt(s["filtered_share"], ".2f")),
         ("grad norm (mean)", lambda s: fmt(s["grad_norm"], ".2f")),
         ("staleness mean / max", lambda s: f"{fmt(s['staleness_mean'], '.2f')} / {fmt(s['staleness_max'])}"),
@@ -348,7 +366,9 @@ def table(summary: dict[str, dict], results: dict[str, dict[int, dict]]) -> str:
         lines.append(f"| {name} | " + " | ".join(cell(s) for s in summary.values()) + " |")
     lines += ["", "Per seed, held-out accuracy (%) at the last step:", ""]
     for variant, by_seed in results.items():
-        finals = ", ".join(f"seed {seed}: {100 * r['curve'][-1]['accuracy']:.1f}" for seed, r in sorted(by_seed.items()))
+        finals = ", ".join(
+            f"seed {seed}: {100 * r['curve'][-1]['accuracy']:.1f}" for seed, r in sorted(by_seed.items())
+        )
         lines.append(f"- {variant}: {finals}")
     return "\n".join(lines) + "\n"
 
@@ -396,7 +416,8 @@ def plot(results: dict[str, dict[int, dict]], summary: dict[str, dict], path: pa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed (0)")
-    parser.add_argument("--modes", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--modes", default=",".join(v for v in VARIANTS if v != "default"),
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--every", type=int, default=10, help="checkpoint (and evaluate) every this many steps")

@@ -1,0 +1,388 @@
+"""Side by side with the peer: rlflow `sync`, the shipped default and TRL's GRPOTrainer.
+
+The same model (the embedded default's), task stream (each seed's prompts,
+in the order rlflow grants them), held-out set, batch (32 prompts x 8
+samples), sampling (temperature 1, top-p 1, 100 tokens), optimizer (AdamW
+at rlflow's lr and betas, no weight decay, the gradient's norm clipped at
+1.0), schedule (rlflow's, over the default run's 120 steps) and loss (the
+clipped surrogate at 0.2 / 0.28, no KL, summed over tokens over every
+response token of the batch) in three trainers, one run at a time with
+nothing else running, each seed:
+
+    peer     Hugging Face TRL's GRPOTrainer (`bench/peer_trl.py`, in the
+             virtual environment `make peer` makes): transformers `generate`,
+             fully on-policy, in one process
+    sync     rlflow, run.mode = "sync" (a barrier per step: on-policy)
+    default  rlflow's embedded default as it ships (async, max_staleness 1)
+
+What cannot match, and why (docs/benchmarks.md lists them too): TRL
+generates with transformers and trains in the same process, one after the
+other, on every core; rlflow generates with vLLM on its own pool and trains
+on another. TRL's group standard deviation is the sample one (n - 1) plus
+1e-4, rlflow's the population one plus 1e-6 (advantages 7% smaller in
+TRL's groups of 8). Mixed precision is each one's own: TRL's `bf16`
+(autocast) where rlflow's `mixed_precision = "auto"` turns bf16 passes on,
+float32 elsewhere; rlflow's vLLM generates in bf16 on such a CPU too (the
+default's rollout `dtype = "auto"`), TRL's `generate` under its autocast.
+
+Accuracy: nothing is evaluated while anything trains. Each trainer writes
+its weights at marks (every `--every` steps; the peer also at every
+`--time-every` seconds of training, the weights it held then), and after
+the runs each is evaluated on the 1,000 held-out problems, greedily, by
+rlflow's vLLM evaluator (`bench/learning.py`'s): one evaluator for all
+three, each reading one policy version. Clocks count training only (from
+the first step's start; engine start-up and the marks' writing excluded).
+
+Writes `bench/results/peer[-TAG].{json,md,png}` and ends with
+
+    RESULT peer sync_vs_peer_points=A async_vs_sync_points=D time_to_peer_ratio=R peer_samples_per_s=P samples_per_s=S
+
+A: rlflow sync's held-out accuracy minus the peer's, the worst over the
+step marks up to `--steps` (means over seeds); D: the default's minus
+sync's at the same marks (worst); R: the default's wall time to the peer's
+accuracy at `--peer-time` seconds of training (the first of its marks whose
+mean over seeds reaches it), over `--peer-time`; P, S: the peer's and the
+default's samples per second. Targets: A >= -1.5, D >= -1.5, R <= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import learning  # noqa: E402  (bench/learning.py: running rlflow, the evaluator)
+
+from rlflow.models import cpu_name  # noqa: E402
+
+ROOT = learning.ROOT
+RESULTS = learning.RESULTS
+RUNS = ROOT / "runs" / "peer"
+PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
+SYSTEMS = ("peer", "sync", "default")
+#: rlflow's variant (bench/learning.py) of each rlflow system.
+VARIANT = {"sync": "sync", "default": "default"}
+TARGETS = {"A": -1.5, "D": -1.5, "R": 0.5}
+
+
+# -- running -------------------------------------------------------------------------------
+
+
+def default_config(seed: int):
+    """The embedded default, resolved, with `seed`."""
+    from rlflow import config as C
+    from rlflow.tools.cli import default_config_path
+
+    return C.load(default_config_path(), [f"run.seed={seed}"])
+
+
+def peer_plan(seed: int, args, folder: pathlib.Path) -> dict:
+    """What the peer needs: the model, the prompts in rlflow's order, and rlflow's settings."""
+    import torch
+
+    from rlflow.data.tasks import load_tokenizer, make_task
+    from rlflow.models import resolve_model
+    from rlflow.services.fsdp import bf16_passes
+
+    config = default_config(seed)
+    model = str(resolve_model(config.roles.rollout.model))
+    tokenizer = load_tokenizer(model)
+    task = make_task(config, tokenizer)
+    trainer, rollout, run = config.roles.trainer.engine, config.roles.rollout.engine, config.run
+    horizon = trainer.lr_decay_steps or run.steps
+    groups = range(horizon * run.batch_size)
+    prompts = [task.prompt_text(g) for g in groups]
+    return {
+        "out": str(folder), "model": model, "seed": seed, "threads": args.peer_threads,
+        "prompts": prompts, "answers": [task.prompt(g, 1).reference for g in groups],
+        "prompt_ids": [tokenizer.encode(p, add_special_tokens=False) for p in prompts[:8]],
+        "batch_size": run.batch_size, "samples_per_prompt": run.samples_per_prompt,
+        "accumulation": args.peer_accumulation,
+        "max_tokens": rollout.max_tokens, "temperature": rollout.temperature, "top_p": rollout.top_p,
+        "lr": trainer.lr, "betas": list(trainer.betas), "weight_decay": trainer.weight_decay,
+        "grad_clip": trainer.grad_clip, "clip_low": trainer.clip_low, "clip_high": trainer.clip_high,
+        "warmup_steps": trainer.warmup_steps, "lr_decay": trainer.lr_decay, "lr_final": trainer.lr_final,
+        "lr_decay_steps": horizon,
+        "bf16": bf16_passes(trainer.mixed_precision, torch.device("cpu")),
+        "every": args.every, "time_marks": list(range(args.time_every, args.peer_time + 1, args.time_every)),
+        "min_steps": args.steps, "min_time_s": args.peer_time,
+    }
+
+
+def run_peer(seed: int, args, folder: pathlib.Path) -> None:
+    """TRL's run of `seed` into `folder` (its weights at the marks, its per-step log)."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    plan = peer_plan(seed, args, folder)
+    (folder / "plan.json").write_text(json.dumps(plan))
+    # The evaluator reads the run's config: the default's, with this seed.
+    from rlflow import config as C
+
+    from rlflow.tools.cli import default_config_path
+
+    (folder / "config.toml").write_text(C.to_toml(C.load(default_config_path(), [
+        f"run.seed={seed}", f'roles.rollout.model="{plan["model"]}"'])))
+    print(f"[peer] peer seed {seed}: TRL's GRPOTrainer, {args.steps} steps and {args.peer_time} s at least", flush=True)
+    started = time.monotonic()
+    with open(folder.parent / f"{folder.name}.log", "w") as log:
+        done = subprocess.run([str(PEER_PYTHON), str(ROOT / "bench" / "peer_trl.py"), str(folder / "plan.json")],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"the peer's seed {seed} failed (exit {done.returncode}); see {folder}.log")
+    print(f"[peer] peer seed {seed}: done in {time.monotonic() - started:.0f} s", flush=True)
+
+
+def run_rlflow(system: str, seed: int, args, folder: pathlib.Path) -> None:
+    steps = args.steps if system == "sync" else args.default_steps
+    extra = [*args.set, *(args.default_set if system == "default" else []),
+             f"roles.trainer.engine.lr_decay_steps={args.horizon}"]
+    learning.run_one(VARIANT[system], seed, steps, args.every, extra, folder, args.timeout)
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def read_peer(folder: pathlib.Path) -> dict:
+    """The peer's curve by steps and its accuracy at each time mark."""
+    steps = [json.loads(line) for line in (folder / "steps.jsonl").read_text().splitlines() if line.strip()]
+    marks = {m["name"]: m for m in map(json.loads, (folder / "marks.jsonl").read_text().splitlines())}
+    ended = {s["step"]: s["time_s"] for s in steps if s.get("time_s") is not None}
+    start = learning.read_heldout(folder, "step")[0]["accuracy"]
+    curve = [{"step": r["step"], "time_s": ended.get(r["step"], 0.0), "accuracy": r["accuracy"]}
+             for r in learning.read_heldout(folder, "step")]
+    timed = {r["time_mark"]: r["accuracy"] for r in learning.read_heldout(folder, "time")}
+    at_time = {}
+    for name, mark in marks.items():
+        if name.startswith("time-"):
+            t = int(name.split("-")[1])
+            at_time[t] = timed.get(t, start) if mark["path"] else start
+    done = json.loads((folder / "done.json").read_text())
+    batch = json.loads((folder / "plan.json").read_text())
+    samples = batch["batch_size"] * batch["samples_per_prompt"] * done["steps"]
+    return {
+        "curve": curve, "at_time": at_time, "steps": done["steps"], "time_s": done["train_s"],
+        "samples_per_s": samples / done["train_s"],
+        "grad_norm": statistics.fmean(s["grad_norm"] for s in steps if "grad_norm" in s),
+        "reward": [s.get("reward") for s in steps if "reward" in s],
+    }
+
+
+def read_rlflow(folder: pathlib.Path) -> dict:
+    run = learning.read_run(folder)
+    run["at_time"] = {}
+    return run
+
+
+def accuracy_at_time(curve: list[dict], t: float) -> float:
+    """The accuracy of the last evaluated policy that a run held at `t` seconds (its marks by step)."""
+    held = [p for p in curve if p["time_s"] <= t]
+    return held[-1]["accuracy"] if held else curve[0]["accuracy"]
+
+
+# -- summarising ---------------------------------------------------------------------------
+
+
+def mean_at(runs: list[dict], step: int) -> float | None:
+    points = [next((p["accuracy"] for p in r["curve"] if p["step"] == step), None) for r in runs]
+    return statistics.fmean(points) if points and None not in points else None
+
+
+def summarise(results: dict[str, dict[int, dict]], args) -> dict:
+    marks = list(range(args.mark_every, args.steps + 1, args.mark_every))
+    time_marks = list(range(args.time_every, args.peer_time + 1, args.time_every))
+    out: dict = {"marks": marks, "time_marks": time_marks, "systems": {}}
+    for system, by_seed in results.items():
+        runs = list(by_seed.values())
+        mean = learning.mean_curve(runs)
+        by_time = {}
+        for t in time_marks:
+            values = [r["at_time"][t] if t in r["at_time"] else accuracy_at_time(r["curve"], t) for r in runs]
+            by_time[t] = {"accuracy": statistics.fmean(values), "low": min(values), "high": max(values)}
+        out["systems"][system] = {
+            "seeds": sorted(by_seed), "mean": mean, "at_steps": {m: mean_at(runs, m) for m in marks},
+            "at_time": by_time,
+            "samples_per_s": statistics.fmean(r["samples_per_s"] for r in runs),
+            "seconds_per_step": statistics.fmean(r["time_s"] / r["steps"] for r in runs),
+            "grad_norm": statistics.fmean(r["grad_norm"] for r in runs),
+            "staleness_mean": statistics.fmean(r.get("staleness_mean", 0.0) for r in runs),
+        }
+    systems = out["systems"]
+
+    def gap(a: str, b: str) -> float | None:
+        if a not in systems or b not in systems:
+            return None
+        gaps = [systems[a]["at_steps"][m] - systems[b]["at_steps"][m] for m in marks
+                if systems[a]["at_steps"][m] is not None and systems[b]["at_steps"][m] is not None]
+        return 100 * min(gaps) if gaps else None
+
+    out["A"], out["D"] = gap("sync", "peer"), gap("default", "sync")
+    out["R"] = out["target"] = out["time_to_target_s"] = None
+    if "peer" in systems and "default" in systems:
+        target = systems["peer"]["at_time"][args.peer_time]["accuracy"]
+        reached = learning.first_reaching(systems["default"]["mean"], target)
+        out["target"] = target
+        out["time_to_target_s"] = reached["time_s"] if reached else None
+        out["R"] = reached["time_s"] / args.peer_time if reached else None
+    out["P"] = systems["peer"]["samples_per_s"] if "peer" in systems else None
+    out["S"] = systems["default"]["samples_per_s"] if "default" in systems else None
+    return out
+
+
+def table(summary: dict) -> str:
+    systems = summary["systems"]
+    names = list(systems)
+
+    def cell(p: dict | None) -> str:
+        return "" if p is None else f"{100 * p['accuracy']:.1f} [{100 * p['low']:.1f}-{100 * p['high']:.1f}]"
+
+    lines = ["Held-out accuracy (%) by step, mean over seeds [min-max]:", "",
+             "| step | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    steps = sorted({p["step"] for s in systems.values() for p in s["mean"]})
+    for step in steps:
+        lines.append(f"| {step} | " + " | ".join(cell(next((p for p in s["mean"] if p["step"] == step), None))
+                                                 for s in systems.values()) + " |")
+    lines += ["", "Held-out accuracy (%) by seconds of training (the policy held then), mean over seeds [min-max]:",
+              "", "| seconds | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    for t in summary["time_marks"]:
+        lines.append(f"| {t} | " + " | ".join(cell(s["at_time"][t]) for s in systems.values()) + " |")
+
+    def fmt(x, spec=".1f"):
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+    lines += ["", "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for label, key, spec in (("samples/s", "samples_per_s", ".1f"), ("seconds a step", "seconds_per_step", ".2f"),
+                             ("gradient norm, mean", "grad_norm", ".2f"), ("staleness, mean", "staleness_mean", ".2f")):
+        lines.append(f"| {label} | " + " | ".join(fmt(s[key], spec) for s in systems.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict[str, dict[int, dict]], summary: dict, path: pathlib.Path, title: str, peer_time: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    colours = {"peer": "#7f7f7f", "sync": "#1f77b4", "default": "#d62728"}
+    labels = {"peer": "TRL GRPOTrainer (on-policy)", "sync": "rlflow sync", "default": "rlflow default (async)"}
+    for system, by_seed in results.items():
+        mean = summary["systems"][system]["mean"]
+        n = len(by_seed)
+        label = f"{labels[system]} ({n} seed{'s' if n > 1 else ''})"
+        axes[0].plot([p["step"] for p in mean], [100 * p["accuracy"] for p in mean], color=colours[system],
+                     linewidth=2, label=label)
+        if n > 1:
+            axes[0].fill_between([p["step"] for p in mean], [100 * p["low"] for p in mean],
+                                 [100 * p["high"] for p in mean], color=colours[system], alpha=0.15)
+        if system == "peer":
+            at_time = summary["systems"][system]["at_time"]
+            xs = [0, *at_time]
+            lows = [100 * mean[0]["accuracy"], *(100 * v["low"] for v in at_time.values())]
+            highs = [100 * mean[0]["accuracy"], *(100 * v["high"] for v in at_time.values())]
+            ys = [100 * mean[0]["accuracy"], *(100 * v["accuracy"] for v in at_time.values())]
+        else:
+            xs = [p["time_s"] for p in mean]
+            ys, lows, highs = ([100 * p[k] for p in mean] for k in ("accuracy", "low", "high"))
+        axes[1].plot(xs, ys, color=colours[system], linewidth=2, label=label)
+        if n > 1:
+            axes[1].fill_between(xs, lows, highs, color=colours[system], alpha=0.15)
+    if summary.get("target") is not None:
+        for ax in axes:
+            ax.axhline(100 * summary["target"], color="grey", linestyle=":", linewidth=1)
+        axes[1].axvline(peer_time, color="grey", linestyle=":", linewidth=1)
+    for ax, label in zip(axes, ("step (32 prompts x 8 samples)", "seconds of training")):
+        ax.set_xlabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("held-out accuracy (%), greedy, 1,000 problems")
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="one seed (0)")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
+    parser.add_argument("--steps", type=int, default=40, help="compare by steps up to this (sync runs this long)")
+    parser.add_argument("--default-steps", type=int, default=60, help="steps the default runs")
+    parser.add_argument("--every", type=int, default=5, help="write the weights every this many steps")
+    parser.add_argument("--mark-every", type=int, default=10, help="the step marks A and D are read at")
+    parser.add_argument("--peer-time", type=int, default=420, help="seconds of the peer's training R is read at")
+    parser.add_argument("--time-every", type=int, default=60, help="the peer's weights every this many seconds")
+    parser.add_argument("--horizon", type=int, default=120, help="steps the learning-rate schedule spans")
+    parser.add_argument("--peer-accumulation", type=int, default=1,
+                        help="the peer's gradient accumulation steps per optimizer step (its micro-batches)")
+    parser.add_argument("--peer-threads", type=int, default=len(__import__("os").sched_getaffinity(0)))
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for both rlflow systems (repeatable)")
+    parser.add_argument("--default-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for the default alone (repeatable): a variant of it to compare")
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--reuse", action="store_true", help="keep runs already finished and evaluated")
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    args = parser.parse_args()
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        parser.error(f"unknown system {unknown[0]!r}: the systems are {', '.join(SYSTEMS)}")
+    if "peer" in systems and not PEER_PYTHON.exists():
+        parser.error(f"the peer's environment is missing ({PEER_PYTHON}): run `make peer` first")
+    seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
+    name = "peer" + (f"-{args.tag}" if args.tag else "")
+    runs = RUNS / (args.tag or "default")
+    print(f"[peer] on {cpu_name()}", flush=True)
+
+    results: dict[str, dict[int, dict]] = {}
+    for seed in seeds:
+        for system in systems:
+            folder = runs / f"{system}-s{seed}"
+            if not (args.reuse and (folder / "heldout.jsonl").exists()):
+                if system == "peer":
+                    run_peer(seed, args, folder)
+                else:
+                    run_rlflow(system, seed, args, folder)
+                learning.evaluate_in_child(folder, args.timeout)
+            results.setdefault(system, {})[seed] = read_peer(folder) if system == "peer" else read_rlflow(folder)
+
+    summary = summarise(results, args)
+    summary["machine"] = cpu_name()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"args": vars(args), "summary": summary, "runs": {
+        s: {str(k): r for k, r in by_seed.items()} for s, by_seed in results.items()}}, indent=1))
+    title = f"the default task, 32 x 8 a step, on {summary['machine']}"
+    plot(results, summary, RESULTS / f"{name}.png", title, args.peer_time)
+    text = table(summary)
+    (RESULTS / f"{name}.md").write_text(f"# {title}\n\n{text}")
+    print(text)
+    if summary["target"] is not None:
+        reached = summary["time_to_target_s"]
+        print(f"the peer's accuracy at {args.peer_time} s: {100 * summary['target']:.1f}%; the default reaches it "
+              + (f"at {reached:.0f} s" if reached is not None else "in none of its steps"))
+    print(f"wrote {RESULTS / name}.{{json,md,png}}")
+
+    def fmt(key: str, spec: str) -> str:
+        return "na" if summary[key] is None else format(summary[key], spec)
+
+    print("RESULT peer " + " ".join([
+        f"sync_vs_peer_points={fmt('A', '.1f')}", f"async_vs_sync_points={fmt('D', '.1f')}",
+        f"time_to_peer_ratio={fmt('R', '.2f')}", f"peer_samples_per_s={fmt('P', '.1f')}",
+        f"samples_per_s={fmt('S', '.1f')}",
+    ]))
+
+
+if __name__ == "__main__":
+    main()
