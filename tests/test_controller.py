@@ -595,6 +595,33 @@ def test_a_dropped_group_is_gone_for_good_and_makes_room_for_a_new_one():
     assert GroupLedger.restore(state, 2, 0, 10).dropped == {"reward function 'math': timeout": 1}
 
 
+def test_a_group_lost_with_the_crowd_gets_its_last_grant_alone_and_the_others_go_on():
+    """Replicas that die for reasons of their own take their groups with them: groups lost twice so
+    are granted a third time each alone (to a replica that holds none, and takes no other while it
+    holds it), while the other replicas go on taking groups; then they are trained, not poison."""
+    ledger = GroupLedger(batch_size=8, max_staleness=1, steps=10)
+    room = dict.fromkeys(range(6), 2)
+    first = ledger.grant(room, 0)
+    assert [g.group_id for g in first[0]] == [0, 6]
+    for _ in range(2):  # replica 0 dies twice holding groups 0 and 6
+        assert ledger.lost(0) == [0, 6]
+        if ledger.groups[0].grants == 1:
+            assert [g.group_id for g in ledger.grant(room, 0)[0]] == [0, 6]
+    ledger.generated(3, [3, 9])
+    ledger.generated(4, [4, 10])
+    granted = {rank: [g.group_id for g in groups] for rank, groups in ledger.grant(room, 0).items()}
+    assert granted == {0: [0], 3: [6], 4: [12, 13]}
+    assert ledger.groups[0].alone and ledger.groups[6].alone and not ledger.groups[12].alone
+    ledger.generated(1, [1, 7])
+    # Replicas 0 and 3 hold a last grant: they take nothing more, though they have room.
+    assert {rank: [g.group_id for g in groups] for rank, groups in ledger.grant(room, 0).items()} == {1: [14, 15]}
+    ledger.generated(0, [0])
+    ledger.generated(3, [6])
+    ledger.received(list(range(8)))
+    ledger.trained(0, list(range(8)))
+    assert ledger.dropped == {} and ledger.trained_count == 8
+
+
 def test_a_late_copy_of_a_recent_drop_undoes_it_and_the_ledger_forgets_old_drops():
     from rlflow.control.ledger import DROPS_KEPT
 
@@ -917,7 +944,7 @@ async def test_a_prompt_that_fails_every_time_is_dropped_as_poison_and_the_run_g
         _, summary = await run_in_process(sim("run.steps=6", "run.max_grants=2"), tmp_path, during=poison)
     assert summary.state == "stopped" and summary.steps == 6 and summary.groups.dropped == {"poison": 1}
     status = RunDir(tmp_path).read_status()
-    assert any(w == "group 5 dropped as poison (granted 2 times; last: engine_error: prompt too long)"
+    assert any(w == "group 5 dropped as poison (granted 2 times, the last alone; last: engine_error: prompt too long)"
                for w in status.warnings), status.warnings
     result = audit(tmp_path)
     assert (result.lost, result.duplicated, result.trained) == (0, 0, 24)

@@ -378,11 +378,15 @@ def test_poison_names_the_group_its_grants_and_its_last_error():
     ledger = GroupLedger(2, 0, 10, max_grants=2)
     ledger.grant({0: 10}, 0)
     assert ledger.expired([0], "every sample failed", ["row 7: engine_error: prompt too long"]) == [0]
-    ledger.grant({0: 10}, 0)
+    # Its last grant is alone: not while the replica still holds group 1.
+    assert ledger.grant({0: 10}, 0) == {}
+    ledger.generated(0, [1])
+    assert [g.group_id for g in ledger.grant({0: 10}, 0)[0]] == [0]
     assert ledger.expired([0], "every sample failed", ["row 7: engine_error: prompt too long"]) == []
     assert ledger.dropped == {"poison": 1}
     (event,) = [e for e in ledger.drain() if e.event == "dropped"]
-    assert event.groups == [0] and event.details == ["granted 2 times; last: row 7: engine_error: prompt too long"]
+    assert event.groups == [0]
+    assert event.details == ["granted 2 times, the last alone; last: row 7: engine_error: prompt too long"]
     # The step the poisoned group left is filled by a new group that can start now (sync: version 0).
     (fresh,) = [g for g in ledger.grant({0: 10}, 0)[0] if g.group_id == 2]
     assert fresh.min_version == 0

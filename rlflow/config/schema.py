@@ -697,7 +697,8 @@ class RunConfig(Table):
     max_grants: PosInt = 3
     """A prompt group granted this many times without reaching the trainer (every sample failed each
     time, or its replica died with it) is dropped for good with reason `poison`, named in the log, the
-    ledger and the audit; the run goes on."""
+    ledger and the audit; the run goes on. The last grant is alone: to a rollout replica holding no other
+    group, which takes no other meanwhile (a group lost with the crowd is trained then)."""
     filter: Literal["none", "signal"] = "none"
     """signal: train only on groups with signal (rewards not all equal: a group-relative advantage
     is 0 for every sample of the others). The trainer drops the others (reason `no_signal` in the

@@ -46,6 +46,11 @@ Every group the run will train on passes through it:
   `max_grants`-th grant without reaching the trainer (a prompt that fails
   every time it is generated, or takes its replica down) is dropped with
   reason `poison`, with what last went wrong with it, and the run goes on.
+  Its last grant is *alone*: to a replica that holds no other group, and
+  that takes no other while it holds it (the replica that holds the fewest
+  takes no more until it has none). A group lost twice beside hundreds of
+  others on replicas that died for reasons of their own is trained then;
+  one that fails alone is the common factor.
 
 Every change is also written to `journal`, the events the controller appends
 to the run's ledger file and `rlflow audit` replays. `snapshot` / `restore`
@@ -86,6 +91,8 @@ class Group:
     """The rollout replica generating it, or (downstream) that generated it."""
     grants: int = 0
     """Times it has been granted."""
+    alone: bool = False
+    """Its latest grant was its last, to a replica holding no other group (see the module)."""
     error: str = ""
     """What last went wrong with it (as an expiry said)."""
 
@@ -238,23 +245,31 @@ class GroupLedger:
             self.next_group += 1
         if not self._queue:  # the common case (every rollout ack asks): nothing to count
             return {}
-        held = collections.Counter(
-            g.owner for g in self.groups.values() if g.owner is not None and g.state is GroupState.GENERATING
-        )
+        generating = [g for g in self.groups.values() if g.owner is not None and g.state is GroupState.GENERATING]
+        held = collections.Counter(g.owner for g in generating)
         out: dict[int, list[Group]] = collections.defaultdict(list)
-        candidates = [rank for rank, capacity in room.items() if capacity > 0]
+        # A replica holding a group's last grant takes no other.
+        taken = {g.owner for g in generating if g.alone}
+        candidates = [rank for rank, capacity in room.items() if capacity > 0 and rank not in taken]
+        # Each group queued for its last grant: the replica that holds the fewest is kept for it (it takes
+        # the group once it holds none, and nothing else meanwhile).
+        for group_id in [g for g in self._queue if self._last_grant(self.groups[g])]:
+            if not candidates:
+                break
+            rank = min(candidates, key=lambda r: (held[r], r))
+            candidates.remove(rank)
+            if held[rank] == 0:
+                self._queue.remove(group_id)
+                self._give(self.groups[group_id], rank, version, held, out, alone=True)
         while self._queue and candidates:
             rank = min(candidates, key=lambda r: (held[r] / room[r], r))
             if held[rank] >= room[rank]:
                 break
-            group = self.groups[self._queue.popleft()]
-            group.min_version = max(group.min_version, version - self.max_staleness, self._oldest(group.group_id))
-            group.state, group.owner = GroupState.GENERATING, rank
-            group.grants += 1
-            if group.grants > 1:
-                self.reissued += 1
-            held[rank] += 1
-            out[rank].append(group)
+            group_id = next((g for g in self._queue if not self._last_grant(self.groups[g])), None)
+            if group_id is None:
+                break
+            self._queue.remove(group_id)
+            self._give(self.groups[group_id], rank, version, held, out)
         self.granted += sum(len(groups) for groups in out.values())
         for rank, groups in out.items():
             self.journal.append(Event(event="issued", groups=[g.group_id for g in groups], replica=f"rollout-{rank}",
@@ -328,6 +343,20 @@ class GroupLedger:
             self.journal.append(Event(event="ended", groups=left, reason="the run ended before they were trained"))
         return left
 
+    def _last_grant(self, group: Group) -> bool:
+        """Whether `group`'s next grant is its last (given alone)."""
+        return self.max_grants > 1 and group.grants == self.max_grants - 1
+
+    def _give(self, group: Group, rank: int, version: int, held: collections.Counter,
+              out: dict[int, list[Group]], alone: bool = False) -> None:
+        group.min_version = max(group.min_version, version - self.max_staleness, self._oldest(group.group_id))
+        group.state, group.owner, group.alone = GroupState.GENERATING, rank, alone
+        group.grants += 1
+        if group.grants > 1:
+            self.reissued += 1
+        held[rank] += 1
+        out[rank].append(group)
+
     def expired(self, group_ids: list[int], reason: str = "expired", errors: list[str] = ()) -> list[int]:
         """A role dropped these groups unused (`errors`: what went wrong with
         each, if it says): queue them again, first in line. Returns those
@@ -359,7 +388,8 @@ class GroupLedger:
         poison = [g for g in again if self.groups[g].grants >= self.max_grants]
         if poison:
             again = [g for g in again if self.groups[g].grants < self.max_grants]
-            details = [f"granted {self.groups[g].grants} times; last: {self.groups[g].error or reason}" for g in poison]
+            details = [f"granted {self.groups[g].grants} times{', the last alone' if self.groups[g].alone else ''}; "
+                       f"last: {self.groups[g].error or reason}" for g in poison]
             self.drop(poison, POISON, details)
             self.notices += [f"group {g} dropped as poison ({detail})" for g, detail in zip(poison, details)]
         for group_id in reversed(again):
