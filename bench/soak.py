@@ -12,9 +12,12 @@ run, from the reading at 50% to the one at 100%: the target is at most 2%
 for every process. The warm-up, from 1% to 50%, is reported on its own line.
 Writes bench/results/soak.json.
 
-    RESULT soak samples=N rss_growth_max=G warmup_growth_max=W
+    RESULT soak samples=N rss_growth_max=G controller_bytes_per_step=K
 
-G: the largest second-half growth; W: the largest warm-up growth.
+G: the largest second-half growth; K: the controller process's growth over
+the second half in bytes per step (its resident memory: the controller's
+state with whatever else this process holds). The warm-up's largest
+growth is printed on the line before.
 """
 
 from __future__ import annotations
@@ -173,11 +176,14 @@ def main() -> int:
     print(f"{samples:,d} samples in {wall:.0f} s ({summary.samples / wall:.0f} samples/s over the whole run); "
           f"largest growth over the second half, steps {half['step']}-{last['step']}: {worst:+.2%} "
           f"({max(second, key=second.get)}; target at most {TARGET:.0%})")
+    controller_step = (last["rss"]["controller"] - half["rss"]["controller"]) / max(1, last["step"] - half["step"])
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"samples": samples, "steps": steps, "wall_s": wall, "growth": second, "warmup_growth": warmup,
-              "rss_growth_max": worst, "warmup_growth_max": warm, "target": TARGET, "readings": readings.rows}
+              "rss_growth_max": worst, "warmup_growth_max": warm, "controller_bytes_per_step": controller_step,
+              "target": TARGET, "readings": readings.rows}
     (args.out / "soak.json").write_text(json.dumps(result, indent=1))
-    print(f"RESULT soak samples={samples} rss_growth_max={worst:.4f} warmup_growth_max={warm:.4f}")
+    print(f"warmup_growth_max={warm:.4f}")
+    print(f"RESULT soak samples={samples} rss_growth_max={worst:.4f} controller_bytes_per_step={controller_step:.0f}")
     return 0
 
 
