@@ -141,7 +141,7 @@ def run_peer(seed: int, args, folder: pathlib.Path) -> None:
 
 
 def run_rlflow(system: str, seed: int, args, folder: pathlib.Path) -> None:
-    steps = args.steps if system == "sync" else args.default_steps
+    steps = args.steps if system == "sync" else args.default_steps or default_config(seed).run.steps
     extra = [*args.set, *(args.default_set if system == "default" else []),
              f"roles.trainer.engine.lr_decay_steps={args.horizon}"]
     learning.run_one(VARIANT[system], seed, steps, args.every, extra, folder, args.timeout)
@@ -318,7 +318,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--steps", type=int, default=40, help="compare by steps up to this (sync runs this long)")
-    parser.add_argument("--default-steps", type=int, default=60, help="steps the default runs")
+    parser.add_argument("--default-steps", type=int, default=0, help="steps the default runs (0: as it ships)")
     parser.add_argument("--every", type=int, default=5, help="write the weights every this many steps")
     parser.add_argument("--mark-every", type=int, default=10, help="the step marks A and D are read at")
     parser.add_argument("--peer-time", type=int, default=420, help="seconds of the peer's training R is read at")
