@@ -398,8 +398,16 @@ def plot(results: dict[str, dict[int, dict]], summary: dict[str, dict], path: pa
                         color=colour, alpha=0.3, linewidth=0.8)
             ax.plot([p[key] for p in mean], [100 * p["accuracy"] for p in mean], color=colour, linewidth=2,
                     label=f"{variant} ({len(by_seed)} seed{'s' if len(by_seed) > 1 else ''})")
-    for ax, label in zip(axes, ("step", "wall time (s), training only")):
+    for ax in axes:
         ax.axhline(100 * TARGET, color="grey", linestyle=":", linewidth=1)
+    save_figure(fig, axes, ("step", "wall time (s), training only"), title, path)
+
+
+def save_figure(fig, axes, xlabels: tuple[str, str], title: str, path: pathlib.Path) -> None:
+    """Held-out accuracy against two x axes: labelled, titled, written to `path`, closed."""
+    import matplotlib.pyplot as plt
+
+    for ax, label in zip(axes, xlabels):
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out accuracy (%), greedy, 1,000 problems")

@@ -298,15 +298,7 @@ def plot(results: dict[str, dict[int, dict]], summary: dict, path: pathlib.Path,
         for ax in axes:
             ax.axhline(100 * summary["target"], color="grey", linestyle=":", linewidth=1)
         axes[1].axvline(peer_time, color="grey", linestyle=":", linewidth=1)
-    for ax, label in zip(axes, ("step (32 prompts x 8 samples)", "seconds of training")):
-        ax.set_xlabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("held-out accuracy (%), greedy, 1,000 problems")
-    axes[0].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    learning.save_figure(fig, axes, ("step (32 prompts x 8 samples)", "seconds of training"), title, path)
 
 
 # -- main ----------------------------------------------------------------------------------
