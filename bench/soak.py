@@ -40,8 +40,9 @@ from rlflow.rundir import Status
 RESULTS = pathlib.Path(__file__).parent / "results"
 #: Prompt groups per step and samples per group: 1,024 samples a step.
 BATCH, SAMPLES_PER_PROMPT = 64, 16
-#: Steps run past the last reading, so that every service is still up for it.
-TAIL_STEPS = 5
+#: Share of the run's steps run past the last reading, so that every service is still up for it (the
+#: controller reports about twice a second: at 30 steps a second, 5 steps were over before it did).
+TAIL_SHARE = 0.03
 #: Largest growth over the second half of the run, for every process.
 TARGET = 0.02
 #: When the readings are taken, as fractions of the run: the first, early in the warm-up, then every tenth.
@@ -150,7 +151,8 @@ def main() -> int:
 
     per_step = BATCH * SAMPLES_PER_PROMPT
     steps = max(100, math.ceil(args.samples / per_step))
-    config = C.load(text=CONFIG.format(batch=BATCH, spp=SAMPLES_PER_PROMPT, steps=steps + TAIL_STEPS))
+    tail = max(5, math.ceil(steps * TAIL_SHARE))
+    config = C.load(text=CONFIG.format(batch=BATCH, spp=SAMPLES_PER_PROMPT, steps=steps + tail))
     readings = Readings(steps)
     with tempfile.TemporaryDirectory(prefix="rlflow-soak-") as tmp:
         run_dir = args.run_dir or pathlib.Path(tmp) / "run"
