@@ -170,7 +170,7 @@ def test_the_ledger_keeps_its_promises_whatever_happens(batch, k, ops):
             assert ledger.next_group <= ledger.limit + batch * (k - ledger.lead)  # a lead lowered since
         assert not trained & set(ledger.groups)
         assert all(ledger.held_by(r) <= 3 for r in range(3))
-        assert all(g.grants <= ledger.max_grants for g in ledger.groups.values())
+        assert all(g.strikes < ledger.max_grants for g in ledger.groups.values())
         assert set(ledger.dropped) <= {POISON, NO_SIGNAL}  # as poison, or by the trainer
         # Nothing lost: every group made is trained, still in the ledger, or dropped with its reason.
         assert len(trained) + len(ledger.groups) + sum(ledger.dropped.values()) == ledger.next_group
@@ -620,6 +620,18 @@ def test_a_group_lost_with_the_crowd_gets_its_last_grant_alone_and_the_others_go
     ledger.received(list(range(8)))
     ledger.trained(0, list(range(8)))
     assert ledger.dropped == {} and ledger.trained_count == 8
+
+
+def test_a_group_lost_after_it_was_generated_has_not_failed():
+    """Deaths downstream of the rollout (a reward or teacher replica), or of the rollout replica after it
+    sent the group, queue it again without a strike: never poison, never held back for a try alone."""
+    ledger = GroupLedger(batch_size=2, max_staleness=0, steps=10, max_grants=2)
+    for _ in range(5):
+        (group, *_), = ledger.grant({0: 4}, 0).values()
+        ledger.generated(0, [0, 1])
+        assert 0 in (ledger.lost_downstream("reward-0") if group.grants % 2 else ledger.lost(0))
+    assert ledger.dropped == {} and ledger.groups[0].grants == 5 and ledger.groups[0].strikes == 0
+    assert not ledger.groups[0].alone
 
 
 def test_a_late_copy_of_a_recent_drop_undoes_it_and_the_ledger_forgets_old_drops():

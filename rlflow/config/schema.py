@@ -695,10 +695,11 @@ class RunConfig(Table):
     """Keep generating across weight updates (tokens after an update carry the new version);
     false: finish in-flight requests on the old weights before applying an update."""
     max_grants: PosInt = 3
-    """A prompt group granted this many times without reaching the trainer (every sample failed each
-    time, or its replica died with it) is dropped for good with reason `poison`, named in the log, the
-    ledger and the audit; the run goes on. The last grant is alone: to a rollout replica holding no other
-    group, which takes no other meanwhile (a group lost with the crowd is trained then)."""
+    """A prompt group whose grant fails this many times (every sample failed, or the rollout replica
+    generating it died) is dropped for good with reason `poison`, named in the log, the ledger and the
+    audit; the run goes on. The last try is alone: to a rollout replica holding no other group, which
+    takes no other meanwhile (a group lost with the crowd is trained then). A replica's death after the
+    group was generated is not its failure."""
     filter: Literal["none", "signal"] = "none"
     """signal: train only on groups with signal (rewards not all equal: a group-relative advantage
     is 0 for every sample of the others). The trainer drops the others (reason `no_signal` in the

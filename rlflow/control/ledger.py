@@ -42,15 +42,17 @@ Every group the run will train on passes through it:
   and the bound: the rollout runs only as far ahead as keeps the trainer
   fed, and the samples are fresher for it. The bound on each group's start
   (`min_version`) stays `max_staleness`.
-* Grants are bounded: a group that would be queued again after its
-  `max_grants`-th grant without reaching the trainer (a prompt that fails
-  every time it is generated, or takes its replica down) is dropped with
-  reason `poison`, with what last went wrong with it, and the run goes on.
-  Its last grant is *alone*: to a replica that holds no other group, and
-  that takes no other while it holds it (the replica that holds the fewest
-  takes no more until it has none). A group lost twice beside hundreds of
-  others on replicas that died for reasons of their own is trained then;
-  one that fails alone is the common factor.
+* Failures are bounded: a group whose grant ends in a failure of its own
+  `max_grants` times (every sample failed, or the rollout replica
+  generating it died) is dropped with reason `poison`, with what last went
+  wrong with it, and the run goes on. Its last try is *alone*: granted to
+  a replica that holds no other group, and that takes no other while it
+  holds it (the replica that holds the fewest takes no more until it has
+  none). A group lost twice beside hundreds of others on replicas that
+  died for reasons of their own is trained then; one that fails alone is
+  the common factor. A group queued again because a replica died after it
+  was generated (a reward or teacher replica, or its rollout replica once
+  it had sent it) has not failed.
 
 Every change is also written to `journal`, the events the controller appends
 to the run's ledger file and `rlflow audit` replays. `snapshot` / `restore`
@@ -91,8 +93,11 @@ class Group:
     """The rollout replica generating it, or (downstream) that generated it."""
     grants: int = 0
     """Times it has been granted."""
+    strikes: int = 0
+    """Grants that ended in a failure of its own: every sample failed, or the rollout replica generating
+    it died."""
     alone: bool = False
-    """Its latest grant was its last, to a replica holding no other group (see the module)."""
+    """Its latest grant was its last try, to a replica holding no other group (see the module)."""
     error: str = ""
     """What last went wrong with it (as an expiry said)."""
 
@@ -138,7 +143,7 @@ class LedgerState(msgspec.Struct, frozen=True, kw_only=True):
     """Grants so far (None, in a checkpoint that did not say: one per group trained)."""
 
 
-#: `Event.reason` of a group dropped for having been granted `max_grants` times.
+#: `Event.reason` of a group dropped for having failed `max_grants` times.
 POISON = "poison"
 #: Over-granting for groups without signal assumes at most this share of them (a factor of 5 at most).
 MAX_NO_SIGNAL_SHARE = 0.8
@@ -344,8 +349,8 @@ class GroupLedger:
         return left
 
     def _last_grant(self, group: Group) -> bool:
-        """Whether `group`'s next grant is its last (given alone)."""
-        return self.max_grants > 1 and group.grants == self.max_grants - 1
+        """Whether `group`'s next grant is its last try (given alone)."""
+        return self.max_grants > 1 and group.strikes == self.max_grants - 1
 
     def _give(self, group: Group, rank: int, version: int, held: collections.Counter,
               out: dict[int, list[Group]], alone: bool = False) -> None:
@@ -365,16 +370,17 @@ class GroupLedger:
         for group_id, error in zip(group_ids, errors):
             if group_id in self.groups:
                 self.groups[group_id].error = error
-        return self._requeue((g for g in group_ids if g in self.groups), reason)
+        ids = [g for g in group_ids if g in self.groups]
+        return self._requeue(ids, reason, struck=set(ids))
 
     def lost(self, owner: int) -> list[int]:
         """Rollout replica `owner` went away: queue again the groups it was
-        generating, and those it sent that the trainer has not received
-        (they may have died in its socket)."""
+        generating (a failure of theirs, perhaps), and those it sent that the
+        trainer has not received (they may have died in its socket)."""
         held = (GroupState.GENERATING, GroupState.DOWNSTREAM)
-        return self._requeue(
-            (g.group_id for g in self.groups.values() if g.owner == owner and g.state in held), f"rollout-{owner} lost"
-        )
+        mine = [g for g in self.groups.values() if g.owner == owner and g.state in held]
+        struck = {g.group_id for g in mine if g.state is GroupState.GENERATING}
+        return self._requeue([g.group_id for g in mine], f"rollout-{owner} lost", struck=struck)
 
     def lost_downstream(self, replica: str) -> list[int]:
         """A replica between rollout and trainer went away: queue again every
@@ -383,13 +389,16 @@ class GroupLedger:
             (g.group_id for g in self.groups.values() if g.state is GroupState.DOWNSTREAM), f"{replica} lost"
         )
 
-    def _requeue(self, group_ids, reason: str) -> list[int]:
+    def _requeue(self, group_ids, reason: str, struck: set[int] = frozenset()) -> list[int]:
+        """Queue `group_ids` again, first in line; those in `struck` failed (see `Group.strikes`)."""
         again = [g for g in dict.fromkeys(group_ids) if self.groups[g].state is not GroupState.QUEUED]
-        poison = [g for g in again if self.groups[g].grants >= self.max_grants]
+        for group_id in again:
+            if group_id in struck:
+                self.groups[group_id].strikes += 1
+        poison = [g for g in again if self.groups[g].strikes >= self.max_grants]
         if poison:
-            again = [g for g in again if self.groups[g].grants < self.max_grants]
-            details = [f"granted {self.groups[g].grants} times{', the last alone' if self.groups[g].alone else ''}; "
-                       f"last: {self.groups[g].error or reason}" for g in poison]
+            again = [g for g in again if self.groups[g].strikes < self.max_grants]
+            details = [_poison_detail(self.groups[g], reason) for g in poison]
             self.drop(poison, POISON, details)
             self.notices += [f"group {g} dropped as poison ({detail})" for g, detail in zip(poison, details)]
         for group_id in reversed(again):
@@ -465,3 +474,10 @@ class GroupLedger:
         ledger.journal.append(Event(event="resumed", step=state.steps_done, groups=list(state.untrained),
                                     next_group=state.next_group))
         return ledger
+
+
+def _poison_detail(group: Group, reason: str) -> str:
+    """What the ledger, the log and the audit say of a group dropped as poison."""
+    granted = f"granted {group.grants} times" if group.grants == group.strikes else \
+        f"failed {group.strikes} of {group.grants} grants"
+    return f"{granted}{', the last alone' if group.alone else ''}; last: {group.error or reason}"
