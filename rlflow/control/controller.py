@@ -46,7 +46,7 @@ from rlflow.data.net import CurveKeys, bind_host
 from rlflow.errors import RunFailed, leaves
 from rlflow.protocol import (
     REPLACED, SCHEMA_VERSION, WEIGHT_GROUP_BROKEN, WRONG_VERSION, Ack, Bye, Credits, Dropped, ErrorReport, EvalDone,
-    Evaluate, Expired, Heartbeat, Hello, Peers, ProtocolError, Ready, SchemaVersionMismatch, Shutdown, Stage,
+    Expired, Heartbeat, Hello, ProtocolError, Ready, SchemaVersionMismatch, Shutdown, Stage,
     StepDone, WeightsGroup, WeightsLoaded, WeightsReady, Welcome,
 )
 from rlflow.rundir import CONTROLLER_STATE, ControllerInfo, RunDir, Status, Summary, append_jsonl, read_json, write_json
@@ -125,7 +125,6 @@ class Controller:
         #: The version a replica loads when it starts (the checkpoint resumed from, else the policy's start).
         self.start_version = self.version
         self.weights = Weights(self.version, max_rebuilds=cluster.max_weight_rebuilds)
-        self._eval_due = False  # an evaluation waits for the weight round moving to end
         self.topology = Topology([name for name, _ in config.role_items()])
         self.supervisor = Supervisor(Policy.of(cluster), trio.current_time)
         self.stats = RunStats([name for name, _ in config.role_items()])
@@ -288,7 +287,7 @@ class Controller:
                 replica.version = version
                 self.stats.weights_loaded(seconds)
                 self.outboxes.order(self.weights.loaded(replica.rank, version, receivers, checksum), self.roster)
-                self._ask_eval()
+                self.outboxes.order(self.weights.evaluation(), self.roster)
                 self._grant()
                 self._changed.set()
             case EvalDone():
@@ -334,7 +333,7 @@ class Controller:
         if replica.restarts == 0:
             return
         log.info("[controller] %s is back (incarnation %d)", replica.name, replica.incarnation)
-        self._send_peers_upstream(replica.role)
+        self.outboxes.post_each(self.topology.upstream(replica.role, self.roster))
         if replica.role == "rollout":
             self.outboxes.order(self.weights.joined(replica.rank, self.roster.receivers()), self.roster)
 
@@ -381,16 +380,8 @@ class Controller:
         has (one moving ends first); the version it reads (None: no held-out set)."""
         if kind_of(self.config.task) == "sim":
             return None
-        self.weights.hold()
-        self._eval_due = True
-        self._ask_eval()
+        self.outboxes.order(self.weights.evaluate(self.config.eval.temperature), self.roster)
         return self.weights.rounds.moved
-
-    def _ask_eval(self) -> None:
-        if self._eval_due and not self.weights.busy:
-            self._eval_due = False
-            evaluate = Evaluate(version=self.weights.rounds.moved, temperature=self.config.eval.temperature)
-            self.outboxes.post(self.roster.replicas[("rollout", 0)], evaluate)
 
     async def _evaluated(self) -> None:
         """Evaluate, and wait for this evaluation (an earlier one may still be running); asked again of
@@ -401,15 +392,6 @@ class Controller:
             await self._wait_change()
             if evaluator.incarnation != asked and evaluator.live and 0 not in self.weights.catching_up:
                 version, asked = self._evaluate(), evaluator.incarnation
-
-    def _send_peers_upstream(self, role: str) -> None:
-        """The role before `role` streams to its replicas' current endpoints."""
-        before = self.topology.previous(role)
-        for upstream in self.roster.role(before) if before else ():
-            if upstream.live:
-                peers = self.topology.peers(before, upstream.rank, self.roster)
-                self.outboxes.post(upstream, Peers(peers=peers, shm_peers=Topology.shm_peers(upstream, peers,
-                                                                                           self.roster)))
 
     def _warn(self, text: str) -> None:
         """Something a person should look at: logged, and the latest few in the status."""
@@ -486,12 +468,8 @@ class Controller:
         self._warn(f"{text}; {len(again)} groups granted again")
         if rollout:
             self.outboxes.order(self.weights.left(replica.rank, self.roster.receivers()), self.roster)
-            if replica.rank == 0 and self.weights.rounds.held:  # its evaluation is lost with it
-                self._eval_due = False
-                self.outboxes.order(self.weights.release(self.roster.receivers()), self.roster)
-            self._ask_eval()
         else:  # the role before it stops sending to it (until its replacement is ready)
-            self._send_peers_upstream(replica.role)
+            self.outboxes.post_each(self.topology.upstream(replica.role, self.roster))
         if isinstance(verdict, GiveUp):
             self._gave_up(replica, verdict)
         self._grant()

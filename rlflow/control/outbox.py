@@ -140,6 +140,11 @@ class Outboxes:
         if outbox is not None and not outbox.post(msg) and replica.registered:
             self._lose(replica, f"took none of its last {outbox.size} control messages: presumed stuck", True)
 
+    def post_each(self, pairs: list[tuple[Any, Any]]) -> None:
+        """`post` each (replica, message) of `pairs`."""
+        for replica, msg in pairs:
+            self.post(replica, msg)
+
     def order(self, orders: list[Any], roster: Any) -> None:
         """Send weight orders (`rounds.Order`): to every trainer rank, or to a live rollout replica."""
         for order in orders:

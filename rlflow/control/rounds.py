@@ -17,7 +17,7 @@ import msgspec
 from rlflow.control.checksums import Checksums
 from rlflow.errors import RunFailed
 from rlflow.protocol import (
-    Adapter, ParamSpec, SendWeights, UpdateWeights, WeightsGloo, WeightsNccl, WeightTransfer,
+    Adapter, Evaluate, ParamSpec, SendWeights, UpdateWeights, WeightsGloo, WeightsNccl, WeightTransfer,
 )
 
 
@@ -103,7 +103,7 @@ class Order:
 
     role: str
     rank: int | None
-    message: SendWeights | UpdateWeights
+    message: SendWeights | UpdateWeights | Evaluate
 
 
 class Weights:
@@ -142,6 +142,8 @@ class Weights:
         self.rebuilds = 0
         #: Rollout replicas being caught up (replacements): no work for them yet.
         self.catching_up: set[int] = set()
+        #: An evaluation asked for, waiting for the round moving to end (its sampling temperature).
+        self.eval_due: float | None = None
 
     def offered(self, transfer: WeightTransfer | None, layout: list[ParamSpec], receivers: int,
                 adapter: Adapter | None = None) -> None:
@@ -195,10 +197,16 @@ class Weights:
         return self._move(self.rounds.loaded(rank, version, receivers), receivers)
 
     def left(self, rank: int, receivers: set[int]) -> list[Order]:
-        """Rollout replica `rank` is gone: the next round regroups; this one may complete without it."""
+        """Rollout replica `rank` is gone: the next round regroups; this one may complete without it. Rollout
+        0's evaluation, asked or under way, is lost with it: rounds start again (the controller asks its
+        replacement)."""
         self.catching_up.discard(rank)
         self.regroup = self.collective
-        return self._move(self.rounds.left(receivers), receivers)
+        orders = self._move(self.rounds.left(receivers), receivers)
+        if rank == 0 and self.rounds.held:
+            self.eval_due = None
+            orders += self.release(receivers)
+        return orders + self.evaluation()
 
     def joined(self, rank: int, receivers: set[int]) -> list[Order]:
         """A replacement rollout replica is ready: it loads the newest version moved before any work."""
@@ -212,6 +220,20 @@ class Weights:
         """Start no new round (one moving completes): a held-out evaluation is to read the version the
         rollout replicas hold once it has."""
         self.rounds.hold()
+
+    def evaluate(self, temperature: float) -> list[Order]:
+        """A held-out evaluation by rollout 0 of one version: no new round starts (see `hold`), and it is
+        asked once the round moving has ended (`evaluation`)."""
+        self.hold()
+        self.eval_due = temperature
+        return self.evaluation()
+
+    def evaluation(self) -> list[Order]:
+        """The evaluation due, once no round is moving."""
+        if self.eval_due is None or self.busy:
+            return []
+        temperature, self.eval_due = self.eval_due, None
+        return [Order("rollout", 0, Evaluate(version=self.rounds.moved, temperature=temperature))]
 
     def release(self, receivers: set[int]) -> list[Order]:
         """Rounds start again, from the newest version published."""

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from rlflow.control.replicas import Replica
+from rlflow.control.replicas import Replica, Roster
+from rlflow.protocol import Peers
 
 
 #: Roles asked by request and reply rather than streamed to: role -> the role that asks it.
@@ -77,3 +78,14 @@ class Topology:
             return []
         takers = {address for r in replicas if r.hello.shm == token for address in r.hello.endpoints.values()}
         return sorted({address for addresses in peers.values() for address in addresses if address in takers})
+
+    def upstream(self, role: str, roster: Roster) -> list[tuple[Replica, Peers]]:
+        """What to tell each live replica of the role before `role`: stream to `role`'s replicas'
+        current endpoints."""
+        before = self.previous(role)
+        out = []
+        for upstream in roster.role(before) if before else ():
+            if upstream.live:
+                peers = self.peers(before, upstream.rank, roster)
+                out.append((upstream, Peers(peers=peers, shm_peers=self.shm_peers(upstream, peers, roster))))
+        return out
