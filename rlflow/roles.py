@@ -45,19 +45,35 @@ class RoleSpec:
     checkpoint, instead of being restarted."""
     external: bool = False
     """Its replicas may be started by the user (``launch = "external"``, see SPEC.md)."""
+    asked_by: str = ""
+    """The role that asks it (``takes = "requests"``): its replicas get this role's endpoints."""
+    report: str = ""
+    """``module:function`` giving the line `rlflow report` adds about the role, from the run's `StepRow`s
+    ("" for none)."""
+    curves: tuple[tuple[str, str], ...] = ()
+    """(`StepRow.train` key, label) of statistics of its own that `rlflow report` draws in a panel."""
+    curves_title: str = ""
+    """That panel's title."""
+    plan: str = ""
+    """``module:function`` giving, from a run, the costs `rlflow plan` models the role by, for a role that
+    values each group on its way to the trainer and trains on it (`rlflow.tools.plan.Learner`)."""
 
 
 ROLES: tuple[RoleSpec, ...] = (
     RoleSpec("rollout", 1, "rlflow.services.rollout.service:RolloutService", takes="credits", hands_on="samples",
              busy="generating", versioned=True, external=True),
     RoleSpec("env", 5, "rlflow.services.env.service:EnvService", takes="requests", hands_on="replies",
-             busy="stepping episodes", optional=True, external=True),
+             busy="stepping episodes", optional=True, external=True, asked_by="rollout"),
     RoleSpec("reward", 2, "rlflow.services.reward.service:RewardService", takes="samples", hands_on="samples",
              busy="scoring", external=True),
     RoleSpec("teacher", 3, "rlflow.services.teacher.service:TeacherService", takes="samples", hands_on="samples",
              busy="scoring", optional=True, external=True),
     RoleSpec("critic", 6, "rlflow.services.critic.service:CriticService", takes="samples", hands_on="samples",
-             busy="valuing and training", optional=True, versioned=True, stateful=True),
+             busy="valuing and training", optional=True, versioned=True, stateful=True,
+             report="rlflow.services.critic.report:line",
+             curves=(("critic_value_loss", "value loss"), ("critic_explained_var", "explained variance")),
+             curves_title="critic (on each step's samples, before it trained on them)",
+             plan="rlflow.services.critic.plan:costs"),
     RoleSpec("trainer", 4, "rlflow.services.trainer.service:TrainerService", takes="samples", hands_on="weights",
              busy="training", versioned=True, stateful=True),
 )

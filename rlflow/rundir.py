@@ -15,8 +15,8 @@ the typed records in the JSON files.
                          ROLE-RANK.events.jsonl while one runs); trace/lengths-RANK.jsonl the trained lengths
     checkpoints/step-NNNNNN/   a Hugging Face model directory plus trainer (optimizer/: a torch
                          distributed checkpoint) and controller state
-    checkpoints/critic-step-NNNNNN/   the critic at its step NNNNNN (runs with a critic role): its
-                         Hugging Face directory (a value head), optimizer and step
+    checkpoints/ROLE-step-NNNNNN/   another role with weights of its own (`RoleSpec.stateful`) at
+                         its step NNNNNN: its Hugging Face directory, optimizer and step
     tensorboard/         event files, when TensorBoard is installed
     timeline.png, trace.json, curves.png   written by `rlflow report`
 
@@ -43,6 +43,7 @@ import msgspec
 
 from rlflow.data.net import CurveKeys
 from rlflow.protocol import Counters, EngineLoad
+from rlflow.roles import STATEFUL
 
 # ---------------------------------------------------------------------------
 # Records
@@ -263,7 +264,7 @@ class Status(Record):
     """External replicas (``role-rank``) the run waits for: not up (`rlflow join` says what each needs)."""
     trends: dict[str, Trend] = {}
     """Training statistics to watch as they move (``kl_teacher``: the per-token KL to the teacher;
-    ``critic_value_loss`` and ``critic_explained_var``: how the critic fits the returns)."""
+    and a role's own, e.g. how a value model fits the returns)."""
 
 
 class SessionTotals(Record):
@@ -482,17 +483,20 @@ class RunDir:
     def checkpoint(self, step: int) -> pathlib.Path:
         return self.checkpoints / f"step-{step:06d}"
 
-    def critic_checkpoint(self, step: int) -> pathlib.Path:
-        """The critic's checkpoint at its step `step` (beside the trainer's of that step)."""
-        return critic_beside(self.checkpoint(step))
+    def role_checkpoint(self, role: str, step: int) -> pathlib.Path:
+        """The checkpoint of `role` (one with weights of its own, not the trainer) at its step `step`,
+        beside the trainer's of that step."""
+        return beside(self.checkpoint(step), role)
 
     def latest_checkpoint(self) -> pathlib.Path | None:
-        """The newest checkpoint that both trainer and controller finished and,
-        in a run whose critic has written checkpoints, the critic too."""
+        """The newest checkpoint that both trainer and controller finished and
+        every other role that has written checkpoints in this run too."""
         done = sorted(p.parent for p in self.checkpoints.glob(f"step-*/{CONTROLLER_STATE}"))
-        critics = {p.parent.name.removeprefix("critic-") for p in self.checkpoints.glob(f"critic-step-*/{RUN_STATE}")}
-        if critics:
-            done = [p for p in done if p.name in critics]
+        for role in STATEFUL:
+            finished = {p.parent.name.removeprefix(f"{role}-")
+                        for p in self.checkpoints.glob(f"{role}-step-*/{RUN_STATE}")}
+            if finished:
+                done = [p for p in done if p.name in finished]
         return done[-1].resolve() if done else None
 
     # -- records ---------------------------------------------------------------
@@ -535,14 +539,10 @@ TRAINER_OPTIMIZER = "optimizer"
 RUN_STATE = "run_state.json"
 
 
-#: Beside a critic checkpoint's model: the critic's RNG and step.
-CRITIC_STATE = "critic_state.pt"
-
-
-def critic_beside(checkpoint: pathlib.Path) -> pathlib.Path:
-    """The critic's checkpoint of the same step as the trainer's `checkpoint` (a
+def beside(checkpoint: pathlib.Path, role: str) -> pathlib.Path:
+    """`role`'s checkpoint of the same step as the trainer's `checkpoint` (a
     folder of its own: the trainer replaces its folder whole when it writes)."""
-    return checkpoint.with_name(f"critic-{checkpoint.name}")
+    return checkpoint.with_name(f"{role}-{checkpoint.name}")
 
 
 _encoder = msgspec.json.Encoder()

@@ -1,6 +1,6 @@
-"""rlflow's long-lived services, grouped by process: ``rollout/``, ``reward/``,
-``teacher/``, ``critic/``, ``trainer/`` and ``env/``, each with its service and
-its engines, and ``base`` that they share.
+"""rlflow's long-lived services, grouped by process: a folder per role (the
+roles are `rlflow.roles.ROLES`), each with its service and its engines, and
+``base`` and the other modules here that they share.
 
 Each service is a trio program that runs one loop under a nursery and speaks
 only the protocol. `main` is what a service process runs. Importing this

@@ -440,8 +440,8 @@ class StageService(Service):
     """A service in the middle of the stream: pull a batch, work on it, push it on.
 
     Every streaming role plugs into this one loop: `process` (the role's
-    work on a batch), and, for a role that keeps what passes and trains on it
-    (the critic), `sent` (a batch went on), `idle` (work of its own while no
+    work on a batch), and, for a role that keeps what passes and trains on it,
+    `sent` (a batch went on), `idle` (work of its own while no
     batch waits: a training step) and `finish` (at shutdown, what it owes).
     Up to `max_batches` batches are worked on at once. Batches come in and go
     on over shared memory between services of one machine (`cluster.shm`).

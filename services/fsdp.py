@@ -1,4 +1,4 @@
-"""The ranks of a role that trains a torch model (the trainer, the critic):
+"""The ranks of a role that trains a torch model (`RoleSpec.stateful`):
 every replica of the role in one process group, the model sharded across them
 with FSDP2, bf16 passes on a CPU, checkpoints of the optimizer's shards, and the
 few collectives a step needs. Shared machinery: the roles import it from here.

@@ -1,6 +1,6 @@
 """The vLLM client: vLLM's `AsyncLLM` on an asyncio event loop of its own
 thread, driven from trio, with the calls the roles that run vLLM make (the
-rollout generates and loads weights, the teacher scores prompts).
+rollout generates and loads weights; a scoring role takes prompt log-probabilities).
 
 Every call from trio is bridged to that loop and back (`AsyncioBridge`).
 Cancelling the trio side cancels the asyncio task, which aborts the vLLM

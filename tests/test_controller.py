@@ -321,6 +321,7 @@ def test_the_kl_to_the_teacher_is_shown_with_its_trend(tmp_path):
     rows = []
     for step in range(25):  # 1.0 for 8 steps, then 0.5; one step without a teacher's figure
         metrics = {} if step == 3 else {"kl_teacher": 1.0 if step < 8 else 0.5}
+        metrics["critic_value_loss"] = 0.1  # a role's own statistics (`RoleSpec.curves`) get a panel too
         rows.append(stats.close_step(StepDone(step=step, version=step + 1, acked=[], metrics=metrics), float(step), 0))
     trend = stats.trends()["kl_teacher"]
     assert (trend.last, trend.mean, trend.steps) == (0.5, 0.5, 10)
@@ -335,7 +336,7 @@ def test_the_kl_to_the_teacher_is_shown_with_its_trend(tmp_path):
     png = write_curves(load(tmp_path), tmp_path / "curves.png")
     import matplotlib.image
 
-    assert matplotlib.image.imread(png).shape[1] > 2 * 4.2 * 110  # reward, staleness, and the KL
+    assert matplotlib.image.imread(png).shape[1] > 3 * 4.2 * 110  # reward, staleness, the critic's, the KL
 
 
 # -- the shell, with real services in this process ----------------------------------------

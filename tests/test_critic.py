@@ -377,19 +377,19 @@ def test_gae_needs_a_critic_and_a_critic_needs_gae():
 
 
 def test_the_planner_ranks_a_critic_pool_against_the_critic_on_the_trainers_devices():
-    from rlflow.tools.plan import Workload, candidates, pools_section, simulate, table
+    from rlflow.tools.plan import Learner, Workload, candidates, pools_section, simulate, table
 
     w = Workload(slots_per_device=256, step_s=0.0005, step_s_per_seq=0.0, trainer_device_s_per_token=4e-5,
-                 lengths=(40, 80, 160), critic_forward_s_per_token=0.7e-5, critic_step_s_per_token=2e-5)
+                 lengths=(40, 80, 160), learner=Learner("critic", forward_s_per_token=0.7e-5, step_s_per_token=2e-5))
     inline = simulate(w, 2, 1)
-    own = simulate(w, 2, 1, critic_devices=1)
+    own = simulate(w, 2, 1, learner_devices=1)
     # The trainer is the bottleneck: a critic of its own saves the trainer the critic's share of each step.
     assert own.samples_per_s > 1.3 * inline.samples_per_s
     assert own.layout == "2+1+1" and inline.layout == "2+1i"
     ranked = candidates(w, 4)
     assert {p.layout for p in ranked} >= {"2+1+1", "1+2+1", "2+2i", "colocated"}
     assert "critic" in table(ranked).splitlines()[0]
-    best = next(p for p in ranked if p.critic_devices)
+    best = next(p for p in ranked if p.learner_devices)
     assert "[roles.critic]" in pools_section(best, w, gpus=True)
     plain = Workload(slots_per_device=256, step_s=0.0005, step_s_per_seq=0.0, trainer_device_s_per_token=4e-5,
                      lengths=(40, 80, 160))
@@ -398,7 +398,8 @@ def test_the_planner_ranks_a_critic_pool_against_the_critic_on_the_trainers_devi
 
 def test_the_report_names_the_critic_when_it_holds_the_run_back():
     from rlflow.rundir import StepRow
-    from rlflow.tools.report import bottleneck, critic_line
+    from rlflow.services.critic.report import line as critic_line
+    from rlflow.tools.report import bottleneck, role_lines
 
     fractions = {
         "rollout": {"busy": 0.55, "starved": 0.0, "blocked": 0.45},
@@ -416,6 +417,7 @@ def test_the_report_names_the_critic_when_it_holds_the_run_back():
     assert critic_line(rows) == ("critic over the last 3 steps: value loss 0.1000, explained variance 0.50; its "
                                  "values lagged the actor's step by 0.50 versions on average, 1 at most")
     assert critic_line([StepRow(step=0, version=1, time_s=0.0)]) == ""
+    assert role_lines(rows) == [critic_line(rows)]  # the report reaches it through the registry
 
 
 def test_the_advantages_of_a_batch_leave_failed_samples_out_and_take_a_penalty_at_every_token():
@@ -472,7 +474,7 @@ def test_the_newest_checkpoint_is_one_the_critic_finished_too(tmp_path):
         folder.checkpoint(step).mkdir(parents=True)
         (folder.checkpoint(step) / CONTROLLER_STATE).write_text("{}")
     assert folder.latest_checkpoint().name == "step-000004"  # a run without a critic
-    folder.critic_checkpoint(2).mkdir()
-    (folder.critic_checkpoint(2) / RUN_STATE).write_text("{}")
+    folder.role_checkpoint("critic", 2).mkdir()
+    (folder.role_checkpoint("critic", 2) / RUN_STATE).write_text("{}")
     (folder.checkpoints / "critic-step-000004.tmp").mkdir()  # being written when the run died
     assert folder.latest_checkpoint().name == "step-000002"

@@ -69,12 +69,13 @@ def test_a_run_with_a_critic_attaches_trains_reports_and_resumes(ray_cluster, tm
     assert "critic " in text and "critic over the last 4 steps" in text
     # `rlflow plan` takes the critic's costs from the run, and ranks layouts with and without its own pool.
     workload, _, _ = workload_from_run(run_dir)
-    assert workload.critic_forward_s_per_token > 0 and workload.critic_step_s_per_token > 0
+    assert workload.learner.role == "critic"
+    assert workload.learner.forward_s_per_token > 0 and workload.learner.step_s_per_token > 0
     ranked, section = plan(run_dir, devices=4)
-    assert any(p.critic_devices for p in ranked) and "[roles.critic]" in section
+    assert any(p.learner_devices for p in ranked) and "[roles.critic]" in section
     # Checkpoints of the critic beside the trainer's, and a resume from the newest.
     for step in (2, 4):
-        saved = folder.critic_checkpoint(step)
+        saved = folder.role_checkpoint("critic", step)
         assert (saved / "run_state.json").is_file() and (saved / "model.safetensors").is_file()
     latest = folder.latest_checkpoint()
     assert latest is not None and latest.name == "step-000004"

@@ -38,7 +38,7 @@ def test_the_ppo_example_warms_its_critic_up_then_its_policy_learns(ray_cluster,
     folder = RunDir(run_dir)
     rows = folder.read_metrics()
     assert [r.train.get("actor_held", 0.0) for r in rows] == [1.0] + [0.0] * (STEPS - 1)
-    assert folder.critic_checkpoint(STEPS).exists()
+    assert folder.role_checkpoint("critic", STEPS).exists()
     # The policy learns: the reward of the last steps' samples is far above that of the first ones' (made
     # by the starting policy, or one or two versions past it); 0.07 to 0.82 when this was written.
     first, last = (sum(r.reward_mean for r in part) / len(part) for part in (rows[:6], rows[-6:]))

@@ -41,3 +41,23 @@ def test_the_roles_a_config_lists_are_in_the_registrys_order():
     config = C.load(ROOT / "examples" / "ppo.toml")
     names = [name for name, _ in config.role_items()]
     assert names == [n for n in NAMES if n in names] and "critic" in names
+
+
+def test_the_critic_is_named_outside_its_folder_only_by_its_entry_its_config_its_columns_and_gae():
+    """What a role is lives in its folder and its registry entry; the tools reach it through the entry
+    (`report`, `curves`, `plan`, `asked_by`, `RunDir.role_checkpoint`)."""
+    import re
+
+    word = re.compile(r"\bcritic\b", re.IGNORECASE)
+    naming = sorted(str(path.relative_to(ROOT)) for top in ("rlflow", "services", "protocol")
+                    for path in (ROOT / top).rglob("*.py")
+                    if not path.is_relative_to(ROOT / "services" / "critic") and word.search(path.read_text()))
+    assert naming == ["protocol/batch.py", "protocol/messages.py", "rlflow/algo/values.py", "rlflow/config/checks.py",
+                      "rlflow/config/schema.py", "rlflow/roles.py", "services/trainer/torch_engine.py"]
+    # Its entry's hooks resolve.
+    import importlib
+
+    critic = BY_NAME["critic"]
+    for hook in (critic.report, critic.plan):
+        module, _, name = hook.partition(":")
+        assert callable(getattr(importlib.import_module(module), name)), hook

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from rlflow.config.errors import ConfigError
 from rlflow.data.net import is_loopback
 from rlflow.env.core import EnvironmentSpec, ToolSpec
 from rlflow.protocol.spec import field_docs
@@ -226,6 +227,12 @@ class ModelTeacher(Table, tag_field="kind", tag="model"):
     """Weights and activations."""
     kv_cache_bytes: PosInt = 256 << 20
     """KV cache size of the vllm backend on CPU."""
+
+    def check_vocabulary(self, vocab: int | None, key: str) -> None:
+        """Refuses a `top_k` beyond the model's vocabulary (`vocab`; None: the model does not say)."""
+        if vocab is not None and self.top_k > vocab:
+            raise ConfigError(f"{key}.top_k", self.top_k,
+                              f"asks for more tokens than the teacher's vocabulary has ({vocab})")
 
 
 class SimTrainer(Table, tag_field="kind", tag="sim"):
@@ -889,6 +896,11 @@ class Config(Table):
     def adapter_path(self) -> str:
         """The PEFT adapter directory the policy's adapter starts from (empty: a new adapter)."""
         return f"{self.run.resume}/{ADAPTER_DIR}" if self.lora is not None and self.run.resume else ""
+
+    def holds_policy(self, step: int) -> bool:
+        """Whether the trainer's step `step` leaves the policy as it is: the critic's warm-up
+        (`roles.critic.warmup_steps`), in which only the critic learns."""
+        return self.roles.critic is not None and step < self.roles.critic.warmup_steps
 
     @property
     def needs_model(self) -> bool:

@@ -200,7 +200,7 @@ class Controller:
         timeout = self.config.cluster.handshake_timeout_s
         await _within(self._all_hello, timeout, lambda: "no hello from " + ", ".join(
             sorted(f"{r}-{k}" for r, k in self.roster.expected - set(self.roster.replicas))))
-        if (disagree := probes_disagree(self.roster.role("teacher"))) is not None:
+        if (disagree := probes_disagree(self.roster)) is not None:
             raise RunFailed(disagree)
         trainer = self.roster.replicas[("trainer", 0)].hello
         self.weights.offered(trainer.weights, trainer.layout, len(self.roster.role("rollout")), trainer.adapter)

@@ -26,13 +26,14 @@ from collections.abc import Callable, Iterator
 import msgspec
 import trio
 
-from rlflow.config import Config, ConfigError, ModelTeacher, TorchCritic, to_toml
+from rlflow.config import Config, ConfigError, to_toml
 from rlflow.control import placement
 from rlflow.control.controller import Controller
 from rlflow.control.metrics import check_trackers
 from rlflow.data import transport
 from rlflow.data.net import is_loopback
 from rlflow.models import resolve_model
+from rlflow.roles import NAMES
 from rlflow.rundir import RunDir, Status, Summary
 from rlflow.runstate import RUN_ID_VAR
 
@@ -57,22 +58,16 @@ def resolve(config: Config) -> Config:
             raise ConfigError("roles.rollout.model", rollout.model, str(exc)) from None
         rollout = msgspec.structs.replace(rollout, model=model)
     roles = msgspec.structs.replace(config.roles, rollout=rollout)
-    teacher = config.roles.teacher
-    if teacher is not None and isinstance(teacher.engine, ModelTeacher):
-        engine = teacher.engine
-        path = _role_model(engine.model, rollout.model, "roles.teacher.engine.model")
-        vocab = _vocab_size(path)
-        if vocab is not None and engine.top_k > vocab:
-            raise ConfigError("roles.teacher.engine.top_k", engine.top_k,
-                              f"asks for more tokens than the teacher's vocabulary has ({vocab})")
-        roles = msgspec.structs.replace(roles, teacher=msgspec.structs.replace(
-            teacher, engine=msgspec.structs.replace(engine, model=path)))
-    critic = config.roles.critic
-    if critic is not None and isinstance(critic.engine, TorchCritic):
-        engine = critic.engine
-        path = _role_model(engine.model, rollout.model, "roles.critic.engine.model")
-        roles = msgspec.structs.replace(roles, critic=msgspec.structs.replace(
-            critic, engine=msgspec.structs.replace(engine, model=path)))
+    for name in NAMES:  # the engines of other roles that load a model: "policy" or one with its tokenizer
+        role = getattr(roles, name)
+        engine = getattr(role, "engine", None)
+        if name == "rollout" or not isinstance(getattr(engine, "model", None), str):
+            continue
+        path = _role_model(engine.model, rollout.model, f"roles.{name}.engine.model")
+        if hasattr(engine, "check_vocabulary"):
+            engine.check_vocabulary(_vocab_size(path), f"roles.{name}.engine")
+        roles = msgspec.structs.replace(roles, **{name: msgspec.structs.replace(
+            role, engine=msgspec.structs.replace(engine, model=path))})
     check_trackers(config)
     return msgspec.structs.replace(config, run=run, roles=roles)
 
@@ -110,7 +105,7 @@ def _role_model(model: str, policy: str, key: str) -> str:
 
 
 def _same_tokenizer(model: str, policy: str, key: str) -> None:
-    """A teacher or critic must read the tokens the policy samples: one vocabulary."""
+    """A role that scores or values the tokens the policy samples must read them: one vocabulary."""
     from rlflow.data.tasks import load_tokenizer
 
     if model == policy:

@@ -18,8 +18,8 @@ Every group the run will train on passes through it:
 * `trained`: an optimizer step used it; it is never granted again.
 * `expired` (a role dropped it unused), `lost` (its rollout replica went
   away: the groups it was generating, and those it sent that the trainer
-  has not received) and `lost_downstream` (a reward or teacher replica went
-  away, holding who knows which of the groups on their way) queue groups
+  has not received) and `lost_downstream` (a replica between the rollout and
+  the trainer went away, holding who knows which of the groups on their way) queue groups
   again, in front of new ones. A group that arrives twice is dropped by the
   trainer: nothing is lost, nothing is trained twice.
 * `drop`: a role gave up on a group (e.g. its reward could not be computed);
@@ -51,8 +51,8 @@ Every group the run will train on passes through it:
   none). A group lost twice beside hundreds of others on replicas that
   died for reasons of their own is trained then; one that fails alone is
   the common factor. A group queued again because a replica died after it
-  was generated (a reward or teacher replica, or its rollout replica once
-  it had sent it) has not failed.
+  was generated (a replica downstream of the rollout, or its rollout
+  replica once it had sent it) has not failed.
 
 Every change is also written to `journal`, the events the controller appends
 to the run's ledger file and `rlflow audit` replays. `snapshot` / `restore`

@@ -26,7 +26,7 @@ import enum
 import math
 import random
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +68,7 @@ class Replica:
     """Started by the user: the controller cannot restart it."""
     state: State = State.HELLO
     version: int = 0
-    """Version of the weights it holds (rollout, trainer: the policy's; critic: its own)."""
+    """Version of the weights it holds (rollout, trainer: the policy's; a role with weights of its own: theirs)."""
     incarnation: int = 0
     """The registered incarnation (the one that said hello last)."""
     launched: int = 0
@@ -316,27 +316,30 @@ class Supervisor:
 
 
 #: Roles whose replicas hold what a restart would lose (the trainer's policy and
-#: optimizer, the critic's value model): losing one ends the run, which resumes
+#: optimizer, another role's own model): losing one ends the run, which resumes
 #: from its checkpoints (`rlflow up --resume`).
 STATEFUL_ROLES = STATEFUL
 
-#: Teacher replicas whose probe log-probabilities differ by more (nats) do not run together.
+#: Replicas of one role whose probe log-probabilities (`Hello.probe`) differ by more (nats) do not run together.
 PROBE_TOLERANCE = 1e-4
 
 
-def probes_disagree(teachers: list[Replica]) -> str | None:
-    """Why the teacher replicas may not run together (they scored the probe
-    sequence differently), or None."""
-    probes = {r.name: r.hello.probe for r in teachers if r.hello.probe}
-    if len(probes) < 2:
-        return None
-    (first, reference), *others = probes.items()
-    for name, values in others:
-        gaps = [abs(a - b) for a, b in zip(values, reference, strict=True)]
-        worst = math.nan if any(math.isnan(g) for g in gaps) else max(gaps, default=0.0)
-        if not worst <= PROBE_TOLERANCE:  # NaN fails too
-            return (f"teacher replicas disagree: {name} scores the probe sequence {worst:.2g} nats away from {first} "
-                    f"(at most {PROBE_TOLERANCE:g}); they must load the same model and settings")
+def probes_disagree(replicas: Iterable[Replica]) -> str | None:
+    """Why the replicas of a role that send a probe (`Hello.probe`: the
+    log-probabilities they give the probe sequence) may not run together, as
+    they scored it differently; or None."""
+    by_role: dict[str, dict[str, list[float]]] = {}
+    for r in replicas:
+        if r.hello is not None and r.hello.probe:
+            by_role.setdefault(r.role, {})[r.name] = r.hello.probe
+    for role, probes in by_role.items():
+        (first, reference), *others = probes.items()
+        for name, values in others:
+            gaps = [abs(a - b) for a, b in zip(values, reference, strict=True)]
+            worst = math.nan if any(math.isnan(g) for g in gaps) else max(gaps, default=0.0)
+            if not worst <= PROBE_TOLERANCE:  # NaN fails too
+                return (f"{role} replicas disagree: {name} scores the probe sequence {worst:.2g} nats away from "
+                        f"{first} (at most {PROBE_TOLERANCE:g}); they must load the same model and settings")
     return None
 
 

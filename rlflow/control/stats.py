@@ -325,7 +325,7 @@ def process_cpu() -> tuple[float, float]:
 
 
 def finite(metrics: dict[str, float]) -> dict[str, float]:
-    """`metrics` without the undefined ones (NaN, infinities: e.g. the critic's explained variance
+    """`metrics` without the undefined ones (NaN, infinities: e.g. an explained variance
     over returns that do not vary). JSON has no NaN: written, it would read back as null, which no
     row's number may be."""
     return {name: value for name, value in metrics.items() if math.isfinite(value)}

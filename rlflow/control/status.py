@@ -22,7 +22,7 @@ from rlflow.roles import VERSIONED
 from rlflow.rundir import ControllerStats, GroupCounts, JoinInfo, Placed, RoleStatus, Shares, Status, Summary, named
 
 #: Roles that hold versioned weights (and so can be behind the trainer): the
-#: policy's, and the critic's own (its version counts its steps as the policy's does).
+#: policy's, and a role's own (its version counts its steps as the policy's does).
 VERSIONED_ROLES = VERSIONED
 
 

@@ -1,17 +1,18 @@
 """Who sends to whom: plain code, no I/O.
 
-The roles form one chain in the config's order (rollout -> reward ->
-teacher -> critic -> trainer, the teacher and the critic optional). Each
-replica streams to every registered replica of the next role that binds an
-``in`` endpoint; of the trainer's and the critic's ranks only rank 0 takes
-the stream. Trainer rank 0 deals each step's shares to the other ranks'
-``share`` endpoints; critic rank 0 drives its other ranks over their own
-process group, and they bind nothing.
+The roles form one chain in the registry's order (`rlflow.roles.ROLES`: rollout
+-> reward -> ... -> trainer, the optional ones where the config has them).
+Each replica streams to every registered replica of the next role that binds
+an ``in`` endpoint; of a role that trains (`RoleSpec.stateful`) only rank 0
+takes the stream. Trainer rank 0 deals each step's shares to the other
+ranks' ``share`` endpoints; another such role's rank 0 drives its other ranks
+over their own process group, and they bind nothing.
 
-Beside the chain, a role may be asked by request and reply (`ASKED`): the
-env role, asked by the rollout. Each replica of the asking role gets the
-endpoint named after the asked role of every registered replica of it, under
-that name (``env``); the asked role streams to no one.
+Beside the chain, a role may be asked by request and reply (`ASKED`, the
+registry's `RoleSpec.asked_by`), e.g. the env role, asked by the rollout. Each
+replica of the asking role gets the endpoint named after the asked role of
+every registered replica of it, under that name; the asked role streams to
+no one.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from collections.abc import Iterable
 
 from rlflow.control.replicas import Replica, Roster
 from rlflow.protocol import Peers
+from rlflow.roles import ROLES
 
 
 #: Roles asked by request and reply rather than streamed to: role -> the role that asks it.
-ASKED = {"env": "rollout"}
+ASKED = {role.name: role.asked_by for role in ROLES if role.asked_by}
 
 
 class Topology:

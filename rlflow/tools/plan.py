@@ -7,11 +7,13 @@ staleness, weight updates reaching the rollout after a delay and, with the
 strict staleness check, restarts and drops of groups past the bound)
 replays the unit costs measured in a run: the decode-step time and slots of a
 rollout replica, the response lengths, the trainer's time per token, the
-weight-update delay and, in a run with a critic, the critic's forward and
+weight-update delay and, in a run with a role that values each group on its
+way to the trainer and trains on what it valued (a `Learner`, whose costs its
+registry entry reads from the run, `RoleSpec.plan`), that role's forward and
 step time per token. It predicts the throughput of each split of N devices
-between rollout and trainer (and critic, on a pool of its own; or the
-critic's forward and step done on the trainer's devices before each step,
-as a one-worker design does), and of the colocated layout (all devices
+between rollout and trainer (and that role, on a pool of its own; or its
+forward and step done on the trainer's devices before each step, as a
+one-worker design does), and of the colocated layout (all devices
 generate, then all train, synchronously), ranks them, and prints the pools
 section of the best one.
 
@@ -22,6 +24,7 @@ hold against measured runs.
 from __future__ import annotations
 
 import heapq
+import importlib
 import itertools
 import json
 import math
@@ -33,7 +36,24 @@ import numpy as np
 import tomli_w
 
 from rlflow.config import SimRollout, SimTrainer, load
+from rlflow.roles import ROLES
 from rlflow.rundir import RunDir
+
+
+@dataclass(frozen=True)
+class Learner:
+    """A role between the reward and the trainer that values each group on its
+    way to the trainer, then trains on what it valued, on devices of its own or
+    the trainer's. Its registry entry's `RoleSpec.plan` reads its costs from a run."""
+
+    role: str
+    """Its name (its column in `table`, its table in `pools_section`)."""
+    forward_s_per_token: float
+    """Time per token to compute values, on one device."""
+    step_s_per_token: float
+    """Time per token of its optimizer step, on one device."""
+    max_staleness: int = 1
+    """Steps it may owe while it computes values for new groups."""
 
 
 @dataclass(frozen=True)
@@ -61,16 +81,8 @@ class Workload:
     """`staleness_check = "strict"`: groups past the bound are generated again."""
     lengths: tuple[int, ...] = (256,)
     """Response lengths to draw from (the run's, or a distribution's)."""
-    critic_forward_s_per_token: float = 0.0
-    """Critic time per token to compute values, on one device (0: no critic)."""
-    critic_step_s_per_token: float = 0.0
-    """Critic time per token of its optimizer step, on one device."""
-    critic_max_staleness: int = 1
-    """Critic steps it may owe while it computes values for new groups."""
-
-    @property
-    def critic(self) -> bool:
-        return self.critic_forward_s_per_token + self.critic_step_s_per_token > 0
+    learner: Learner | None = None
+    """A role between the reward and the trainer that values and trains (None: none)."""
 
 
 @dataclass
@@ -83,8 +95,10 @@ class Prediction:
     trainer_idle: float
     rollout_occupancy: float
     reissued: int = 0
-    critic_devices: int = 0
-    """Devices of the critic's own pool (0: no critic, or one on the trainer's devices)."""
+    learner_devices: int = 0
+    """Devices of the learner's own pool (0: no learner, or one on the trainer's devices)."""
+    learner: str = ""
+    """The learner's role ("": none)."""
 
 
 @dataclass(eq=False)
@@ -100,17 +114,17 @@ class _Seq:
 
 
 def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int = 20, *,
-             colocated: bool = False, seed: int = 0, critic_devices: int = 0) -> Prediction:
+             colocated: bool = False, seed: int = 0, learner_devices: int = 0) -> Prediction:
     """Run the model for `steps` optimizer steps; throughput after the first few.
 
     Colocated: every device generates, then every device trains, with a
     barrier between steps (synchronous).
 
-    With a critic (`w.critic`): on `critic_devices` of its own, each group
+    With a learner (`w.learner`): on `learner_devices` of its own, each group
     is valued on its way to the trainer (one group at a time, in order) and
     each step's worth of groups valued is trained on, before more are valued
-    once `critic_max_staleness` steps are owed; with none (and colocated),
-    the trainer's devices value and train the critic on each step's batch
+    once its `max_staleness` steps are owed; with none (and colocated),
+    the trainer's devices value and train the learner on each step's batch
     before the actor's step.
 
     Sequences are kept in a heap by the decode step at which they end, so an
@@ -122,8 +136,9 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
     k = 0 if colocated else w.max_staleness
     slots = w.slots_per_device * rollout_devices
     s_per_token = w.trainer_device_s_per_token / trainer_devices
-    if w.critic and not critic_devices:  # on the trainer's devices, before each step
-        s_per_token += (w.critic_forward_s_per_token + w.critic_step_s_per_token) / trainer_devices
+    learner = w.learner
+    if learner is not None and not learner_devices:  # on the trainer's devices, before each step
+        s_per_token += (learner.forward_s_per_token + learner.step_s_per_token) / trainer_devices
 
     def step_time(active: int) -> float:
         return w.step_s + w.step_s_per_seq * active
@@ -144,26 +159,26 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
     trainer_busy = slot_time = 0.0
     training, train_end = False, math.inf
     step_ends: list[float] = []
-    valuing: deque[int] = deque()  # groups waiting for the critic's values
-    owed: list[int] = []  # groups valued, not yet trained on by the critic
-    critic_job: tuple[str, list[int]] | None = None
-    critic_end = math.inf
+    valuing: deque[int] = deque()  # groups waiting for the learner's values
+    owed: list[int] = []  # groups valued, not yet trained on by the learner
+    learner_job: tuple[str, list[int]] | None = None
+    learner_end = math.inf
 
-    def critic_next() -> None:
-        nonlocal critic_job, critic_end
-        if critic_job is not None or not critic_devices:
+    def learner_next() -> None:
+        nonlocal learner_job, learner_end
+        if learner_job is not None or learner is None or not learner_devices:
             return
         due = len(owed) // B
-        if due > w.critic_max_staleness or (due and not valuing):
-            critic_job = ("step", owed[:B])
+        if due > learner.max_staleness or (due and not valuing):
+            learner_job = ("step", owed[:B])
             del owed[:B]
-            cost = w.critic_step_s_per_token
+            cost = learner.step_s_per_token
         elif valuing:
-            critic_job = ("values", [valuing.popleft()])
-            cost = w.critic_forward_s_per_token
+            learner_job = ("values", [valuing.popleft()])
+            cost = learner.forward_s_per_token
         else:
             return
-        critic_end = now + cost * sum(tokens_of[g] for g in critic_job[1]) / critic_devices
+        learner_end = now + cost * sum(tokens_of[g] for g in learner_job[1]) / learner_devices
 
     def start(seq: _Seq, length: int) -> None:
         seq.end = decoded + length
@@ -200,7 +215,7 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
     while steps_done < steps:
         t_seq = now + (next_end() - decoded) * step_time(len(active)) if active else math.inf
         t_next = min(t_seq, ready[0][0] if ready else math.inf, train_end if training else math.inf,
-                     updates[0][0] if updates else math.inf, critic_end)
+                     updates[0][0] if updates else math.inf, learner_end)
         if t_next == math.inf:
             raise RuntimeError("the modelled pipeline stalled")
         if active:
@@ -241,14 +256,14 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
             if left[q.group] == 0:
                 heapq.heappush(ready, (now + w.reward_s, q.group))
         while ready and ready[0][0] <= now:
-            (valuing if critic_devices else buffer).append(heapq.heappop(ready)[1])
-        if critic_job is not None and now >= critic_end:
-            kind, groups = critic_job
+            (valuing if learner_devices else buffer).append(heapq.heappop(ready)[1])
+        if learner_job is not None and now >= learner_end:
+            kind, groups = learner_job
             if kind == "values":
                 buffer += groups
                 owed.extend(groups)
-            critic_job, critic_end = None, math.inf
-        critic_next()
+            learner_job, learner_end = None, math.inf
+        learner_next()
         if training and now >= train_end:
             training = False
             steps_done += 1
@@ -274,7 +289,7 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
     measured = len(step_ends) - 1 - warm
     step_s = (step_ends[-1] - step_ends[warm]) / measured if measured > 0 else now / max(steps_done, 1)
     return Prediction(
-        layout=_layout(w, rollout_devices, trainer_devices, critic_devices, colocated),
+        layout=_layout(w, rollout_devices, trainer_devices, learner_devices, colocated),
         rollout_devices=rollout_devices,
         trainer_devices=trainer_devices,
         samples_per_s=B * n / step_s,
@@ -282,25 +297,26 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
         trainer_idle=max(0.0, 1 - trainer_busy / now) if now else 0.0,
         rollout_occupancy=slot_time / (slots * now) if now else 0.0,
         reissued=reissued,
-        critic_devices=critic_devices,
+        learner_devices=learner_devices,
+        learner=learner.role if learner is not None else "",
     )
 
 
-def _layout(w: Workload, rollout: int, trainer: int, critic: int, colocated: bool) -> str:
+def _layout(w: Workload, rollout: int, trainer: int, learner: int, colocated: bool) -> str:
     if colocated:
         return "colocated"
-    if critic:
-        return f"{rollout}+{trainer}+{critic}"
-    return f"{rollout}+{trainer}" + ("i" if w.critic else "")
+    if learner:
+        return f"{rollout}+{trainer}+{learner}"
+    return f"{rollout}+{trainer}" + ("i" if w.learner else "")
 
 
 def candidates(w: Workload, devices: int, steps: int = 20) -> list[Prediction]:
-    """Every split of `devices` between rollout and trainer (with a critic: also
-    between rollout, trainer and a critic pool; "i": the critic on the trainer's
-    devices), and colocated; fastest first."""
+    """Every split of `devices` between rollout and trainer (with a learner: also
+    between rollout, trainer and a pool of the learner's; "i": the learner on the
+    trainer's devices), and colocated; fastest first."""
     out = [simulate(w, r, devices - r, steps) for r in range(1, devices)]
-    if w.critic:
-        out += [simulate(w, r, t, steps, critic_devices=devices - r - t)
+    if w.learner:
+        out += [simulate(w, r, t, steps, learner_devices=devices - r - t)
                 for r in range(1, devices - 1) for t in range(1, devices - r)]
     out.append(simulate(w, devices, devices, steps, colocated=True))
     return sorted(out, key=lambda p: -p.samples_per_s)
@@ -363,7 +379,12 @@ def workload_from_run(run_dir: str | pathlib.Path) -> tuple[Workload, int, int]:
     overhead = float(np.median(gaps)) if gaps else 0.0
     if isinstance(config.roles.trainer.engine, SimTrainer):
         overhead = max(overhead, config.roles.trainer.engine.step_overhead_s)
-    critic = _critic_costs(folder, config)
+    learner = None
+    for role in ROLES:  # the role that values and trains beside the trainer, costed by its registry entry
+        if role.plan and getattr(config.roles, role.name, None) is not None:
+            module, _, name = role.plan.partition(":")
+            costs = getattr(importlib.import_module(module), name)(folder, config, _devices(config, role.name))
+            learner = Learner(role=role.name, **costs)
     workload = Workload(
         slots_per_device=max(1, slots // max(rollout_devices, 1)),
         step_s=step_s,
@@ -376,26 +397,9 @@ def workload_from_run(run_dir: str | pathlib.Path) -> tuple[Workload, int, int]:
         max_staleness=config.run.staleness,
         strict=config.run.staleness_check == "strict",
         lengths=tuple(lengths),
-        **critic,
+        learner=learner,
     )
     return workload, rollout_devices, trainer_devices
-
-
-def _critic_costs(folder: RunDir, config) -> dict[str, float]:
-    """The critic's measured forward and step seconds per token on one device
-    (its rank 0 counts them; its ranks work in lock step), or {} without one."""
-    if config.roles.critic is None:
-        return {}
-    counters: dict[str, float] = {}
-    for file in sorted(folder.traces.glob("critic-*.json")):
-        for key, value in json.loads(file.read_text()).get("counters", {}).items():
-            counters[key] = counters.get(key, 0.0) + value
-    if not counters.get("tokens") or not counters.get("critic_tokens"):
-        raise ValueError(f"{folder.path} has a critic but no record of its work (trace/critic-0.json)")
-    devices = _devices(config, "critic")
-    return {"critic_forward_s_per_token": counters.get("value_s", 0.0) / counters["tokens"] * devices,
-            "critic_step_s_per_token": counters.get("critic_step_s", 0.0) / counters["critic_tokens"] * devices,
-            "critic_max_staleness": config.roles.critic.max_staleness}
 
 
 def _devices(config, role: str) -> int:
@@ -416,8 +420,8 @@ def pools_section(best: Prediction, w: Workload, gpus: bool) -> str:
             "run": {"mode": "sync"},  # colocated: generate with everything, then train with everything
             "roles": {"rollout": {"pool": "all", "replicas": best.rollout_devices}, "trainer": {"pool": "all"}},
         }
-        if w.critic:
-            table["roles"]["critic"] = {"pool": "all"}
+        if w.learner:
+            table["roles"][w.learner.role] = {"pool": "all"}
     else:
         table = {
             "pools": {
@@ -430,11 +434,11 @@ def pools_section(best: Prediction, w: Workload, gpus: bool) -> str:
                 "trainer": {"pool": "train", "replicas": best.trainer_devices},
             },
         }
-        if best.critic_devices:  # a pool of its own, one rank per device
-            table["pools"]["value"] = {"bundles_per_node": best.critic_devices, unit: 1.0}
-            table["roles"]["critic"] = {"pool": "value", "replicas": best.critic_devices}
-        elif w.critic:  # on the trainer's devices: one more rank on each
-            table["roles"]["critic"] = {"pool": "train", "replicas": best.trainer_devices}
+        if w.learner and best.learner_devices:  # a pool of its own, one rank per device
+            table["pools"][w.learner.role] = {"bundles_per_node": best.learner_devices, unit: 1.0}
+            table["roles"][w.learner.role] = {"pool": w.learner.role, "replicas": best.learner_devices}
+        elif w.learner:  # on the trainer's devices: one more rank on each
+            table["roles"][w.learner.role] = {"pool": "train", "replicas": best.trainer_devices}
     return tomli_w.dumps(table)
 
 
@@ -450,12 +454,13 @@ def plan(run_dir: str | pathlib.Path, devices: int, steps: int = 20) -> tuple[li
 
 
 def table(ranked: list[Prediction]) -> str:
-    critic = any(p.critic_devices or p.layout.endswith("i") for p in ranked)
-    extra = f"{'critic':>8}" if critic else ""
+    """The ranked layouts (with a learner, its devices in a column of its name)."""
+    learner = next((p.learner for p in ranked if p.learner), "")
+    extra = f"{learner:>8}" if learner else ""
     lines = [f"{'layout':<12}{'rollout':>8}{'trainer':>8}{extra}{'samples/s':>11}{'step s':>8}{'trainer idle':>13}"
              f"{'occupancy':>10}"]
     for p in ranked:
-        where = ("-" if p.layout == "colocated" else str(p.critic_devices or "inline")) if critic else ""
+        where = ("-" if p.layout == "colocated" else str(p.learner_devices or "inline")) if learner else ""
         lines.append(
             f"{p.layout:<12}{p.rollout_devices:>8}{p.trainer_devices:>8}{where:>{len(extra)}}{p.samples_per_s:>11.1f}"
             f"{p.step_s:>8.2f}{p.trainer_idle:>13.0%}{p.rollout_occupancy:>10.0%}"

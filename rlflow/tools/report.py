@@ -10,12 +10,13 @@ directory:
 * ``timeline.png``: one lane per replica per role, coloured by state;
 * ``trace.json``: the same as a Chrome / Perfetto trace (chrome://tracing,
   ui.perfetto.dev);
-* ``curves.png``: reward, held-out accuracy and staleness over the run (and,
-  with a critic, its value loss and explained variance).
+* ``curves.png``: reward, held-out accuracy and staleness over the run (and
+  a panel per role that draws statistics of its own, `RoleSpec.curves`).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import pathlib
@@ -135,20 +136,16 @@ def bottleneck(fractions: dict[str, dict[str, float]], max_staleness: int | None
     return f"bottleneck: {busiest}. " + "; ".join(parts) + f"; {head}"
 
 
-def critic_line(rows: list[StepRow], last: int = TREND_STEPS) -> str:
-    """How the critic fits over the last `last` steps, and how stale its values were ("" without a critic)."""
-    rows = [r for r in rows if "critic_value_loss" in r.train][-last:]
-    if not rows:
-        return ""
-
-    def mean(key: str) -> float:
-        values = [r.train[key] for r in rows if math.isfinite(r.train.get(key, math.nan))]
-        return sum(values) / len(values) if values else math.nan
-
-    stale = max((r.train.get("critic_staleness_max", 0.0) for r in rows), default=0.0)
-    return (f"critic over the last {len(rows)} steps: value loss {mean('critic_value_loss'):.4f}, explained "
-            f"variance {mean('critic_explained_var'):.2f}; its values lagged the actor's step by "
-            f"{mean('critic_staleness_mean'):.2f} versions on average, {stale:g} at most")
+def role_lines(rows: list[StepRow]) -> list[str]:
+    """What each role says about its own training statistics (`RoleSpec.report`), in the stream's order."""
+    out = []
+    for role in ROLES:
+        if role.report:
+            module, _, name = role.report.partition(":")
+            said = getattr(importlib.import_module(module), name)(rows)
+            if said:
+                out.append(said)
+    return out
 
 
 def text(run: Run) -> str:
@@ -184,9 +181,7 @@ def text(run: Run) -> str:
             f"  {role:<9}{_pct(f.get('busy', 0)):>7}{_pct(f.get('starved', 0)):>9}"
             f"{_pct(f.get('blocked', 0)):>9}{_pct(f.get('loading', 0)):>9}  {queues}"
         )
-    critic = critic_line(run.metrics)
-    if critic:
-        lines.append("  " + critic)
+    lines += ["  " + said for said in role_lines(run.metrics)]
     lines.append("  " + bottleneck(run.fractions, summary.max_staleness if summary is not None else None,
                                    kv_pressure(summary)))
     return "\n".join(lines)
@@ -270,10 +265,11 @@ def write_curves(run: Run, png: pathlib.Path | None = None) -> pathlib.Path | No
     steps = [r.step for r in run.metrics]
     kl = [r.train.get("kl_teacher", math.nan) for r in run.metrics]
     has_kl = any(math.isfinite(v) for v in kl)
-    fit = {key: [r.train.get(key, math.nan) for r in run.metrics]
-           for key in ("critic_value_loss", "critic_explained_var")}
-    has_critic = any(math.isfinite(v) for values in fit.values() for v in values)
-    panels = 2 + bool(run.evals) + has_kl + has_critic
+    # A panel per role that draws its own statistics (`RoleSpec.curves`), where the run has them.
+    own = [(role, {label: [r.train.get(key, math.nan) for r in run.metrics] for key, label in role.curves})
+           for role in ROLES if role.curves]
+    own = [(role, fit) for role, fit in own if any(math.isfinite(v) for values in fit.values() for v in values)]
+    panels = 2 + bool(run.evals) + has_kl + len(own)
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.2))
     axes[0].plot(steps, [math.nan if r.reward_mean is None else r.reward_mean for r in run.metrics], lw=1)
     axes[0].set_title("reward (training samples)")
@@ -291,11 +287,10 @@ def write_curves(run: Run, png: pathlib.Path | None = None) -> pathlib.Path | No
         ax.plot([e.version for e in scored], [100 * e.accuracy for e in scored], marker="o")
         ax.set_title("held-out accuracy (%)")
         ax.set_xlabel("policy version (step)")
-    if has_critic:
-        ax = axes[-1 - has_kl]
-        ax.plot(steps, fit["critic_value_loss"], lw=1, label="value loss")
-        ax.plot(steps, fit["critic_explained_var"], lw=1, label="explained variance")
-        ax.set_title("critic (on each step's samples, before it trained on them)", fontsize=9)
+    for ax, (role, fit) in zip(axes[2 + bool(run.evals):], own):
+        for label, values in fit.items():
+            ax.plot(steps, values, lw=1, label=label)
+        ax.set_title(role.curves_title, fontsize=9)
         ax.set_xlabel("step")
         ax.legend(frameon=False)
     if has_kl:

@@ -178,7 +178,8 @@ class CriticService(StageService):
         if self.run_dir is None or not (self.version == self.config.run.steps or (every and self.version % every == 0)):
             return
         with self.clock.state("loading"):
-            await self.engine.save(self.run_dir.critic_checkpoint(self.version), {"version": self.version})
+            await self.engine.save(self.run_dir.role_checkpoint("critic", self.version),
+                                   {"version": self.version})
 
 
 def _trainable(group: SampleBatch) -> list[int]:

@@ -18,7 +18,7 @@ import trio
 
 from rlflow.config import SimCritic
 from rlflow.protocol import SampleBatch
-from rlflow.rundir import RUN_STATE, critic_beside
+from rlflow.rundir import RUN_STATE, beside
 from rlflow.services.base import EngineContext
 
 
@@ -31,7 +31,7 @@ class SimCriticEngine:
         self.version = 0
         resume = ctx.config.run.resume
         if resume:
-            folder = critic_beside(pathlib.Path(resume))
+            folder = beside(pathlib.Path(resume), "critic")
             if not (folder / RUN_STATE).is_file():
                 raise FileNotFoundError(f"{folder} holds no critic checkpoint to resume from")
             self.version = int(json.loads((folder / RUN_STATE).read_text())["version"])

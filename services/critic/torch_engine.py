@@ -40,10 +40,12 @@ from rlflow.algo.balance import deal, micro_batches
 from rlflow.algo.values import own_count, own_tokens, value_loss
 from rlflow.config import TorchCritic
 from rlflow.protocol import Codec, SampleBatch, samples
-from rlflow.rundir import CRITIC_STATE, RUN_STATE, TRAINER_OPTIMIZER, critic_beside
+from rlflow.rundir import RUN_STATE, TRAINER_OPTIMIZER, beside
 from rlflow.services.base import EngineContext
 from rlflow.services.fsdp import Sharded, Solo, autocast, bf16_passes, rendezvous
 
+#: Beside a critic checkpoint's model: the critic's RNG and step.
+CRITIC_STATE = "critic_state.pt"
 #: Sums a step's passes add to, over every rank (divided by its tokens at the end).
 SUMS = ("loss", "clipped", "error")
 #: How long the critic's ranks wait on each other (a week): rank 0 may wait
@@ -280,7 +282,7 @@ class TorchCriticEngine:
         self.ctx = ctx
         self.ranks = Sharded(ctx.rank, ctx.replicas, *rendezvous(ctx.replicas), timeout_s=GROUP_TIMEOUT_S)
         resume = pathlib.Path(config.run.resume) if config.run.resume else None
-        folder = critic_beside(resume) if resume is not None else None
+        folder = beside(resume, "critic") if resume is not None else None
         if folder is not None and not (folder / CRITIC_STATE).is_file():
             raise FileNotFoundError(f"{folder} holds no critic checkpoint to resume from")
         self.model = CriticModel(cfg, str(folder or cfg.model), seed=config.run.seed, ranks=self.ranks)

@@ -8,8 +8,8 @@ and with `run.filter = "signal"` groups whose rewards are all equal
 (reported as `Dropped` with reason `no_signal`: the controller grants
 other prompts in their place);
 deal the step's samples into a share per rank and send each other rank its
-share; train on its own (in lock step with the others; not in the critic's
-warm-up, when the actor is held and only the critic learns); publish policy
+share; train on its own (in lock step with the others; not in a step the
+config holds the policy through, `Config.holds_policy`); publish policy
 version v+1 and tell the controller (`WeightsReady`), then acknowledge the
 step's groups (`StepDone`). It never waits for the rollout to load the new
 weights: every rank sends them when the controller says so (`SendWeights`).
@@ -228,11 +228,9 @@ class TrainerService(Service):
 
     @property
     def held(self) -> bool:
-        """Whether this step leaves the actor as it is: the critic's warm-up
-        (`roles.critic.warmup_steps`), in which only the critic learns. The
+        """Whether this step leaves the policy as it is (`Config.holds_policy`). The
         version still advances, so the pipeline's clock keeps one step per batch."""
-        critic = self.config.roles.critic
-        return critic is not None and self.step < critic.warmup_steps
+        return self.config.holds_policy(self.step)
 
     async def _stepped(self) -> None:
         """After an optimizer step: the new version, its weights ready to send."""

@@ -2,7 +2,7 @@
 
 It trains for `s_per_token` per token of its share (ranks share a step's
 tokens as the torch trainer's do), and `inline_critic_s_per_token` more where
-a critic's forward pass and step are modelled in its process (a one-worker
+a value model's forward pass and step are modelled in its process (a one-worker
 layout); its weights are `weights_bytes` of fixed
 random bytes, in tensors of at most 4 MiB, that really cross the wire: the
 rollout fetches them from rank 0's weight server.
