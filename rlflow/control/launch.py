@@ -111,7 +111,7 @@ def _role_model(model: str, policy: str, key: str) -> str:
 
 def _same_tokenizer(model: str, policy: str, key: str) -> None:
     """A teacher or critic must read the tokens the policy samples: one vocabulary."""
-    from rlflow.data.tasks import load_tokenizer
+    from rlflow.tasks.core import load_tokenizer
 
     if model == policy:
         return
