@@ -14,8 +14,8 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from rlflow.config.environment import EnvironmentSpec, ToolSpec
 from rlflow.data.net import is_loopback
-from rlflow.env.core import EnvironmentSpec, ToolSpec
 from rlflow.protocol.spec import field_docs
 from rlflow.rewards.core import FunctionSpec
 from rlflow.roles import NAMES
