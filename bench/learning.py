@@ -128,12 +128,12 @@ def evaluate(folder: pathlib.Path) -> list[dict]:
 
     from rlflow import config as C
     from rlflow.data.net import free_port
-    from rlflow.data.tasks import load_tokenizer, make_task
     from rlflow.protocol import WeightsGloo
     from rlflow.rundir import TRAINER_OPTIMIZER
     from rlflow.services.base import standalone_context
     from rlflow.services.rollout.vllm_engine import VllmBackend, VllmEngine
     from rlflow.services.weights import GlooGroup, layout, pack
+    from rlflow.tasks.core import load_tokenizer, make_task
 
     config = C.load(folder / "config.toml")
     base = config.roles.rollout.model

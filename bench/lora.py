@@ -50,13 +50,13 @@ import trio
 from rlflow.config import VllmRollout, load
 from rlflow.control.launch import resolve
 from rlflow.data.net import free_port
-from rlflow.data.tasks import load_tokenizer, make_task
 from rlflow.protocol import PromptGroup, WeightsGloo
 from rlflow.services.base import standalone_context
 from rlflow.services.rollout.vllm_engine import VllmBackend, VllmEngine, adapter_slots
 from rlflow.services.trainer.lora import adapter_offer
 from rlflow.services.trainer.torch_engine import TorchEngine
 from rlflow.services.weights import GlooGroup
+from rlflow.tasks.core import load_tokenizer, make_task
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -70,8 +70,8 @@ def qwen2_half_b(path: pathlib.Path) -> pathlib.Path:
     random weights and the default task's tokenizer."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from rlflow.data.tasks import Arith
     from rlflow.models import build_tokenizer
+    from rlflow.tasks.arith import Arith
 
     if (path / "config.json").exists():
         return path

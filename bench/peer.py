@@ -87,9 +87,9 @@ def peer_plan(seed: int, args, folder: pathlib.Path) -> dict:
     """What the peer needs: the model, the prompts in rlflow's order, and rlflow's settings."""
     import torch
 
-    from rlflow.data.tasks import load_tokenizer, make_task
     from rlflow.models import resolve_model
     from rlflow.services.fsdp import bf16_passes
+    from rlflow.tasks.core import load_tokenizer, make_task
 
     config = default_config(seed)
     model = str(resolve_model(config.roles.rollout.model))

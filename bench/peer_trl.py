@@ -5,7 +5,7 @@ and the CPU build of torch, nothing of vLLM or rlflow's dependencies), from a
 plan that `bench/peer.py` writes: the model directory, the prompts of every
 step in rlflow's order (the task stream of the run's seed), and rlflow's
 batch, sampling, optimizer, schedule and loss. Answers are scored by
-rlflow's own rule (`rlflow.data.arith`, which needs nothing but numpy).
+rlflow's own rule (`rlflow.tasks.arith`, which needs nothing but numpy).
 
 TRL runs as its users run it: its own generation (transformers `generate`,
 fully on-policy), its own loss (`loss_type = "dapo"`: the clipped surrogate
@@ -32,7 +32,7 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # rlflow.data.arith alone: it imports numpy and nothing of rlflow's
+sys.path.insert(0, str(ROOT))  # rlflow.tasks.arith alone: it imports numpy and nothing of rlflow's
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
@@ -40,7 +40,7 @@ from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from rlflow.data.arith import Arith  # noqa: E402
+from rlflow.tasks.arith import Arith  # noqa: E402
 
 
 def learning_rate_factor(step: int, plan: dict) -> float:

@@ -44,11 +44,11 @@ import trio
 from rlflow.config import VllmRollout, load
 from rlflow.control.launch import resolve
 from rlflow.data.net import free_port
-from rlflow.data.tasks import load_tokenizer, make_task
 from rlflow.protocol import PromptGroup, WeightsGloo
 from rlflow.services.base import standalone_context
 from rlflow.services.rollout.vllm_engine import VllmBackend, VllmEngine
 from rlflow.services.weights import GlooGroup, layout, pack
+from rlflow.tasks.core import load_tokenizer, make_task
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 DEFAULT = pathlib.Path(__file__).resolve().parent.parent / "rlflow" / "defaults" / "default.toml"
@@ -250,7 +250,7 @@ def halfgb_model(path: pathlib.Path) -> pathlib.Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from rlflow.models import build_tokenizer
-    from rlflow.data.tasks import Arith
+    from rlflow.tasks.arith import Arith
 
     tokenizer = build_tokenizer(Arith.ALPHABET)
     config = Qwen2Config(

@@ -351,7 +351,7 @@ def greedy_accuracy(model, tokenizer, problems: list[tuple[int, int]], max_new_t
     """Share of `problems` whose greedy answer is right (transformers, no vLLM)."""
     import torch
 
-    from rlflow.data.arith import Arith
+    from rlflow.tasks.arith import Arith
 
     tokenizer.padding_side = "left"
     prompts = [Arith.prompt_text(a, b) for a, b in problems]
@@ -417,7 +417,7 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
     from transformers import GenerationConfig, Qwen2ForCausalLM
 
     from rlflow.config import ArithTask
-    from rlflow.data.arith import Arith
+    from rlflow.tasks.arith import Arith
 
     torch.manual_seed(recipe.seed)
     task_cfg = ArithTask()

@@ -29,7 +29,6 @@ from rlflow.config import Config
 from rlflow.data import transport
 from rlflow.data import net
 from rlflow.data.shm import ShmSettings, host_token
-from rlflow.data.tasks import Task, load_tokenizer, make_task, needs_tokenizer
 from rlflow.errors import leaves
 from rlflow.protocol import (
     SCHEMA_VERSION,
@@ -49,6 +48,7 @@ from rlflow.protocol import (
 from rlflow import timeline
 from rlflow.rundir import RunDir
 from rlflow.startup import ServiceSpec
+from rlflow.tasks.core import Task, load_tokenizer, make_task, needs_tokenizer
 
 STATES = ("busy", "starved", "blocked", "loading", "idle")
 

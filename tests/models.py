@@ -10,8 +10,8 @@ def tiny_model(path: pathlib.Path, *, tied: bool, seed: int = 0, hidden: int = 1
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    from rlflow.data.tasks import Arith
     from rlflow.models import build_tokenizer
+    from rlflow.tasks.arith import Arith
 
     tokenizer = build_tokenizer(Arith.ALPHABET)
     torch.manual_seed(seed)

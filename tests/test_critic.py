@@ -145,7 +145,7 @@ def with_targets(batch, values: np.ndarray, gamma: float = 1.0, lam: float = 1.0
 def arith_batch(tokenizer, rng: np.random.Generator, size: int, p_right: dict[int, float], first: int = 0):
     """`size` problems of 1 to 3 digits, each answered with its worked solution
     and rewarded 1 with a chance that depends on its digits alone."""
-    from rlflow.data.tasks import Arith
+    from rlflow.tasks.arith import Arith
 
     items, rewards, digits = [], [], []
     for g in range(size):
@@ -172,9 +172,9 @@ def test_the_critic_learns_that_more_digits_earn_less():
     the default task's does for the default model), a critic started from the
     default model and trained on the returns comes to value held-out prompts
     in the order of their digits, at the first response token."""
-    from rlflow.data.tasks import load_tokenizer
     from rlflow.models import resolve_model
     from rlflow.services.critic.torch_engine import CriticModel
+    from rlflow.tasks.core import load_tokenizer
 
     path = resolve_model("default")
     tokenizer = load_tokenizer(path)
@@ -197,7 +197,7 @@ def test_the_critic_learns_that_more_digits_earn_less():
 
 def critic_frames(model_path) -> list[bytes]:
     """A batch with mixed rewards and lengths, as wire frames (what the ranks' processes get)."""
-    from rlflow.data.tasks import load_tokenizer
+    from rlflow.tasks.core import load_tokenizer
 
     batch, _ = arith_batch(load_tokenizer(model_path), np.random.default_rng(5), 12, {1: 0.9, 2: 0.5, 3: 0.1})
     batch = with_targets(batch, np.linspace(0.0, 0.6, batch.n_tokens), gamma=0.99, lam=0.95)

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from rlflow import config as C
-from rlflow.data.dataset_task import DatasetError, DatasetTaskImpl, ReasoningGymTaskImpl, read_rows
+from rlflow.tasks.dataset import DatasetError, DatasetTaskImpl, ReasoningGymTaskImpl, read_rows
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ARITH = ROOT / "examples" / "data" / "arith.jsonl"

@@ -19,11 +19,11 @@ from models import tiny_model
 
 from rlflow import config as C
 from rlflow.data.net import free_port
-from rlflow.data.tasks import load_tokenizer
 from rlflow.protocol import WeightsGloo
 from rlflow.services.base import standalone_context
 from rlflow.services.trainer.torch_engine import TorchEngine
 from rlflow.services.weights import GlooGroup
+from rlflow.tasks.core import load_tokenizer
 
 pytestmark = pytest.mark.vllm
 

@@ -44,8 +44,8 @@ def test_the_shipped_default_model_is_the_recipes_and_loads_as_it_is():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlflow.data.tasks import Arith
     from rlflow.models import BUILD_VERSION, SHIPPED, resolve_model
+    from rlflow.tasks.arith import Arith
 
     assert resolve_model("default") == SHIPPED
     info = json.loads((SHIPPED / "rlflow_build.json").read_text())
@@ -115,8 +115,8 @@ def test_the_default_models_tokenizer_reloads_the_same_on_its_alphabet(tmp_path)
 
     from transformers import AutoTokenizer
 
-    from rlflow.data.tasks import Arith
     from rlflow.models import build_tokenizer
+    from rlflow.tasks.arith import Arith
 
     built = build_tokenizer(Arith.ALPHABET)
     loaded = AutoTokenizer.from_pretrained(saved_like_a_built_model(built, tmp_path))
@@ -131,8 +131,8 @@ def test_the_default_models_tokenizer_reloads_the_same_on_its_alphabet(tmp_path)
 def test_vllm_loads_the_tiny_chat_tokenizer_as_rlflow_does(tmp_path):
     from vllm.tokenizers import get_tokenizer
 
-    from rlflow.data.tasks import load_tokenizer
     from rlflow.models import tiny_chat_tokenizer
+    from rlflow.tasks.core import load_tokenizer
 
     folder = saved_like_a_built_model(tiny_chat_tokenizer(), tmp_path)
     ours, vllms = load_tokenizer(folder), get_tokenizer(str(folder))

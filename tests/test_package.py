@@ -56,6 +56,9 @@ def test_a_wheel_installs_and_imports_all_three(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert "rlflow/protocol/SPEC.md" in names
     assert "rlflow/defaults/default.toml" in names
+    packages = {path.parent.relative_to(ROOT).as_posix() for path in (ROOT / "rlflow").rglob("__init__.py")}
+    assert {p for p in packages if f"{p}/__init__.py" not in names} == set(), \
+        "packages missing from [tool.setuptools] packages in pyproject.toml"
     assert not any(n.startswith(("protocol/", "services/", "tests/", "bench/")) for n in names), \
         "generic top-level names leaked"
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))

@@ -639,8 +639,8 @@ async def test_reward_model_scores_in_batches_as_a_direct_forward_does(tmp_path)
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
 
-    from rlflow.data.tasks import Arith
     from rlflow.models import build_tokenizer
+    from rlflow.tasks.arith import Arith
 
     tokenizer = build_tokenizer(Arith.ALPHABET)
     torch.manual_seed(0)

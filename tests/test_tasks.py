@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from rlflow import config as C
-from rlflow.data.tasks import Arith, ArithTaskImpl, load_tokenizer, make_task, needs_tokenizer
 from rlflow.protocol import GroupInfo
+from rlflow.tasks.arith import Arith
+from rlflow.tasks.core import ArithTaskImpl, load_tokenizer, make_task, needs_tokenizer
 
 
 def test_the_worked_answer_carries_column_by_column():

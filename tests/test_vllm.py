@@ -21,8 +21,8 @@ from models import tiny_model
 
 from rlflow.config import VllmRollout
 from rlflow.data.net import free_port
-from rlflow.data.tasks import load_tokenizer
 from rlflow.services.weights import GlooGroup, layout, pack, pieces
+from rlflow.tasks.core import load_tokenizer
 
 pytestmark = pytest.mark.vllm
 

@@ -55,7 +55,7 @@ PROBLEMS = [
 
 def main() -> None:
     from rlflow.config import ArithTask
-    from rlflow.data.tasks import Arith
+    from rlflow.tasks.arith import Arith
 
     cfg = ArithTask()
     arith = Arith(cfg.digit_weights, seed=0, heldout_size=cfg.heldout_size, heldout_seed=cfg.heldout_seed)

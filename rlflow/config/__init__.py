@@ -9,6 +9,8 @@ One module per job:
   tables and validates the whole; `to_toml` writes the resolved config;
 * `checks`: what involves several fields (a role's pool exists, sync mode
   means no staleness, ...), run at load;
+* `environment`: the specs that name the env role's environment and tools
+  by import path (checked for shape here, loaded and run by `rlflow.env`);
 * `explain`: msgspec's validation errors as one line;
 * `errors`: `ConfigError`, whose text is one line naming the key, the value
   given and what is allowed; every problem of a config raises it.
@@ -17,6 +19,7 @@ Everything is imported from here (``from rlflow.config import Config, load``).
 """
 
 from rlflow.config.checks import check
+from rlflow.config.environment import EnvironmentSpec, ToolSpec
 from rlflow.config.errors import ConfigError
 from rlflow.config.loading import apply_override, from_dict, load, resolve_run_dir, to_toml
 from rlflow.config.schema import (
@@ -85,6 +88,7 @@ __all__ = [
     "Distribution",
     "EnvReward",
     "EnvRole",
+    "EnvironmentSpec",
     "EvalConfig",
     "Fixed",
     "Fraction",
@@ -117,6 +121,7 @@ __all__ = [
     "TaskReward",
     "TeacherEngine",
     "TeacherRole",
+    "ToolSpec",
     "TorchCritic",
     "TorchTrainer",
     "TrainerEngine",

@@ -8,6 +8,7 @@ import math
 
 import msgspec
 
+from rlflow.config.environment import check_tools
 from rlflow.config.errors import MISSING, ConfigError
 from rlflow.config.schema import (
     Config,
@@ -22,7 +23,6 @@ from rlflow.config.schema import (
     TorchTrainer,
     kind_of,
 )
-from rlflow.env.core import check_tools
 from rlflow.rewards.core import check_specs
 
 

@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from rlflow.config.environment import EnvironmentSpec, ToolSpec
 from rlflow.config.errors import ConfigError
 from rlflow.data.net import is_loopback
-from rlflow.env.core import EnvironmentSpec, ToolSpec
 from rlflow.protocol.spec import field_docs
 from rlflow.rewards.core import FunctionSpec
 from rlflow.roles import NAMES

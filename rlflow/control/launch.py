@@ -106,7 +106,7 @@ def _role_model(model: str, policy: str, key: str) -> str:
 
 def _same_tokenizer(model: str, policy: str, key: str) -> None:
     """A role that scores or values the tokens the policy samples must read them: one vocabulary."""
-    from rlflow.data.tasks import load_tokenizer
+    from rlflow.tasks.core import load_tokenizer
 
     if model == policy:
         return

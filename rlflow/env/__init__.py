@@ -44,7 +44,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from rlflow.env.core import EnvError, EnvironmentSpec, Episode, Step, ToolSpec, check_tools
+from rlflow.config.environment import EnvironmentSpec, ToolSpec, check_tools
+from rlflow.env.core import EnvError, Episode, Step
 
 _LAZY = {
     "open_env_pool": "rlflow.env.pool",

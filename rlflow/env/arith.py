@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlflow.data.arith import Arith
 from rlflow.env.core import Episode, Step
+from rlflow.tasks.arith import Arith
 
 
 class SecondTry:

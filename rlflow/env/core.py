@@ -30,7 +30,9 @@ JSON). The model sees its JSON schema, made from its signature and its
 docstring (Google style, an ``Args:`` section), or its ``schema`` attribute
 (the schema of OpenAI's ``tools`` field) where it has one.
 
-This module imports msgspec and the standard library only.
+The specs that name an environment and its tools (`EnvironmentSpec`,
+`ToolSpec`) are the config's (`rlflow.config.environment`); this module
+imports them and the standard library only.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-import msgspec
+from rlflow.config.environment import EnvironmentSpec, ToolSpec
 
 
 class EnvError(ValueError):
@@ -54,54 +56,6 @@ class EnvError(ValueError):
 
 class BadReturn(Exception):
     """An environment returned something it may not; the message names what came back."""
-
-
-class EnvironmentSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The environment of a run."""
-
-    path: str
-    """Import path, "package.module:Class" (e.g. "rlflow.env.arith:SecondTry")."""
-    kwargs: dict[str, Any] = {}
-    """Keyword arguments the class is made with (once per worker process)."""
-
-    def __post_init__(self) -> None:
-        _check_path(self.path, "environment", "Class")
-
-
-class ToolSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A tool the model may call."""
-
-    path: str
-    """Import path, "package.module:function" (e.g. "rlflow.env.tools:python")."""
-    name: str = ""
-    """The name the model calls it by; defaults to the function's name in `path`."""
-    kwargs: dict[str, Any] = {}
-    """Keyword arguments passed to every call, besides the model's (not shown to the model)."""
-    timeout_s: float = 0.0
-    """A call that takes longer fails (the model is told so); 0: `roles.env.timeout_s`."""
-
-    def __post_init__(self) -> None:
-        _check_path(self.path, "tool", "function")
-        if not self.name:
-            msgspec.structs.force_setattr(self, "name", self.path.partition(":")[2].rsplit(".", 1)[-1])
-        if not (self.timeout_s == 0 or 0 < self.timeout_s < math.inf):
-            raise ValueError(f"timeout_s of tool {self.name!r} must be positive (or 0), got {self.timeout_s}")
-
-
-def _check_path(path: str, what: str, example: str) -> None:
-    module, _, attribute = path.partition(":")
-    if not module or not attribute:
-        raise ValueError(f"{what} path {path!r} must look like 'package.module:{example}'")
-
-
-def check_tools(tools: Sequence[ToolSpec]) -> None:
-    """Raise `ValueError` unless the tools' names are unique."""
-    seen: dict[str, str] = {}
-    for tool in tools:
-        if tool.name in seen:
-            raise ValueError(f"two tools are named {tool.name!r} ({seen[tool.name]} and {tool.path}); "
-                             "give one of them a name")
-        seen[tool.name] = tool.path
 
 
 @dataclass

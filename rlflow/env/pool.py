@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import trio
 
-from rlflow.env.core import EnvironmentSpec, ToolSpec, check_tools
+from rlflow.config.environment import EnvironmentSpec, ToolSpec, check_tools
 from rlflow.env.worker import Call, Done, Failed, FromWorker, Hello, Ready
 from rlflow.errors import leaves
 from rlflow.workers import PoolError, WorkerBroken, WorkerProcess, frame, spawn, worker_env

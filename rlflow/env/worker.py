@@ -24,11 +24,10 @@ from typing import Any
 
 import msgspec
 
+from rlflow.config.environment import EnvironmentSpec, ToolSpec
 from rlflow.env.core import (
     BadReturn,
     Episode,
-    EnvironmentSpec,
-    ToolSpec,
     check_observation,
     check_step,
     load_tool,

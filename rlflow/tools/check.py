@@ -41,10 +41,10 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
     """Run the checks (see the module); the figures of the RESULT line.
     `rows` limits the rows whose reference answers are scored (0: all)."""
     from rlflow.control.launch import resolve
-    from rlflow.data.dataset_task import DatasetError
-    from rlflow.data.tasks import load_tokenizer, make_task, needs_tokenizer
     from rlflow.rewards import PoolError, RewardFunctionError, load_function, sandbox_problem
     from rlflow.startup import use_import_dir
+    from rlflow.tasks.core import load_tokenizer, make_task, needs_tokenizer
+    from rlflow.tasks.dataset import DatasetError
 
     config = resolve(config)
     use_import_dir(config)  # the functions are loaded here too, to name a bad one at once

@@ -26,7 +26,7 @@ import trio
 
 from rlflow.config import FunctionsReward, SimRollout, VllmRollout
 from rlflow.data import transport
-from rlflow.data.tasks import Task
+from rlflow.errors import WeightGroupBroken
 from rlflow.protocol import (
     EngineLoad,
     WEIGHT_GROUP_BROKEN,
@@ -48,7 +48,7 @@ from rlflow.protocol import (
 from rlflow.services.base import Control, EngineContext, Service, follow, shm_settings
 from rlflow.services.rollout.engine import Finished, RolloutEngine
 from rlflow.services.rollout.episodes import EpisodeRunner
-from rlflow.errors import WeightGroupBroken
+from rlflow.tasks.core import Task
 
 
 class RolloutService(Service):

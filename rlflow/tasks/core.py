@@ -3,7 +3,7 @@
 Tasks: ``sim`` (random tokens, random rewards: for simulated runs),
 ``arith`` (the embedded default: addition written out column by column,
 verifiable, with long-tailed response lengths), ``dataset`` (the user's own
-files) and ``reasoning_gym`` (procedural problems), see `dataset_task`.
+files) and ``reasoning_gym`` (procedural problems), see `dataset`.
 
 A task turns a group id into a prompt, deterministically (from the run's
 seed), so that the controller hands out ids, never data, and a group that has
@@ -20,9 +20,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from rlflow.config import ArithTask, Config, DatasetTask, ReasoningGymTask, SimTask
-from rlflow.data.arith import Arith
-from rlflow.data.dataset_task import DatasetTaskImpl, ReasoningGymTaskImpl
 from rlflow.protocol import GroupInfo, PromptGroup
+from rlflow.tasks.arith import Arith
+from rlflow.tasks.dataset import DatasetTaskImpl, ReasoningGymTaskImpl
 
 
 class Task(Protocol):
