@@ -204,7 +204,16 @@ class ControllerStats(Record):
     by_type: dict[str, int] = {}
     cpu_s: float = 0.0
     cpu_share: float = 0.0
+    """Of one core: the controller's thread."""
     process_cpu_share: float = 0.0
+    """Of one core: its whole process (with `rlflow up`, also the Ray driver's threads)."""
+    latency_p50_ms: float = 0.0
+    """How long a message waited for the controller and its handling, from taken off the socket to
+    handled: the median (the upper edge of a histogram's bucket, at most 26% above), ..."""
+    latency_p99_ms: float = 0.0
+    """... the 99th percentile ..."""
+    latency_max_ms: float = 0.0
+    """... and the longest."""
 
 
 class GroupCounts(Record):

@@ -250,6 +250,21 @@ def test_getters_have_no_side_effects_and_a_step_closes_its_window():
     assert stats.summary(6.0, run_id="r", state="stopped").samples == 8
 
 
+def test_message_latency_quantiles_come_from_a_histogram_of_fixed_size():
+    from rlflow.control.stats import Latency
+
+    latency = Latency()
+    assert latency.quantile(0.99) == 0.0
+    size = len(latency.counts)
+    for i in range(100_000):
+        latency.add(1e-4 if i % 100 else 0.02)  # 0.1 ms, and one in a hundred 20 ms
+    latency.add(120.0)  # beyond the last bucket: counted there
+    assert len(latency.counts) == size and latency.n == 100_001
+    assert 1e-4 <= latency.quantile(0.5) <= 1.26e-4
+    assert 1e-4 <= latency.quantile(0.989) <= 1.26e-4 and 0.02 <= latency.quantile(0.995) <= 0.0252
+    assert latency.quantile(1.0) == latency.max == 120.0
+
+
 def test_the_summary_is_summed_as_steps_come_and_the_controller_keeps_no_row_but_the_last():
     """The summary's figures are those of the rows (written to metrics.jsonl, not kept), and what the
     statistics hold grows by less than 10 bytes a step from step 200 to 2,000 (a few KB of allocator

@@ -113,6 +113,8 @@ def test_the_controller_carries_no_sample_data(three_steps, clean):
     assert controller.bytes_received / controller.messages_received < 600
     assert summary.data_bytes > 200_000
     assert controller.bytes_received < summary.data_bytes / 5
+    # Every message handled was timed, from taken off the socket to handled.
+    assert 0 < controller.latency_p50_ms <= controller.latency_p99_ms <= controller.latency_max_ms
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to give pools their own")

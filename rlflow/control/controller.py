@@ -34,7 +34,7 @@ from rlflow.control import status as build
 from rlflow.control.ledger import NO_SIGNAL, GroupLedger, LedgerState
 from rlflow.control.record import resume as resume_record
 from rlflow.control.metrics import Sink, open_sinks
-from rlflow.control.outbox import Door, Outboxes, farewell
+from rlflow.control.outbox import INBOX, Door, Outboxes, farewell, take
 from rlflow.control.replicas import (
     STATEFUL_ROLES, GiveUp, Policy, Refusal, Replica, Roster, State, Supervisor, probes_disagree,
 )
@@ -234,10 +234,14 @@ class Controller:
     # --------------------------------------------------------------- messages
 
     async def _receive(self) -> None:
-        while True:
-            identity, msg = await self.router.recv()
+        """Handle messages in order, taken off the socket as they come (`take`); from taken to
+        handled is `stats.latency` (the wait for the controller, and its work)."""
+        send, messages = trio.open_memory_channel(INBOX)
+        self._nursery.start_soon(take, self.router, send)
+        async for identity, msg, taken in messages:
             self.received_by_type[type(msg).__name__] += 1
             self._handle(identity, msg)
+            self.stats.latency.add(time.perf_counter() - taken)
 
     def _handle(self, identity: bytes, msg: Any) -> None:
         if isinstance(msg, Hello):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +62,18 @@ class Outbox:
                 except transport.PeerUnreachable:
                     unreachable()
                     return
+
+
+#: Messages taken off the controller's socket and not yet handled, at most (the socket holds the rest).
+INBOX = 4096
+
+
+async def take(router: transport.Router, send: trio.MemorySendChannel) -> None:
+    """Take the controller's messages off its socket as they come, each with the time it was taken."""
+    async with send:
+        while True:
+            identity, msg = await router.recv()
+            await send.send((identity, msg, time.perf_counter()))
 
 
 #: Peers refused with an answer, at most (more are refused in silence).

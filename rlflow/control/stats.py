@@ -94,6 +94,35 @@ def _shares(pairs: list[tuple[Heartbeat, Heartbeat]]) -> Shares:
     return Shares(**{k: (v / total if total > 0 else 0.0) for k, v in sums.items()})
 
 
+class Latency:
+    """How long messages wait for the controller and its work on them: a
+    histogram of fixed logarithmic buckets (ten a decade, from 1 µs to 100 s),
+    so its memory stays the same however long a run lasts."""
+
+    PER_DECADE, LOW, DECADES = 10, 1e-6, 8
+
+    def __init__(self) -> None:
+        self.counts = [0] * (self.PER_DECADE * self.DECADES + 1)
+        self.n, self.max = 0, 0.0
+
+    def add(self, seconds: float) -> None:
+        i = math.floor(self.PER_DECADE * math.log10(max(seconds, self.LOW) / self.LOW))
+        self.counts[min(i, len(self.counts) - 1)] += 1
+        self.n += 1
+        self.max = max(self.max, seconds)
+
+    def quantile(self, q: float) -> float:
+        """The `q` quantile, in seconds: the upper edge of its bucket (at most 26% above it), 0 with none."""
+        if not self.n:
+            return 0.0
+        seen = 0
+        for i, count in enumerate(self.counts):
+            seen += count
+            if seen >= q * self.n:
+                return min(self.LOW * 10 ** ((i + 1) / self.PER_DECADE), self.max)
+        return self.max
+
+
 class RunStats:
     """Heartbeat windows per replica and the run's rows (see the module)."""
 
@@ -111,6 +140,8 @@ class RunStats:
         self.evals: list[EvalRow] = []
         self.loads, self.load_s = 0, 0.0
         self.carried = Carried()
+        #: From a message taken off the controller's socket to its handling done.
+        self.latency = Latency()
 
     def carry(self, carried: Carried) -> None:
         """Go on from the record of the sessions before (a resume): their rows

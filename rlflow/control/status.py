@@ -110,12 +110,15 @@ def controller_stats(controller: Any) -> ControllerStats:
     elapsed = max(time.monotonic() - controller.started, 1e-9)
     (thread0, proc0), (thread, proc) = controller.cpu0, process_cpu()
     messages, router = sum(controller.received_by_type.values()), controller.router
+    latency = controller.stats.latency
     return ControllerStats(
         messages_received=messages, messages_per_s=round(messages / elapsed, 2),
         bytes_received=router.bytes_received if router else 0, bytes_sent=router.bytes_sent if router else 0,
         rejected=dict(router.rejected) if router else {}, ignored=dict(controller.door.ignored),
         by_type=dict(controller.received_by_type), cpu_s=round(thread - thread0, 4),
         cpu_share=round((thread - thread0) / elapsed, 5), process_cpu_share=round((proc - proc0) / elapsed, 5),
+        latency_p50_ms=round(1e3 * latency.quantile(0.5), 3), latency_p99_ms=round(1e3 * latency.quantile(0.99), 3),
+        latency_max_ms=round(1e3 * latency.max, 3),
     )
 
 

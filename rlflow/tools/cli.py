@@ -217,7 +217,7 @@ def _foreground(config, run_dir: pathlib.Path, *, display: bool) -> int:
         f"[rlflow] {summary.steps} steps, {summary.samples} samples, {summary.tokens} tokens "
         f"in {summary.wall_time_s:.1f} s; staleness max {summary.staleness_max:g}; "
         f"controller {summary.controller.messages_per_s:.0f} msg/s, "
-        f"{100 * summary.controller.cpu_share:.2f}% CPU",
+        f"{100 * summary.controller.cpu_share:.2f}% CPU, p99 {summary.controller.latency_p99_ms:.1f} ms a message",
         file=sys.stderr,
     )
     return 0 if summary.state == "stopped" else 1
