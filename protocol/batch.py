@@ -132,11 +132,9 @@ def with_text(batch: SampleBatch, decode: Callable[[np.ndarray], str]) -> Sample
 
 def _text_column(name: str, rows: Sequence[bytes | np.ndarray]) -> dict[str, Tensor]:
     """A text column `name` and its offsets, of these rows of UTF-8 bytes."""
-    data = b"".join(rows) if all(isinstance(r, bytes) for r in rows) else _cat(rows, np.uint8)
-    return {
-        name: Tensor.from_numpy(np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data),
-        f"{name}_offsets": Tensor.from_numpy(_offsets([len(r) for r in rows])),
-    }
+    parts = [np.frombuffer(r, np.uint8) if isinstance(r, bytes) else r for r in rows]
+    offsets = _offsets([len(r) for r in parts])
+    return {name: Tensor.from_numpy(_cat(parts, np.uint8)), f"{name}_offsets": Tensor.from_numpy(offsets)}
 
 
 def _text_rows(batch: SampleBatch, name: str, rows: Sequence[int]) -> dict[str, Tensor]:
