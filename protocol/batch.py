@@ -8,7 +8,7 @@ carries.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +119,41 @@ def _turn_rewards(rows: Sequence[np.ndarray | None]) -> Tensor | None:
     return Tensor.from_numpy(out)
 
 
+def with_text(batch: SampleBatch, decode: Callable[[np.ndarray], str]) -> SampleBatch:
+    """A copy of `batch` with its text columns (SPEC.md, *Text*): `decode` of each sample's response
+    tokens and of each group's prompt tokens, as UTF-8."""
+    p_off, r_off = batch.prompt_offsets.numpy().tolist(), batch.response_offsets.numpy().tolist()
+    prompt_ids, response_ids = batch.prompt_ids.numpy(), batch.response_ids.numpy()
+    prompts = [decode(prompt_ids[p_off[g] : p_off[g + 1]]) for g in range(len(batch.groups))]
+    responses = [decode(response_ids[r_off[i] : r_off[i + 1]]) for i in range(batch.n_samples)]
+    return msgspec.structs.replace(batch, **_text_column("prompt_text", [t.encode() for t in prompts]),
+                                   **_text_column("response_text", [t.encode() for t in responses]))
+
+
+def _text_column(name: str, rows: Sequence[bytes | np.ndarray]) -> dict[str, Tensor]:
+    """A text column `name` and its offsets, of these rows of UTF-8 bytes."""
+    parts = [np.frombuffer(r, np.uint8) if isinstance(r, bytes) else r for r in rows]
+    offsets = _offsets([len(r) for r in parts])
+    return {name: Tensor.from_numpy(_cat(parts, np.uint8)), f"{name}_offsets": Tensor.from_numpy(offsets)}
+
+
+def _text_rows(batch: SampleBatch, name: str, rows: Sequence[int]) -> dict[str, Tensor]:
+    """The text column `name` of just these rows of `batch`, in this order (nothing if it has none)."""
+    data = getattr(batch, name)
+    if data is None:
+        return {}
+    buf, off = data.numpy(), getattr(batch, f"{name}_offsets").numpy().tolist()
+    return _text_column(name, [buf[off[r] : off[r + 1]] for r in rows])
+
+
+def text_of(data: Tensor | None, offsets: Tensor | None) -> list[str] | None:
+    """The rows of a text column, as strings (None without one)."""
+    if data is None or offsets is None:
+        return None
+    buf, off = data.numpy(), offsets.numpy().tolist()
+    return [buf[a:b].tobytes().decode() for a, b in zip(off, off[1:])]
+
+
 def stamp(batch: SampleBatch, stage: Stage, when: float, rows: np.ndarray | None = None, **fields: Any) -> SampleBatch:
     """A copy of `batch` with `stage` set to `when` (for every row, or `rows`)
     and with `fields` replaced (one copy, checked once)."""
@@ -190,7 +225,19 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
         loss_mask=_masks([(None if b.loss_mask is None else b.loss_mask.numpy(), b.n_tokens) for b in batches]),
         env_rewards=_turn_rewards([r for b in batches for r in _rows_of(b.env_rewards, b.n_samples)]),
         **{name: opt(name) for name in _CRITIC_COLUMNS},
+        **_joined_text(batches, "response_text"),
+        **_joined_text(batches, "prompt_text"),
     )
+
+
+def _joined_text(batches: Sequence[SampleBatch], name: str) -> dict[str, Tensor]:
+    """The text column `name` of the rows of all `batches`, if every one has it."""
+    if any(getattr(b, name) is None for b in batches):
+        return {}
+    return {
+        name: Tensor.from_numpy(_cat([getattr(b, name).numpy() for b in batches], np.uint8)),
+        f"{name}_offsets": Tensor.from_numpy(_join_offsets([getattr(b, f"{name}_offsets").numpy() for b in batches])),
+    }
 
 
 def _rows_of(column: Tensor | None, n: int) -> list[np.ndarray | None]:
@@ -215,8 +262,9 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
     # Every token of every row, in row order: each row's first token, then on.
     starts, lens = r_off[rows], r_off[rows + 1] - r_off[rows]
     token_idx = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - (np.cumsum(lens) - lens), lens)
-    groups, prompts, prompt_lens = [], [], []
+    groups, prompts, prompt_lens, kept = [], [], [], []
     for g, count in _runs(group_of[rows]):
+        kept.append(g)
         info = batch.groups[g]
         groups.append(msgspec.structs.replace(info, size=count))
         prompts.append(batch.prompt_ids.numpy()[p_off[g] : p_off[g + 1]])
@@ -256,6 +304,8 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
         returns=tok(batch.returns),
         token_advantages=tok(batch.token_advantages),
         critic_versions=per_row(batch.critic_versions),
+        **_text_rows(batch, "response_text", rows.tolist()),
+        **_text_rows(batch, "prompt_text", kept),
     )
 
 
@@ -269,6 +319,8 @@ def split(batch: SampleBatch) -> list[SampleBatch]:
     token_cols = {name: _array(getattr(batch, name)) for name in _TOKEN_COLUMNS}
     row_cols = {name: _array(getattr(batch, name)) for name in _ROW_COLUMNS}
     details = {k: v.numpy() for k, v in batch.reward_details.items()}
+    texts = {name: (getattr(batch, name).numpy(), getattr(batch, f"{name}_offsets").numpy())
+             for name in ("response_text", "prompt_text") if getattr(batch, name) is not None}
     out, a = [], 0
     for g, info in enumerate(batch.groups):
         b = a + info.size
@@ -283,9 +335,21 @@ def split(batch: SampleBatch) -> list[SampleBatch]:
             failures=[msgspec.structs.replace(f, index=f.index - a) for f in batch.failures if a <= f.index < b],
             **{name: None if col is None else Tensor.from_numpy(col[ta:tb]) for name, col in token_cols.items()},
             **{name: None if col is None else Tensor.from_numpy(col[a:b]) for name, col in row_cols.items()},
+            **_text_slice(texts, "response_text", a, b),
+            **_text_slice(texts, "prompt_text", g, g + 1),
         ))
         a = b
     return out
+
+
+def _text_slice(texts: dict[str, tuple[np.ndarray, np.ndarray]], name: str, a: int, b: int) -> dict[str, Tensor]:
+    """Rows `a` to `b` of the text column `name` (bytes and offsets in `texts`, if it is there), the bytes
+    as a view and the offsets rebased to 0."""
+    if name not in texts:
+        return {}
+    data, off = texts[name]
+    return {name: Tensor.from_numpy(data[off[a] : off[b]]),
+            f"{name}_offsets": Tensor.from_numpy(off[a : b + 1] - off[a])}
 
 
 #: Columns with one entry (or row) per response token, and with one per sample (row).
@@ -347,6 +411,10 @@ class SampleView:
     returns: np.ndarray | None = None
     token_advantages: np.ndarray | None = None
     critic_version: int | None = None
+    response_text: str | None = None
+    """The response's text, where the batch carries it (SPEC.md, *Text*)."""
+    prompt_text: str | None = None
+    """The group's prompt's text, where the batch carries it."""
 
 
 def samples(batch: SampleBatch) -> Iterator[SampleView]:
@@ -366,6 +434,8 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
     env = batch.env_rewards.numpy() if batch.env_rewards is not None else None
     values, returns, token_adv = (_array(batch.values), _array(batch.returns), _array(batch.token_advantages))
     critic = batch.critic_versions.numpy().tolist() if batch.critic_versions is not None else None
+    response_text = text_of(batch.response_text, batch.response_text_offsets)
+    prompt_text = text_of(batch.prompt_text, batch.prompt_text_offsets)
     row = 0
     for g, info in enumerate(batch.groups):
         prompt = prompt_ids[p_off[g] : p_off[g + 1]]
@@ -391,6 +461,8 @@ def samples(batch: SampleBatch) -> Iterator[SampleView]:
                 returns=None if returns is None else returns[a:b],
                 token_advantages=None if token_adv is None else token_adv[a:b],
                 critic_version=None if critic is None else critic[row],
+                response_text=None if response_text is None else response_text[row],
+                prompt_text=None if prompt_text is None else prompt_text[g],
             )
             row += 1
 

@@ -86,11 +86,40 @@ def validate(batch: Any) -> None:
     if batch.critic_versions is not None and (batch.critic_versions.numel != n
                                               or batch.critic_versions.dtype != "int32"):
         raise _disagree(f"critic_versions must be int32 [{n}]")
+    _check_text(batch, "response_text", n)
+    _check_text(batch, "prompt_text", g)
     for key, tensor in batch.reward_details.items():
         if tensor.numel != n:
             raise _disagree(f"reward_details[{key!r}] must have {n} entries")
     if any(f.index >= n for f in batch.failures):
         raise _disagree("a failure names a row past the end")
+
+
+def _check_text(batch: Any, name: str, rows: int) -> None:
+    """A text column (`name`, uint8 UTF-8 bytes) and its offsets (`name`_offsets, int64 [rows + 1]) come
+    together, the offsets run from 0 to the bytes' length without decreasing, and each row's bytes are
+    valid UTF-8: the whole column is, and no row starts inside a character (on a continuation byte)."""
+    data, offsets = getattr(batch, name), getattr(batch, f"{name}_offsets")
+    if data is None and offsets is None:
+        return
+    if data is None or offsets is None:
+        raise _disagree(f"{name} and {name}_offsets come together")
+    if data.dtype != "uint8" or len(data.shape) != 1:
+        raise _disagree(f"{name} must be uint8 [B]")
+    if offsets.dtype != "int64" or len(offsets.shape) != 1 or offsets.shape[0] != rows + 1:
+        raise _disagree(f"{name}_offsets must be int64 [{rows + 1}]")
+    off, buf = offsets.numpy(), data.numpy()
+    if off[0] != 0 or off[-1] != len(buf):
+        raise _disagree(f"{name}_offsets must run from 0 to {len(buf)}")
+    if len(off) > 1 and (off[1:] < off[:-1]).any():
+        raise _disagree(f"{name}_offsets must not decrease")
+    starts = off[:-1][off[:-1] < len(buf)]
+    if ((buf[starts] & 0xC0) == 0x80).any():
+        raise _disagree(f"a row of {name} starts inside a UTF-8 character")
+    try:
+        str(memoryview(buf), "utf-8")
+    except UnicodeDecodeError as exc:
+        raise _disagree(f"{name} is not UTF-8 at byte {exc.start}") from None
 
 
 def _disagree(what: str) -> ValueError:

@@ -216,6 +216,18 @@ class SampleBatch(Message, tag=2):
     whitening: the trainer whitens over its step)."""
     critic_versions: Tensor | None = None
     """int32 [n]: the critic version (its optimizer steps so far) that computed each sample's values."""
+    response_text: Tensor | None = None
+    """uint8 [B]: the text of every sample's response, UTF-8, concatenated: its response tokens decoded by
+    the model's tokenizer, special tokens skipped (see SPEC.md, *Text*); filled in by the rollout when a
+    replica it streams to asked (`Hello.text`)."""
+    response_text_offsets: Tensor | None = None
+    """int64 [n+1]: sample ``i``'s text is bytes ``[response_text_offsets[i]:response_text_offsets[i+1]]`` of
+    `response_text` (with it, or neither)."""
+    prompt_text: Tensor | None = None
+    """uint8 [C]: the text of every group's prompt, UTF-8, concatenated, decoded as `response_text` is."""
+    prompt_text_offsets: Tensor | None = None
+    """int64 [G+1]: group ``g``'s prompt text is bytes ``[prompt_text_offsets[g]:prompt_text_offsets[g+1]]`` of
+    `prompt_text` (with it, or neither)."""
 
     def __post_init__(self) -> None:
         # The columns must agree (offsets in range, lengths, dtypes), so that
@@ -471,6 +483,9 @@ class Hello(Message, tag=10):
     adapter: Adapter | None = None
     """The trainer (rank 0): the LoRA adapter its weight updates carry instead of the whole model (nil:
     the whole model); `layout` then lists the adapter's tensors, named as in PEFT's adapter file."""
+    text: bool = False
+    """A replica that takes sample batches: it wants the text of each response and prompt in them (see
+    SPEC.md, *Text*); false: token ids alone."""
 
 
 class Welcome(Message, tag=11):
@@ -498,6 +513,9 @@ class Welcome(Message, tag=11):
     adapter: Adapter | None = None
     """To a replica that loads weights: the LoRA adapter it serves on the base model, as the trainer's
     `Hello` offered it (nil: weight updates are the whole model)."""
+    text_peers: list[str] = []
+    """The addresses in `peers` whose replicas asked for text (`Hello.text`): a rollout replica that streams
+    to any of them fills in the text columns of every batch it sends (see SPEC.md, *Text*)."""
 
 
 class Ready(Message, tag=12):
@@ -730,6 +748,8 @@ class Peers(Message, tag=30):
     """As `Welcome.peers`."""
     shm_peers: list[str] = []
     """As `Welcome.shm_peers`."""
+    text_peers: list[str] = []
+    """As `Welcome.text_peers`."""
 
 
 class WeightsGroup(Message, tag=31):

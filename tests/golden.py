@@ -64,6 +64,7 @@ from rlflow.protocol import (
     WeightsRequest,
     Welcome,
     build_batch,
+    with_text,
 )
 
 DATA = pathlib.Path(__file__).parent / "data" / "wire" / f"v{SCHEMA_VERSION}"
@@ -128,6 +129,15 @@ def _episodes():
                  loss_mask=np.array([1], np.uint8), env_rewards=np.array([0.0], np.float32)),
     ]
     return build_batch([(group, responses)])
+
+
+#: A tokenizer's table for the example batches' ids (with a character of two UTF-8 bytes).
+TEXT = {1: "", 2: "", 3: "0", 5: "é", 6: "=", 7: "7", 9: "#"}
+
+
+def decode(ids) -> str:
+    """The example batches' text: each id by `TEXT` (special tokens and unknown ids left out)."""
+    return "".join(TEXT.get(i, "") for i in ids.tolist())
 
 
 def examples() -> dict[str, object]:
@@ -251,6 +261,13 @@ def examples() -> dict[str, object]:
         ),
         "WeightsReady.checksum": WeightsReady(version=6, nbytes=256, checksum="crc32:0badcafe"),
         "WeightsLoaded.checksum": WeightsLoaded(version=6, seconds=0.01, checksum="crc32:0badcafe"),
+        "SampleBatch.text": with_text(_batch(len(Stage)), decode),
+        "Hello.text": Hello(role=Role.REWARD, rank=0, replicas=1, schema_version=SCHEMA_VERSION,
+                            endpoints={"in": "tcp://127.0.0.1:5003"}, text=True),
+        "Welcome.text": Welcome(schema_version=SCHEMA_VERSION, run_id="run-1",
+                                peers={"out": ["tcp://127.0.0.1:5003", "tcp://127.0.0.1:5004"]},
+                                text_peers=["tcp://127.0.0.1:5003"]),
+        "Peers.text": Peers(peers={"out": ["tcp://127.0.0.1:5003"]}, text_peers=["tcp://127.0.0.1:5003"]),
     }
 
 

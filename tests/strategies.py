@@ -25,6 +25,7 @@ from rlflow.protocol import (
     Tensor,
     WeightsPayload,
     build_batch,
+    with_text,
 )
 
 _I64 = 2**63 - 1
@@ -160,6 +161,9 @@ def sample_batches(draw) -> SampleBatch:
         batch = msgspec.structs.replace(
             batch, env_rewards=Tensor.from_numpy(np.asarray(turns, np.float32).reshape(n, k))
         )
+    if draw(st.booleans()):
+        words = st.text(st.characters(codec="utf-8"), max_size=4)
+        batch = with_text(batch, lambda ids: draw(words))
     if n and draw(st.booleans()):
         failures = [SampleFailure(index=draw(st.integers(0, n - 1)), stage=Stage.REWARD_END, kind="timeout")]
         batch = msgspec.structs.replace(batch, failures=failures)

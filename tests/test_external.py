@@ -1,16 +1,20 @@
 """Replicas the user starts: `launch = "external"`. The reference external
 reward replica (examples/external_reward.py: pyzmq and msgpack, no rlflow)
 takes the reward role of a simulated run, is killed mid-run and started
-again, and the run finishes with a clean audit; again across CURVE."""
+again, and the run finishes with a clean audit; again across CURVE. A reward
+replica that speaks only the wire asks for text and reads the tokenizer's
+decode of every response; one that does not ask gets token ids alone."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import shlex
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import trio
@@ -23,6 +27,14 @@ from test_controller import run_in_process, sim
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "external_reward.py"
+
+
+def example():
+    """The example's module, for its wire helpers (`pack`, `unpack`, `field`, `values`, `scored`)."""
+    spec = importlib.util.spec_from_file_location("external_reward", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def start_replica(run_dir: pathlib.Path, rank: int = 0) -> subprocess.Popen:
@@ -99,3 +111,97 @@ def test_join_prints_what_an_external_replica_needs_and_spec_md_names_each(tmp_p
     assert cli.main(["join", str(tmp_path), "--role", "reward", "--rank", "5"]) == 2
     spec = (ROOT / "protocol" / "SPEC.md").read_text()
     assert all(f"`{name}`" in spec for name in JOIN_ENV)
+
+
+#: Positions in a SampleBatch's array (the tag is 0) and its text columns (SPEC.md, *Text*).
+PROMPT_IDS, PROMPT_OFFSETS, RESPONSE_IDS, RESPONSE_OFFSETS = 2, 3, 5, 6
+RESPONSE_TEXT, RESPONSE_TEXT_OFFSETS, PROMPT_TEXT, PROMPT_TEXT_OFFSETS = 25, 26, 27, 28
+
+
+def wire_reward(env: dict[str, str], text: bool, seen: list) -> None:
+    """A reward replica of raw pyzmq and msgpack (the example's helpers) that says `Hello.text = text`,
+    scores and forwards every batch like the example, and puts in `seen` each sample's (response ids,
+    its text or None) and each group's (prompt ids, its text or None), until told to shut down."""
+    import zmq
+
+    ex = example()
+    ctx = zmq.Context()
+    inbox, control, out = ctx.socket(zmq.PULL), ctx.socket(zmq.DEALER), ctx.socket(zmq.PUSH)
+    try:
+        port = inbox.bind_to_random_port("tcp://127.0.0.1")
+        control.connect(env["RLFLOW_CONTROLLER"])
+        # Fields 10-19 at their defaults (weights, layout, slots, model, probe, problems, threads, cpus, shm,
+        # adapter), then field 20, `text`.
+        control.send_multipart(ex.pack([ex.HELLO, ex.REWARD, 0, 1, ex.SCHEMA, {"in": f"tcp://127.0.0.1:{port}"},
+                                        os.getpid(), "", 0, env["RLFLOW_SECRET"],
+                                        None, [], 0, "", [], [], 0, "", "", None, text]))
+        assert control.poll(30_000), "no welcome"
+        welcome = ex.unpack(control.recv_multipart())
+        assert welcome[0] == ex.WELCOME, welcome
+        peers = ex.field(welcome, 3, {})["out"]
+        assert ex.field(welcome, 10, []) == []  # the teacher it streams to did not ask
+        for address in peers:
+            out.connect(address)
+        control.send_multipart(ex.pack([ex.READY, 0]))
+        poller, seq, beat = zmq.Poller(), 0, 0.0
+        poller.register(inbox, zmq.POLLIN)
+        poller.register(control, zmq.POLLIN)
+        while True:
+            if time.monotonic() >= beat:
+                control.send_multipart(ex.pack([ex.HEARTBEAT, seq, 0]))
+                seq, beat = seq + 1, time.monotonic() + ex.field(welcome, 5, 1.0)
+            ready = dict(poller.poll(100))
+            if inbox in ready:
+                frames = inbox.recv_multipart()
+                batch = ex.unpack(frames)
+                seen.extend(rows(ex, frames, batch, RESPONSE_IDS, RESPONSE_OFFSETS, RESPONSE_TEXT,
+                                 RESPONSE_TEXT_OFFSETS))
+                seen.extend(rows(ex, frames, batch, PROMPT_IDS, PROMPT_OFFSETS, PROMPT_TEXT, PROMPT_TEXT_OFFSETS))
+                out.send_multipart(ex.scored(frames)[0])
+            if control in ready:
+                msg = ex.unpack(control.recv_multipart())
+                if msg[0] == ex.SHUTDOWN:
+                    control.send_multipart(ex.pack([ex.BYE, "shutdown"]))
+                    return
+    finally:
+        ctx.destroy(linger=1000)
+
+
+def rows(ex, frames: list, batch: list, ids_at: int, offsets_at: int, text_at: int, text_offsets_at: int) -> list:
+    """(token ids, text or None) of each row of one pair of id and text columns of a batch."""
+    ids, offsets = ex.values(frames, batch[ids_at], "i"), ex.values(frames, batch[offsets_at], "q")
+    text = ex.field(batch, text_at, None)
+    if text is None:
+        texts = [None] * (len(offsets) - 1)
+    else:
+        data, ends = bytes(frames[text[2]]), ex.values(frames, batch[text_offsets_at], "q")
+        texts = [data[a:b].decode("utf-8") for a, b in zip(ends, ends[1:])]
+    return [(list(ids[a:b]), t) for a, b, t in zip(offsets[:-1], offsets[1:], texts, strict=True)]
+
+
+@pytest.mark.parametrize("text", [True, False])
+async def test_a_wire_only_reward_replica_gets_the_text_it_asks_for_and_none_otherwise(tmp_path, text):
+    from rlflow.data.tasks import load_tokenizer
+    from rlflow.models import SHIPPED
+
+    config = sim("run.steps=2", "roles.reward.launch='external'", "roles.reward.pool=''", 'task={kind = "arith"}',
+                 f"roles.rollout.model='{SHIPPED}'", "eval.before=false", "eval.after=false", "eval.every_steps=0")
+    seen: list = []
+
+    async def user(controller, launcher) -> None:
+        while controller.address is None or not RunDir(tmp_path).join.exists():
+            await trio.sleep(0.05)
+        folder = RunDir(tmp_path)
+        env = join_environment(folder.read_join(), "reward", 0, str(folder.join))
+        await trio.to_thread.run_sync(wire_reward, env, text, seen, abandon_on_cancel=True)
+
+    with trio.fail_after(60):
+        controller, summary = await run_in_process(config, tmp_path, during=user)
+    assert summary.state == "stopped" and summary.steps == 2, summary.error
+    assert len(seen) >= 2 * 4 * (4 + 1)  # two steps of four groups of four samples, and their prompts
+    if not text:
+        assert all(t is None for _, t in seen)
+        return
+    tokenizer = load_tokenizer(SHIPPED)
+    assert all(t == tokenizer.decode(ids, skip_special_tokens=True) for ids, t in seen)
+    assert sum(bool(t) for _, t in seen) > len(seen) // 2  # real text, not empty strings

@@ -464,6 +464,46 @@ def test_take_and_split_keep_rows_and_renumber_failures():
     assert P.take(batch, []).n_samples == 0
 
 
+def test_text_travels_with_its_rows_through_concat_take_and_split():
+    from golden import decode
+
+    batch = examples()["SampleBatch.text"]
+    assert [(r.response_text, r.prompt_text) for r in P.samples(batch)] == [("é=0", "77"), ("#", "77")]
+    assert batch.response_text.tolist() == list("é=0#".encode()) and batch.response_text_offsets.tolist() == [0, 4, 5]
+    assert P.samples(examples()["SampleBatch"]).__next__().response_text is None  # none asked: no column
+    other = P.with_text(P.take(batch, [1]), lambda ids: "ü" * len(ids))
+    both = P.concat([batch, other])
+    assert [(r.response_text, r.prompt_text) for r in P.samples(both)] == [("é=0", "77"), ("#", "77"), ("ü", "üüüü")]
+    assert [r.response_text for r in P.samples(P.take(both, [2, 0]))] == ["ü", "é=0"]
+    assert [[r.response_text for r in P.samples(part)] for part in P.split(both)] == [["é=0", "#"], ["ü"]]
+    assert P.concat([both, examples()["SampleBatch"]]).response_text is None  # only where every batch has it
+    assert [r.response_text for r in P.samples(batch)] == [decode(r.response_ids) for r in P.samples(batch)]
+
+
+@pytest.mark.parametrize(("column", "value", "match"), [
+    ("response_text_offsets", None, "response_text and response_text_offsets come together"),
+    ("prompt_text", None, "prompt_text and prompt_text_offsets come together"),
+    ("response_text_offsets", Tensor.of([0, 5], "int64"), "must be int64 \\[3\\]"),
+    ("response_text_offsets", Tensor.of([0, 4, 3], "int64"), "must run from 0 to 5"),
+    ("response_text_offsets", Tensor.of([0, 1, 5], "int64"), "starts inside a UTF-8 character"),
+    ("response_text", Tensor.of([0xC3, 0xA9, 0x3D, 0x30, 0xFF], "uint8"), "not UTF-8 at byte 4"),
+    ("prompt_text", Tensor.of([55, 55], "int32"), "must be uint8"),
+])
+def test_a_text_column_that_breaks_a_rule_of_the_spec_is_malformed(column, value, match):
+    with pytest.raises(ValueError, match=match):
+        msgspec.structs.replace(examples()["SampleBatch.text"], **{column: value})
+
+
+def test_a_received_batch_whose_text_is_not_utf8_is_malformed():
+    frames = wire(Codec().encode(examples()["SampleBatch.text"]))
+    raw = msgspec.msgpack.decode(frames[0])
+    text = raw[1][25]  # response_text: [dtype, shape, frame]
+    assert bytes(frames[text[2]]) == "é=0#".encode()
+    frames[text[2]] = b"\xa9\xc3=0#"  # as long, but a row starts inside a character
+    with pytest.raises(MalformedMessage, match="columns disagree: a row of response_text starts inside"):
+        Codec().decode(frames)
+
+
 def test_every_rejection_the_spec_names_is_raised_by_decode_itself():
     """SPEC.md's *Validation* table, kind by kind: each is what `decode`
     alone (no socket) raises for a message that breaks that rule. (The

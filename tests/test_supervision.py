@@ -312,6 +312,23 @@ def test_each_replica_streams_to_every_registered_replica_of_the_next_role():
     assert topology.previous("reward") == "rollout" and topology.next("trainer") is None
 
 
+def test_a_rollout_is_told_which_replicas_it_streams_to_asked_for_text():
+    topology = Topology(["rollout", "reward", "teacher", "trainer"])
+    roster = Roster({("rollout", 0), ("reward", 0), ("reward", 1), ("teacher", 0), ("trainer", 0)})
+    for role, rank, endpoints, text in (("rollout", 0, {}, False), ("reward", 0, {"in": "tcp://r:0"}, True),
+                                        ("reward", 1, {"in": "tcp://r:1"}, False),
+                                        ("teacher", 0, {"in": "tcp://t:0"}, True), ("trainer", 0, {"in": "x"}, False)):
+        r = roster.replicas[(role, rank)] = replica(role, rank)
+        r.hello = hello(Role[role.upper()], rank, endpoints=endpoints, text=text)
+    peers = topology.peers("rollout", 0, roster)
+    assert Topology.text_peers(peers, roster) == ["tcp://r:0"]  # of its own peers: not the teacher
+    assert Topology.text_peers(topology.peers("reward", 0, roster), roster) == ["tcp://t:0"]
+    # A replacement that does not ask: the rollout is told so with the new addresses.
+    roster.replicas[("reward", 0)].hello = hello(Role.REWARD, 0, endpoints={"in": "tcp://r:9"})
+    [(rollout, told)] = topology.upstream("reward", roster)
+    assert rollout.name == "rollout-0" and told.peers == {"out": ["tcp://r:9", "tcp://r:1"]} and told.text_peers == []
+
+
 def test_the_status_adds_up_each_roles_counters_and_engines():
     beats = [Heartbeat(seq=1, version=4, counters=Counters(samples=3, rejected={"malformed": 1},
                                                            reward_calls={"f.ok": 2}),

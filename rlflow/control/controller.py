@@ -516,6 +516,7 @@ def welcome(controller: Controller, replica: Replica) -> Welcome:
     return Welcome(schema_version=SCHEMA_VERSION, run_id=controller.run_id,
                    version=controller.version if first else controller.start_version, peers=peers,
                    shm_peers=Topology.shm_peers(replica, peers, controller.roster),
+                   text_peers=Topology.text_peers(peers, controller.roster),
                    heartbeat_s=controller.config.cluster.heartbeat_s, **weights)
 
 

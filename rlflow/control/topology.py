@@ -81,6 +81,13 @@ class Topology:
         takers = {address for r in replicas if r.hello.shm == token for address in r.hello.endpoints.values()}
         return sorted({address for addresses in peers.values() for address in addresses if address in takers})
 
+    @staticmethod
+    def text_peers(peers: dict[str, list[str]], replicas: Iterable[Replica]) -> list[str]:
+        """The addresses in `peers` bound by replicas that asked for the text of each response
+        (`Hello.text`)."""
+        askers = {address for r in replicas if r.hello.text for address in r.hello.endpoints.values()}
+        return sorted({address for addresses in peers.values() for address in addresses if address in askers})
+
     def upstream(self, role: str, roster: Roster) -> list[tuple[Replica, Peers]]:
         """What to tell each live replica of the role before `role`: stream to `role`'s replicas'
         current endpoints."""
@@ -89,5 +96,6 @@ class Topology:
         for upstream in roster.role(before) if before else ():
             if upstream.live:
                 peers = self.peers(before, upstream.rank, roster)
-                out.append((upstream, Peers(peers=peers, shm_peers=self.shm_peers(upstream, peers, roster))))
+                out.append((upstream, Peers(peers=peers, shm_peers=self.shm_peers(upstream, peers, roster),
+                                            text_peers=self.text_peers(peers, roster))))
         return out

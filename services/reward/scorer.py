@@ -204,7 +204,8 @@ def sample_of(task: Any, row: SampleView) -> Sample:
                 (turns if mask[0] else observations).append(task.decode(part))
     return Sample(
         prompt=task.decode(row.prompt_ids) if row.loss_mask is not None else task.prompt_text(group_id),
-        response=task.decode(row.response_ids),
+        # The rollout's text where it sent it (the same decode), else decoded here.
+        response=row.response_text if row.response_text is not None else task.decode(row.response_ids),
         response_ids=tuple(row.response_ids.tolist()),
         reference=row.group.reference,
         row=dict(task.row(group_id)),

@@ -44,6 +44,7 @@ from rlflow.protocol import (
     WeightsLoaded,
     build_batch,
     concat,
+    with_text,
 )
 from rlflow.services.base import Control, EngineContext, Service, follow, shm_settings
 from rlflow.services.rollout.engine import Finished, RolloutEngine
@@ -66,6 +67,9 @@ class RolloutService(Service):
         self._evaluating = trio.Lock()
         #: Multi-turn episodes, in a run with an environment.
         self.episodes: EpisodeRunner | None = None
+        self.task: Task | None = None
+        #: Whether a replica it streams to asked for text (`Hello.text`): then every batch it sends carries it.
+        self.text = False
 
     async def main(self, control: Control) -> None:
         task = self.load_task()
@@ -89,6 +93,7 @@ class RolloutService(Service):
     async def _main(self, control: Control, task: Task) -> None:
         run = self.config.run
         engine = self.engine = make_engine(self.context())
+        self.task = task
         try:
             self.say("starting %s", type(engine).__name__)
             started = time.monotonic()
@@ -101,6 +106,7 @@ class RolloutService(Service):
             if self.config.roles.reward.inline:
                 self._score_inline(engine, task)
             self.say("up: %s, sending to %s", type(engine).__name__, ", ".join(welcome.peers["out"]))
+            self._want_text(welcome.peers["out"], welcome.text_peers)
             async with (
                 transport.open_push(
                     connect=welcome.peers["out"],
@@ -126,6 +132,7 @@ class RolloutService(Service):
                     match msg:
                         case Peers():
                             peers = follow(out, peers, msg.peers.get("out", []), msg.shm_peers)
+                            self._want_text(peers, msg.text_peers)
                             if episodes is not None:
                                 episodes.env.follow(msg.peers.get("env", []))
                         case Credits(group_ids=ids, min_versions=mins):
@@ -144,6 +151,14 @@ class RolloutService(Service):
         finally:
             with trio.CancelScope(shield=True):
                 await engine.close()
+
+    def _want_text(self, peers: list[str], text_peers: list[str]) -> None:
+        """Fill in text while any replica it streams to asked for it: a PUSH hands each batch to whichever
+        peer is ready, so they all get it then (SPEC.md, *Text*)."""
+        text = any(address in text_peers for address in peers)
+        if text != self.text:
+            self.say("%s the text of responses and prompts", "sending" if text else "no longer sending")
+        self.text = text
 
     def queues(self) -> dict[str, int]:
         out = self.engine.queues() if self.engine is not None else {}
@@ -226,6 +241,8 @@ class RolloutService(Service):
                 except trio.WouldBlock:
                     break
             batch = self._batch(finished)
+            if self.text:  # the tokenizer's work, off the event loop
+                batch = await trio.to_thread.run_sync(with_text, batch, self.task.decode)
             await out.send(batch)
             self.counters["groups"] += len(finished)
             self.counters["samples"] += batch.n_samples

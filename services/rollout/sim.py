@@ -26,7 +26,7 @@ import numpy as np
 import trio
 
 from rlflow.algo.staleness import too_stale
-from rlflow.config import SimRollout
+from rlflow.config import Config, SimRollout, SimTask
 from rlflow.data import transport
 from rlflow.distributions import draw_lengths
 from rlflow.protocol import (
@@ -481,7 +481,7 @@ class SimEngine:
         self.batcher = SimBatcher(
             cfg,
             rng=np.random.default_rng((run.seed, ctx.rank, 7)),
-            vocab=getattr(ctx.config.task, "vocab_size", 32000),
+            vocab=_vocab(ctx.config),
             partial=run.partial_rollout,
             strict=run.staleness_check == "strict",
             staleness=run.staleness,
@@ -672,3 +672,13 @@ class SimEngine:
         if self._weights is None:
             self._weights = await self._sockets.enter_async_context(open_fetcher(self.ctx, self._server))
         return await fetch(self.ctx, self._weights, version)
+
+
+def _vocab(config: Config) -> int:
+    """How many token ids it draws from: the simulated task's vocabulary, or, for a task that speaks
+    text, its policy tokenizer's (so that the ids decode to text, as a real engine's do)."""
+    if isinstance(config.task, SimTask):
+        return config.task.vocab_size
+    from rlflow.data.tasks import load_tokenizer
+
+    return len(load_tokenizer(config.policy_path))
