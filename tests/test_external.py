@@ -181,7 +181,7 @@ def rows(ex, frames: list, batch: list, ids_at: int, offsets_at: int, text_at: i
 
 @pytest.mark.parametrize("text", [True, False])
 async def test_a_wire_only_reward_replica_gets_the_text_it_asks_for_and_none_otherwise(tmp_path, text):
-    from rlflow.data.tasks import load_tokenizer
+    from rlflow.tasks.core import load_tokenizer
     from rlflow.models import SHIPPED
 
     config = sim("run.steps=2", "roles.reward.launch='external'", "roles.reward.pool=''", 'task={kind = "arith"}',

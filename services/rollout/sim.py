@@ -679,6 +679,6 @@ def _vocab(config: Config) -> int:
     text, its policy tokenizer's (so that the ids decode to text, as a real engine's do)."""
     if isinstance(config.task, SimTask):
         return config.task.vocab_size
-    from rlflow.data.tasks import load_tokenizer
+    from rlflow.tasks.core import load_tokenizer
 
     return len(load_tokenizer(config.policy_path))
