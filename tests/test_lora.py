@@ -232,7 +232,7 @@ async def test_over_zeromq_each_replica_fetches_the_adapter_from_the_trainers_we
     the layout, and vLLM then serves the trainer's policy."""
     from rlflow.protocol import Tensor, WeightsPayload, WeightsZmq
     from rlflow.services.rollout.vllm_engine import VllmEngine
-    from rlflow.services.trainer.torch_engine import TorchTrainerEngine
+    from rlflow.services.trainer.torch_trainer import TorchTrainerEngine
 
     config = lora_config(base, transfer="zmq")
     serving = TorchTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
