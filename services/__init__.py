@@ -5,7 +5,7 @@ roles are `rlflow.roles.ROLES`), each with its service and its engines, and
 Each service is a trio program that runs one loop under a nursery and speaks
 only the protocol. `main` is what a service process runs. Importing this
 package loads nothing else: vLLM's engine-core process imports
-``rollout/vllm_worker`` through it.
+``rollout/vllm_lora_worker`` and ``rollout/vllm_worker`` through it.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ request; results delivered after the trio side has gone are dropped. A call
 made before vLLM's engine core died ends with vLLM's `EngineDeadError`
 (`unless_dead`), never a hang.
 
-With `rollout/vllm_worker` (the side inside vLLM's engine-core process), this
-module and the rollout's engine are the only places that import vLLM.
+With `rollout/vllm_worker` and `rollout/vllm_lora_worker` (the side inside
+vLLM's engine-core process), this module and the rollout's engine are the
+only places that import vLLM.
 """
 
 from __future__ import annotations
@@ -162,7 +163,7 @@ class VllmBackend:
             logprobs_mode="processed_logprobs",
             max_logprobs=self.max_logprobs,
             weight_transfer_config={"backend": self.weight_backend()},
-            worker_extension_cls="rlflow.services.rollout.vllm_worker.WorkerExtension",
+            worker_extension_cls="rlflow.services.rollout.vllm_lora_worker.WorkerExtension",
             seed=self.seed,
             disable_log_stats=True,
             enable_prefix_caching=False,
@@ -275,7 +276,7 @@ class VllmBackend:
 
     async def load_adapter(self, info: dict[str, Any], *, pause: bool = False, kv: str | None = None,
                            version: int | None = None) -> str:
-        """Hand a LoRA adapter to every worker (`vllm_worker.WorkerExtension.
+        """Hand a LoRA adapter to every worker (`vllm_lora_worker.WorkerExtension.
         rlflow_load_adapter`, which takes it from the weight group, a file or
         zeros as `info` says); its checksum as received. With `pause`: between
         two engine steps, requests kept (their KV cache as `kv` says, default

@@ -32,14 +32,14 @@ def test_an_unchecked_version_fails_naming_both(monkeypatch):
 
 @pytest.mark.vllm
 def test_the_engine_core_side_imports_nothing_of_the_service():
-    """vLLM's engine-core process imports `vllm_worker`: of rlflow, only the
-    protocol, the weight helpers and the compatibility module come with it
-    (no config, no service, no transport)."""
+    """vLLM's engine-core process imports `vllm_lora_worker` (and with it
+    `vllm_worker`): of rlflow, only the protocol, the weight helpers and the
+    compatibility module come with them (no config, no service, no transport)."""
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", "import sys, rlflow.services.rollout.vllm_worker; "
+        [sys.executable, "-c", "import sys, rlflow.services.rollout.vllm_lora_worker; "
          "print(' '.join(sorted(m for m in sys.modules if m.startswith('rlflow'))))"],
         capture_output=True, text=True, timeout=300,
     )
@@ -47,7 +47,8 @@ def test_the_engine_core_side_imports_nothing_of_the_service():
     loaded = {m for m in out.stdout.split() if not m.startswith("rlflow.protocol")}
     assert loaded == {
         "rlflow", "rlflow.data", "rlflow.data.net", "rlflow.services", "rlflow.services.compat",
-        "rlflow.services.rollout", "rlflow.services.rollout.vllm_worker", "rlflow.services.weights",
+        "rlflow.services.rollout", "rlflow.services.rollout.vllm_lora_worker", "rlflow.services.rollout.vllm_worker",
+        "rlflow.services.weights",
     }
 
 

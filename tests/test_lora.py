@@ -185,7 +185,7 @@ async def test_vllm_under_the_received_adapter_matches_a_hf_peft_forward_of_the_
         trainer.step()
         sent = await update(engine, trainer, 1)
         output = await engine.backend.generate(prompt, 8, 1.0, max_tokens=20, ignore_eos=True,
-                                               lora_id=engine._lora_id(1))
+                                               lora_id=engine.served.lora_id(1))
     # The rollout reports the checksum of what it received: the trainer's.
     assert engine.checksum == sent and sent.startswith("crc32:")
     worst, off_base = 0.0, 0.0
@@ -211,10 +211,11 @@ async def test_the_served_policy_changes_at_the_first_update(base, served):
     prompt = prompt_ids(base)
     with trio.fail_after(180):
         await start(engine, trainer)
-        before = await backend.generate(prompt, 4, 1.0, max_tokens=16, ignore_eos=True, lora_id=engine._lora_id(0))
+        before = await backend.generate(prompt, 4, 1.0, max_tokens=16, ignore_eos=True,
+                                        lora_id=engine.served.lora_id(0))
         trainer.step()
         sent = await update(engine, trainer, 1)
-        after = await backend.generate(prompt, 4, 1.0, max_tokens=16, ignore_eos=True, lora_id=engine._lora_id(1))
+        after = await backend.generate(prompt, 4, 1.0, max_tokens=16, ignore_eos=True, lora_id=engine.served.lora_id(1))
         held = set(await backend.call(backend.llm.list_loras))
     assert held == {IN_PLACE_ID} and engine.checksum == sent
     for ids, lps, _ in sampled(before):
@@ -231,7 +232,7 @@ async def test_over_zeromq_each_replica_fetches_the_adapter_from_the_trainers_we
     the layout, and vLLM then serves the trainer's policy."""
     from rlflow.protocol import Tensor, WeightsPayload, WeightsZmq
     from rlflow.services.rollout.vllm_engine import VllmEngine
-    from rlflow.services.trainer.torch_engine import TorchTrainerEngine
+    from rlflow.services.trainer.torch_trainer import TorchTrainerEngine
 
     config = lora_config(base, transfer="zmq")
     serving = TorchTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
@@ -253,7 +254,7 @@ async def test_over_zeromq_each_replica_fetches_the_adapter_from_the_trainers_we
                 await serving.send(1, None)
                 assert await engine.update_weights(1, None) == 1
                 output = await engine.backend.generate(prompt, 4, 1.0, max_tokens=16, ignore_eos=True,
-                                                       lora_id=engine._lora_id(1))
+                                                       lora_id=engine.served.lora_id(1))
                 v1 = trainer.adapter_now()
                 # Two versions published before the rollout asks for the first: it takes the newest.
                 for version in (2, 3):
@@ -309,7 +310,7 @@ async def test_in_place_the_adapter_changes_mid_generation_and_later_tokens_carr
 
         async def generate() -> None:
             result["out"] = await engine.backend.generate(prompt, 4, 1.0, max_tokens=400, ignore_eos=True,
-                                                          first_token=first, lora_id=engine._lora_id(1))
+                                                          first_token=first, lora_id=engine.served.lora_id(1))
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(generate)
@@ -342,7 +343,7 @@ async def test_per_request_a_request_keeps_its_version_and_an_old_one_is_let_go_
         await start(engine, trainer)
         trainer.step()
         await update(engine, trainer, 1)
-        v1, id1 = trainer.adapter_now(), engine._lora_id(1)
+        v1, id1 = trainer.adapter_now(), engine.served.lora_id(1)
 
         async def generate() -> None:
             result["out"] = await backend.generate(prompt, 2, 1.0, max_tokens=400, ignore_eos=True,
@@ -363,8 +364,8 @@ async def test_per_request_a_request_keeps_its_version_and_an_old_one_is_let_go_
             engine.submit(PromptGroup(group_id=1, prompt_ids=prompt, n=2), 0.0)
             (done,) = await engine.finished.receive()
             nursery.cancel_scope.cancel()
-    assert sorted(engine._lora_ids) == [2, 3]
-    assert id1 in result["during"] and result["after"] == {engine._lora_id(2), engine._lora_id(3)}
+    assert sorted(engine.served.ids) == [2, 3]
+    assert id1 in result["during"] and result["after"] == {engine.served.lora_id(2), engine.served.lora_id(3)}
     for ids, lps, _ in sampled(result["out"]):
         assert len(ids) == 400
         assert np.abs(lps - trainer.logprobs(prompt, ids, adapter=v1)).max() < 2e-3, "not v1 to the end"

@@ -16,6 +16,7 @@ from test_trainer import fixed_batch, objective
 from rlflow import config as C
 from rlflow.config import Lora, TorchTrainer
 from rlflow.protocol import Codec, samples
+from rlflow.services.trainer.packing import pack
 from rlflow.services.trainer.torch_engine import TorchEngine
 from rlflow.services.weights import tensors_checksum
 
@@ -73,8 +74,7 @@ def test_the_kl_reference_is_the_base_with_the_adapter_off(model_path, kl_in):
     first = engine.train(batch)
     engine.train(batch)
     row = next(iter(samples(batch)))
-    ids, mask, targets, where = engine._pack([row])
-    reference = engine._base_logprobs(ids, mask, targets, where).numpy()
+    reference = engine.weights.base_logprobs(*pack([row])).numpy()
     np.testing.assert_allclose(reference, base_logprobs(model_path, row.prompt_ids, row.response_ids), atol=1e-5)
     if kl_in == "loss":
         # At the first step the adapter is zero: the policy is the base, KL 0; later it has moved.

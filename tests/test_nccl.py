@@ -18,7 +18,7 @@ from rlflow.services.weights import NcclRanks, layout, nccl_chunk_bytes, nccl_ra
 
 
 def test_the_trainer_offers_gloo_on_cpu_and_nccl_on_cuda():
-    from rlflow.services.trainer.torch_engine import weight_offer
+    from rlflow.services.trainer.torch_trainer import weight_offer
 
     cpu = weight_offer("cpu", "10.0.0.2", 29500, 4096, 1024, ranks_per_receiver=2)
     assert cpu == WeightsGloo(host="10.0.0.2", port=29500, nbytes=4096, bucket_bytes=1024)
@@ -127,7 +127,7 @@ def test_the_rollout_refuses_a_transfer_its_backend_cannot_receive():
 
 
 def test_a_new_generation_of_an_nccl_group_keeps_its_shape():
-    from rlflow.services.trainer.torch_engine import TorchTrainerEngine
+    from rlflow.services.trainer.torch_trainer import TorchTrainerEngine
 
     # What the controller asks for (its offer with a new generation and size) ...
     offer = WeightsNccl(host="127.0.0.1", port=29500, nbytes=4096, bucket_bytes=1024, ranks_per_receiver=2)

@@ -209,7 +209,7 @@ async def test_a_version_whose_broadcast_broke_is_sent_whole_through_the_next_ge
 
     from rlflow import config as C
     from rlflow.services.base import standalone_context
-    from rlflow.services.trainer.torch_engine import TorchTrainerEngine
+    from rlflow.services.trainer.torch_trainer import TorchTrainerEngine
     from rlflow.services.weights import GlooGroup, receive_pieces
 
     config = C.load(text=f"""

@@ -18,8 +18,11 @@ the engine with its requests kept, receives the weights piece by piece (or
 vLLM's packed chunks) and loads them, and resumes: requests in flight go on
 over their KV cache (or recompute it under the new weights,
 ``kv_on_update = "recompute"``) and their later tokens carry the new version.
+What is served, the whole model or LoRA adapter versions on the base, is
+one object of `vllm_lora` (`WholeWeights`, `AdapterVersions`) that the
+engine asks for each version's load and each request's adapter.
 
-With `vllm_worker` and the vLLM client, this module is the only place that imports vLLM.
+With `vllm_worker`, `vllm_lora_worker` and the vLLM client, this module is the only place that imports vLLM.
 """
 
 from __future__ import annotations
@@ -35,8 +38,7 @@ import trio
 from rlflow.algo.staleness import too_stale
 from rlflow.config import VllmRollout
 from rlflow.protocol import (
-    Adapter, AdapterUpdate, EngineLoad,
-    FinishReason, ParamSpec, PromptGroup, Response, Stage, WeightsGloo, WeightsNccl, WeightsPayload, WeightsZmq,
+    Adapter, EngineLoad, FinishReason, ParamSpec, PromptGroup, Response, Stage, WeightsGloo, WeightsNccl, WeightsZmq,
     WeightTransfer
 )
 from rlflow.protocol.batch import N_STAGES
@@ -44,8 +46,10 @@ from rlflow.services import compat
 from rlflow.services.base import EngineContext
 from rlflow.errors import WeightGroupBroken
 from rlflow.services.rollout.engine import VersionWait
-from rlflow.services.vllm_client import EVAL_PRIORITY, IN_PLACE_ID, NCCL, VllmBackend, gloo_update_info
-from rlflow.services.zmq_weights import fetch, open_fetcher
+from rlflow.services.rollout.vllm_lora import AdapterVersions, WholeWeights, adapter_slots
+from rlflow.services.vllm_client import EVAL_PRIORITY, IN_PLACE_ID, NCCL, VllmBackend
+
+__all__ = ["IN_PLACE_ID", "EngineDead", "VllmBackend", "VllmEngine", "adapter_slots", "check_offer"]
 
 
 @dataclass
@@ -92,11 +96,8 @@ class VllmEngine:
             (self._weights, self._layout) = joined
             self._weights_ready.set()
         self._updating = False
-        #: LoRA: the adapter served on the base (None: whole weights), the
-        #: LoRA id of each version loaded, and the checksum of the newest.
-        self.adapter: Adapter | None = None
-        self._lora_ids: dict[int, int] = {}
-        self.checksum = ""
+        #: What is served: the whole model until the trainer's welcome names a LoRA adapter.
+        self.served: WholeWeights = WholeWeights(self.backend, cfg.kv_on_update)
         #: Episodes' turns being generated.
         self._turns = 0
 
@@ -112,6 +113,16 @@ class VllmEngine:
 
     def load(self) -> EngineLoad:
         return self.backend.load(self.cfg.max_num_seqs)
+
+    @property
+    def adapter(self) -> Adapter | None:
+        """The LoRA adapter served on the base (None: whole weights)."""
+        return self.served.adapter
+
+    @property
+    def checksum(self) -> str:
+        """The checksum of the version served (SPEC.md, *Checksums*; empty: not checked)."""
+        return self.served.checksum
 
     # -- start-up ---------------------------------------------------------------
 
@@ -139,14 +150,13 @@ class VllmEngine:
         checkpoint resumed from)."""
         self._layout = layout or self._layout
         if adapter is not None and self.adapter is None:
-            await self._first_adapter(adapter)
+            served = AdapterVersions(self.backend, self.cfg.kv_on_update, self.ctx, adapter)
+            await served.first(self.version, self._weights, self._layout)
+            self.served = served
         if transfer is None:
             return
+        self.served.check(transfer)
         if isinstance(transfer, WeightsZmq):
-            if self.adapter is None:
-                raise ValueError("the vLLM rollout takes whole weights over a collective group (gloo on CPUs, NCCL "
-                                 "on GPUs); over ZeroMQ only a LoRA adapter, and the trainer sends whole weights "
-                                 "(roles.trainer.engine.lora.transfer = \"zmq\" needs roles.trainer.engine.lora)")
             self._weights = transfer
             self._weights_ready.set()
             return
@@ -174,11 +184,7 @@ class VllmEngine:
         self._updating = True
         self.clock.set("loading")
         try:
-            if self.adapter is not None:
-                version = await self._load_adapter(version)
-            else:
-                await self.backend.update(version, self._layout, self._weights.nbytes, kv=self.cfg.kv_on_update,
-                                          bucket_bytes=self._weights.bucket_bytes)
+            version = await self.served.load(version, self._weights, self._layout)
         except Exception as exc:
             if compat.engine_dead(exc):  # nothing more can be loaded or served: the replica ends, to be restarted
                 raise EngineDead(f"vLLM's engine died while loading weights v{version}: {exc}") from exc
@@ -188,109 +194,20 @@ class VllmEngine:
         finally:
             self._updating = False
         self.version = version
-        if self.per_request:
-            await self._keep_window()
-        if self.strict:
-            self._evict_stale()
+        old = self.served.falling_out(version)
+        if old:  # per request: the groups still running on versions let go of start again, on the newest
+            self._restart(lambda item: item.submitted_version in old)
+            await self.served.retire(old)
+        if self.strict:  # groups whose first tokens are already too old to be trained on
+            self._restart(lambda item: too_stale(item.submitted_version, self.version, self.staleness))
         self._wake.set()
         self._weights_changed.changed()
         return self.version
 
-    # -- LoRA ---------------------------------------------------------------------
-
-    @property
-    def per_request(self) -> bool:
-        """Each request keeps the adapter version it started with (`AdapterUpdate.PER_REQUEST`)."""
-        return self.adapter is not None and self.adapter.update == AdapterUpdate.PER_REQUEST
-
-    def _lora_id(self, version: int) -> int:
-        """The LoRA id requests started on `version` run under (0: no adapter)."""
-        if self.adapter is None:
-            return 0
-        return self._lora_ids[version] if self.per_request else IN_PLACE_ID
-
-    def _adapter_info(self, source: str, lora_id: int, path: str = "") -> dict[str, Any]:
-        adapter, weights = self.adapter, self._weights
-        # The group's buffer (none over ZeroMQ, or before a group is joined).
-        nbytes, bucket_bytes = getattr(weights, "nbytes", 0), getattr(weights, "bucket_bytes", 0)
-        return {**gloo_update_info(self._layout, nbytes, bucket_bytes), "source": source, "path": path,
-                "lora_id": lora_id, "rank": adapter.rank, "alpha": adapter.alpha, "targets": list(adapter.targets),
-                "replace": True}
-
-    async def _first_adapter(self, adapter: Adapter) -> None:
-        """Serve the adapter of the version held now: a checkpoint's resumed
-        from (PEFT's format, read by the engine), else zeros (version 0: the
-        base itself, which PEFT's B = 0 makes it)."""
-        if self.backend.lora_rank < adapter.rank:
-            raise ValueError(f"the trainer sends a LoRA adapter of rank {adapter.rank}, but this rollout's vLLM "
-                             f"serves adapters of rank {self.backend.lora_rank} at most (0: none); both read "
-                             "roles.trainer.engine.lora")
-        self.adapter = adapter
-        path = self.ctx.config.adapter_path
-        lora_id = IN_PLACE_ID if not self.per_request else self.version + 1
-        self.checksum = await self.backend.load_adapter(self._adapter_info("file" if path else "zeros", lora_id, path))
-        self._lora_ids[self.version] = lora_id
-
-    async def _load_adapter(self, version: int) -> int:
-        """Take adapter `version` from the weight group, or from the trainer's
-        weight server (ZeroMQ: fetched before generation pauses; a newer
-        version than asked for if the trainer has one). In place: it replaces
-        the one served between two steps. Per request: it is loaded beside
-        the others (and `_keep_window` lets go of the oldest). The version loaded."""
-        source, tensors = "group", None
-        if isinstance(self._weights, WeightsZmq):
-            payload = await self._fetch(version)
-            source, version, tensors = "tensors", payload.version, self._in_layout(payload)
-        lora_id = version + 1 if self.per_request else IN_PLACE_ID
-        info = {**self._adapter_info(source, lora_id), "tensors": tensors}
-        if not self.per_request:
-            self.checksum = await self.backend.load_adapter(info, pause=True, kv=self.cfg.kv_on_update,
-                                                            version=version)
-            return version
-        self.checksum = await self.backend.load_adapter(info)
-        self._lora_ids[version] = lora_id
-        return version
-
-    async def _fetch(self, version: int) -> WeightsPayload:
-        """Adapter `version` (or newer) from the weight server, over a socket of this call's own."""
-        async with open_fetcher(self.ctx, self._weights.address) as weights:
-            return await fetch(self.ctx, weights, version)
-
-    def _in_layout(self, payload: WeightsPayload) -> list[bytes]:
-        """The bytes of the payload's tensors in the layout's order; an error naming what differs if it is
-        not the adapter the welcome described."""
-        got = dict(zip(payload.names, payload.tensors, strict=True))
-        named = {s.name: s for s in self._layout}
-        if set(got) != set(named):
-            raise ValueError(f"the weight server sent v{payload.version} with tensors that are not the adapter's "
-                             f"layout: {sorted(set(got) ^ set(named))[:3]} where they differ")
-        out = []
-        for spec in self._layout:
-            tensor = got[spec.name]
-            if tensor.dtype != spec.dtype or list(tensor.shape) != list(spec.shape):
-                raise ValueError(f"the weight server sent {spec.name} as {tensor.dtype}{list(tensor.shape)}; the "
-                                 f"layout says {spec.dtype}{list(spec.shape)}")
-            # Bytes of its own (not the socket's frame or a shared segment), as vLLM's utility calls carry them.
-            out.append(bytes(memoryview(tensor.data).cast("B")))
-        return out
-
-    async def _keep_window(self) -> None:
-        """Per request, with the newest version held: let go of the versions
-        before the last `Adapter.versions`, starting the groups still running
-        on them again (on the newest)."""
-        old = [v for v in self._lora_ids if self.version - v >= self.adapter.versions]
+    def _restart(self, which) -> None:
+        """Start the running groups `which` picks again (at the front of the queue)."""
         for item in list(self.running.values()):
-            if item.submitted_version in old and item.scope is not None and not item.scope.cancel_called:
-                self.ctx.counters["restarted_groups"] += 1
-                item.scope.cancel()
-                self.pending.appendleft(item)
-        for v in old:
-            await self.backend.retire_adapter(self._lora_ids.pop(v))
-
-    def _evict_stale(self) -> None:
-        """Restart groups whose first tokens are already too old to be trained on."""
-        for item in list(self.running.values()):
-            if too_stale(item.submitted_version, self.version, self.staleness) and not item.scope.cancel_called:
+            if which(item) and item.scope is not None and not item.scope.cancel_called:
                 self.ctx.counters["restarted_groups"] += 1
                 item.scope.cancel()
                 self.pending.appendleft(item)
@@ -328,7 +245,7 @@ class VllmEngine:
                 started = time.time()
                 try:
                     output = await self.backend.generate(item.group.prompt_ids, item.group.n, self.cfg.temperature,
-                                                         lora_id=self._lora_id(item.submitted_version))
+                                                         lora_id=self.served.lora_id(item.submitted_version))
                     responses = self._responses(output, item, started)
                 except Exception as exc:
                     if compat.engine_dead(exc):  # nothing more can be served: the replica ends, to be restarted
@@ -360,7 +277,7 @@ class VllmEngine:
         started = time.time()
         try:
             output = await self.backend.generate(prompt_ids, 1, temperature, max_tokens=max_tokens,
-                                                 lora_id=self._lora_id(item.submitted_version))
+                                                 lora_id=self.served.lora_id(item.submitted_version))
         except Exception as exc:
             if compat.engine_dead(exc):
                 raise EngineDead(f"vLLM's engine died while generating an episode's turn: {exc}") from exc
@@ -373,7 +290,7 @@ class VllmEngine:
 
     async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
         """One answer to `prompt_ids` (for evaluation: not a training sample; served before training's)."""
-        output = await self.backend.generate(prompt_ids, 1, temperature, lora_id=self._lora_id(self.version),
+        output = await self.backend.generate(prompt_ids, 1, temperature, lora_id=self.served.lora_id(self.version),
                                              priority=EVAL_PRIORITY)
         return list(output.outputs[0].token_ids)
 
@@ -388,7 +305,7 @@ class VllmEngine:
             ) if completion.logprobs else np.zeros(len(ids), np.float32)  # greedy: none asked for
             versions = np.full(len(ids), item.submitted_version, dtype=np.int32)
             # Per request, every token is the adapter version it started on, whatever vLLM's label.
-            for span in () if self.per_request else completion.weight_versions or ():
+            for span in () if self.served.per_request else completion.weight_versions or ():
                 versions[span.start : span.end] = int(span.version)
             out.append(
                 Response(
@@ -400,13 +317,6 @@ class VllmEngine:
                 )
             )
         return out
-
-
-def adapter_slots(update: str, staleness: int) -> int:
-    """vLLM's LoRA slots for `lora.adapter_update`: one adapter in place; per
-    request, the max_staleness + 1 kept and two more for versions let go of
-    while their last requests end (they are unloaded after those)."""
-    return 1 if update == "in_place" else staleness + 3
 
 
 class EngineDead(RuntimeError):

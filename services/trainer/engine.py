@@ -72,7 +72,7 @@ async def make_engine(ctx: EngineContext) -> TrainerEngine:
 
             return SimTrainerEngine(cfg, ctx)
         case TorchTrainer() as cfg:
-            from rlflow.services.trainer.torch_engine import TorchTrainerEngine
+            from rlflow.services.trainer.torch_trainer import TorchTrainerEngine
 
             return await trio.to_thread.run_sync(TorchTrainerEngine, cfg, ctx)
     raise ValueError(f"unknown trainer engine {ctx.config.roles.trainer.engine!r}")

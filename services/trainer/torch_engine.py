@@ -17,53 +17,33 @@ share: each rank's loss is the sum over its tokens divided by the token
 count of the whole step, and the gradients are summed over the ranks, so
 the step is the token mean over the batch whatever the number of ranks.
 
-Weights leave in pieces (`rlflow.services.weights.pieces`): after a step each
-rank copies its shards (`snapshot`, so that training goes on); to send a
-version, every rank gathers piece after piece and rank 0 broadcasts each to
-the rollout while the next is gathered. That is over gloo on the CPU
-(`WeightsGloo`); on CUDA the trainer offers `WeightsNccl` and rank 0 hands
-the gathered parameters to vLLM's packed NCCL broadcast instead, which
-packs the next chunk while the last is sent (the same gather, another
-backend). Checkpoints are Hugging Face
-directories (the full weights, written by rank 0) plus the optimizer's state
-as a torch distributed checkpoint (every rank writes its shards; any number
-of ranks reads it), RNG and run state.
-
-With LoRA (`TorchTrainer.lora`, see `lora`) the base is frozen: the
-optimizer holds only the adapter, a version's snapshot is the adapter whole
-(gathered when it is published: it is small), so that its checksum goes
-with `WeightsReady` and rank 0 sends it without the other ranks; a KL
-penalty may take the base itself as its reference (the adapter turned off
-for one more forward pass); checkpoints hold the adapter in PEFT's format.
+What trains and leaves is chosen once, at start: the whole model
+(`trained.WholeWeights`) or, with LoRA (`TorchTrainer.lora`), an adapter on
+the frozen base (`lora.AdapterWeights`); the engine asks it for every
+difference (its snapshots, checksums, pieces, checkpoints, and a KL
+penalty's reference). The learning rate: `schedule`; checkpoints:
+`checkpoint`; the engine behind the trainer service, with the weight group
+it sends over: `torch_trainer`.
 """
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 import os
 import pathlib
-import random
-import shutil
-import socket
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import msgspec
 import numpy as np
 import torch
-import trio
-from rlflow.protocol import (
-    Adapter, ParamSpec, SampleBatch, Tensor, WeightsGloo, WeightsNccl, WeightsPayload, WeightsZmq, WeightTransfer,
-    samples, take,
-)
-from rlflow.services.base import EngineContext
-from rlflow.services.fsdp import Sharded, Solo, autocast, bf16_passes, rendezvous
-from rlflow.services.trainer.lora import adapter_offer, save_adapter, trained_parameters, wrap
-from rlflow.services.weights import GlooGroup, NcclGroup, layout, pieces, tensors_checksum
-from rlflow.services.zmq_weights import WeightServer
+from rlflow.protocol import SampleBatch, Tensor, samples, take
+from rlflow.services.fsdp import Solo, autocast, bf16_passes
+from rlflow.services.trainer import checkpoint
+from rlflow.services.trainer.lora import AdapterWeights
+from rlflow.services.trainer.packing import column, loss_mask, own, pack, token_mean
+from rlflow.services.trainer.schedule import learning_rate
+from rlflow.services.trainer.trained import TrainedWeights, WholeWeights
 
 from rlflow.algo.balance import deal, micro_batches
 from rlflow.algo.values import centre_by_returns, own_count, own_tokens, whiten
@@ -79,8 +59,8 @@ from rlflow.algo.losses import (
     uniform_groups,
 )
 from rlflow.config import TorchTrainer
-from rlflow.data.net import listener
-from rlflow.rundir import RUN_STATE, TRAINER_OPTIMIZER, TRAINER_STATE
+
+__all__ = ["TorchEngine", "learning_rate"]
 
 #: Sums a step's passes add to, over every rank (divided by its tokens at the end).
 SUMS = ("loss", "clipped", "truncated", "kl", "ratio", "weight", "kl_loss", "distill_loss")
@@ -113,11 +93,14 @@ class TorchEngine:
         #: bf16 forward and backward passes on a CPU (`mixed_precision`; CUDA's are FSDP's business).
         self.mixed = bf16_passes(cfg.mixed_precision, self.ranks.device)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
-        #: LoRA: only the adapter trains, and only it is sent (`_sent`); the base stays frozen.
+        #: The LoRA adapter trained on the frozen base (None: the whole model trains).
         self.lora = cfg.lora
-        if self.lora is not None:
-            model = wrap(model, self.lora, adapter)
-        self.model = self.ranks.shard(model)
+        #: What trains, leaves and is saved: the whole model, or with LoRA the adapter alone.
+        self.weights: TrainedWeights = (
+            WholeWeights(model, self.ranks, cfg.bucket_bytes) if cfg.lora is None
+            else AdapterWeights(model, self.ranks, cfg, adapter, temperature=self.temperature)
+        )
+        self.model = self.weights.model
         self.model.train()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas),
@@ -127,15 +110,13 @@ class TorchEngine:
             clip_low=cfg.clip_low, clip_high=cfg.clip_high, decoupled=cfg.decoupled, tis_cap=cfg.tis_cap
         )
         self.steps = 0
-        named = list(self.model.named_parameters())
-        #: Indices (among the model's parameters) and names of the parameters that leave the trainer.
-        self._sent, names = trained_parameters(self.model) if self.lora else (range(len(named)), [n for n, _ in named])
-        self.specs, self.nbytes = layout((name, named[i][1]) for i, name in zip(self._sent, names))
+        #: The layout of what leaves the trainer, and its size in bytes.
+        self.specs, self.nbytes = self.weights.specs, self.weights.nbytes
 
     @property
     def base_reference(self) -> bool:
         """Whether a KL penalty's reference is the base with the adapter off (LoRA, `reference = "base"`)."""
-        return self.lora is not None and self.lora.reference == "base" and self.cfg.kl_coef > 0
+        return self.weights.base_reference
 
     # -- one step ---------------------------------------------------------------
 
@@ -160,12 +141,12 @@ class TorchEngine:
             raise ValueError("a sample without a reward reached the trainer")
         stats: dict[str, float] = {}
         if teacher_terms:
-            stats["kl_teacher"] = _token_mean(rows, lambda r: r.logprobs - r.teacher_logprobs)
+            stats["kl_teacher"] = token_mean(rows, lambda r: r.logprobs - r.teacher_logprobs)
         if cfg.kl_coef > 0 and cfg.kl_in == "reward":
-            references = self._base_rows(rows) if self.base_reference else [r.teacher_logprobs for r in rows]
+            references = self.weights.reference_rows(rows)
             # Over the model's own tokens: an episode's observations are not the policy's to pay for.
             penalty = torch.tensor([
-                float(_own(
+                float(own(
                     r, kl_to_reference(torch.from_numpy(r.logprobs), torch.as_tensor(ref), cfg.kl_estimator)
                 ).sum())
                 for r, ref in zip(rows, references)
@@ -276,8 +257,8 @@ class TorchEngine:
     def _pass(self, part: list, advantages: torch.Tensor, tokens: float, sums: dict[str, float]) -> None:
         """Forward and backward over one micro-batch, its loss scaled by 1 / `tokens`."""
         cfg, w, device = self.cfg, self.cfg.distill_coef, self.ranks.device
-        ids, mask, targets, where = self._pack(part)
-        keep = _loss_mask(part)
+        ids, mask, targets, where = pack(part)
+        keep = loss_mask(part)
         if keep is not None:  # the loss mask: an episode's observations are not trained on
             targets, where = targets[keep], (where[0][keep], where[1][keep])
         with autocast(self.mixed):
@@ -289,29 +270,28 @@ class TorchEngine:
         if w > 0 and cfg.distill == "topk":
             # The sampled token and the teacher's top k from one log-softmax: a single
             # [tokens, vocabulary] gradient in the backward pass, as for plain GRPO.
-            topk = _column(part, "teacher_topk_ids", keep).long().to(device)
+            topk = column(part, "teacher_topk_ids", keep).long().to(device)
             both = logprobs_at(logits, torch.cat([targets.unsqueeze(-1), topk], dim=-1), self.temperature)
             logprobs, student = both[:, 0], both[:, 1:]
         else:
             logprobs = token_logprobs(logits, targets, self.temperature)
-        behaviour = _column(part, "logprobs", keep).to(device)
+        behaviour = column(part, "logprobs", keep).to(device)
         adv = torch.cat([a.repeat(len(r.response_ids)) for a, r in zip(advantages, part)])
         adv = (adv if keep is None else adv[keep]).to(device)
         if cfg.advantage == "gae":  # per token, from the critic
-            adv = _column(part, "token_advantages", keep).to(device)
+            adv = column(part, "token_advantages", keep).to(device)
         if w > 0 and cfg.distill == "sampled":
             # The sampled token's reverse KL to the teacher, as an advantage.
-            adv = (1 - w) * adv + w * (_column(part, "teacher_logprobs", keep).to(device) - behaviour)
+            adv = (1 - w) * adv + w * (column(part, "teacher_logprobs", keep).to(device) - behaviour)
         out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg)
         loss = out.loss
         if w > 0 and cfg.distill == "topk":
-            per_token = topk_reverse_kl(student, _column(part, "teacher_topk_logprobs", keep).to(device))
+            per_token = topk_reverse_kl(student, column(part, "teacher_topk_logprobs", keep).to(device))
             distill = (out.weight * per_token).sum()
             loss = (1 - w) * loss + w * distill
             sums["distill_loss"] += distill.item()
         if cfg.kl_coef > 0 and cfg.kl_in == "loss":
-            reference = (self._base_logprobs(ids, mask, targets, where) if self.base_reference
-                         else _column(part, "teacher_logprobs", keep).to(device))
+            reference = self.weights.reference(part, (ids, mask, targets, where), keep)
             kl = (out.weight * kl_to_reference(logprobs, reference, cfg.kl_estimator)).sum()
             loss = loss + cfg.kl_coef * kl
             sums["kl_loss"] += kl.item()
@@ -328,56 +308,9 @@ class TorchEngine:
         """A pass of nothing, for a rank with fewer micro-batches than another:
         its gathers and scatters pair with theirs; its gradient is zero."""
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.ranks.device)
-        if self.base_reference and self.cfg.kl_in == "loss":  # as a real pass: the base's forward first
-            with torch.no_grad(), self.model.disable_adapter():
-                self.model(input_ids=ids)
+        if self.cfg.kl_in == "loss":
+            self.weights.idle_reference(ids)
         (self.model(input_ids=ids).logits.sum() * 0.0).backward()
-
-    # -- the reference: the base with the adapter off (LoRA) ---------------------------
-
-    def _base_logprobs(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor,
-                       where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The base model's log-probabilities of `targets` (the packed inputs of
-        `_pack`), with the adapter turned off: the reference of a KL penalty."""
-        device = self.ranks.device
-        with torch.no_grad(), self.model.disable_adapter():
-            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[
-                where[0].to(device), where[1].to(device)
-            ]
-            return token_logprobs(logits, targets.to(device), self.temperature)
-
-    def _base_rows(self, rows: list) -> list[np.ndarray]:
-        """The base's log-probabilities of every sample's response tokens, in
-        micro-batches (a trainer of one rank: every rank would have to join)."""
-        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(rows)
-        lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rows]
-        for micro in micro_batches(lengths, self.cfg.micro_batch_tokens):
-            chosen = [j for j in micro if len(rows[j].response_ids)]
-            if not chosen:
-                continue
-            flat = self._base_logprobs(*self._pack([rows[j] for j in chosen])).float().cpu().numpy()
-            offsets = np.cumsum([0] + [len(rows[j].response_ids) for j in chosen])
-            for k, j in enumerate(chosen):
-                out[j] = flat[offsets[k] : offsets[k + 1]]
-        return out
-
-    def _pack(self, part: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """Right-padded ids and mask, the response tokens, and where their
-        predictions sit in the logits."""
-        width = max(len(r.prompt_ids) + len(r.response_ids) for r in part)
-        ids = torch.zeros((len(part), width), dtype=torch.long)
-        mask = torch.zeros((len(part), width), dtype=torch.long)
-        rows_idx, cols_idx, targets = [], [], []
-        for row, sample in enumerate(part):
-            seq = np.concatenate([sample.prompt_ids, sample.response_ids])
-            ids[row, : len(seq)] = torch.from_numpy(seq.astype(np.int64))
-            mask[row, : len(seq)] = 1
-            start = len(sample.prompt_ids)
-            positions = torch.arange(start - 1, start - 1 + len(sample.response_ids))
-            rows_idx.append(torch.full_like(positions, row))
-            cols_idx.append(positions)
-            targets.append(torch.from_numpy(sample.response_ids.astype(np.int64)))
-        return ids, mask, torch.cat(targets), (torch.cat(rows_idx), torch.cat(cols_idx))
 
     def _lr(self) -> float:
         return learning_rate(self.cfg, self.steps, self.total_steps)
@@ -386,403 +319,43 @@ class TorchEngine:
         for group in self.optimizer.param_groups:
             group["lr"] = self._lr()
 
-    # -- weights out ------------------------------------------------------------
+    # -- weights out (see `trained`) -----------------------------------------------
 
     def snapshot(self) -> list[torch.Tensor]:
-        """This rank's part of every parameter sent now (a copy: training goes
-        on). With LoRA, the adapter whole instead, gathered now (it is small;
-        every rank takes part) and kept by rank 0 (the others keep nothing):
-        its sends gather nothing more."""
-        with torch.no_grad():
-            params = list(self.model.parameters())
-            local = [self.ranks.local(params[i]).detach().clone() for i in self._sent]
-            if self.lora is None:
-                return local
-            whole = [self.ranks.full(t, i) for t, i in zip(local, self._sent)]
-            return whole if self.ranks.lead else []
+        """The weights of the version made now, as this rank keeps them until sent (`TrainedWeights.snapshot`)."""
+        return self.weights.snapshot()
 
     def checksum(self, snapshot: list[torch.Tensor]) -> str:
-        """The checksum (SPEC.md, *Checksums*) of an adapter's `snapshot` at rank 0; empty for whole weights
-        (not checked) and at the other ranks."""
-        return tensors_checksum(self.specs, snapshot) if self.lora is not None and self.ranks.lead else ""
-
-    def _full(self, snapshot: list[torch.Tensor], j: int) -> torch.Tensor:
-        """Sent parameter `j` whole (collective, but for an adapter's snapshot, which is whole already)."""
-        return snapshot[j] if self.lora is not None else self.ranks.full(snapshot[j], self._sent[j])
+        """The checksum of `snapshot` (SPEC.md, *Checksums*; empty: not checked)."""
+        return self.weights.checksum(snapshot)
 
     def pieces(self, snapshot: list[torch.Tensor]) -> Iterator[torch.Tensor | None]:
-        """The flat buffer of `snapshot`'s weights, piece by piece, each piece
-        gathered when it is asked for (every rank iterates, in step; rank 0
-        gets the bytes, on the CPU, the others None)."""
-        lead = self.ranks.lead
-        if self.lora is not None and not lead:  # an adapter's send gathers nothing
-            return
-        for piece in pieces(self.specs, self.nbytes, self.cfg.bucket_bytes):
-            buffer = torch.zeros(piece.nbytes, dtype=torch.uint8) if lead else None
-            for j in range(piece.first, piece.stop):
-                full = self._full(snapshot, j)
-                if buffer is not None:
-                    data = full.detach().contiguous().reshape(-1).view(torch.uint8)
-                    start = self.specs[j].offset - piece.start
-                    buffer[start : start + data.numel()].copy_(data)
-                del full
-            yield buffer
+        """The flat buffer of `snapshot`, piece by piece (`TrainedWeights.pieces`)."""
+        return self.weights.pieces(snapshot)
 
     def named_full(self, snapshot: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, whole parameter on this rank's device) of `snapshot`, in the
-        layout's order, each gathered when it is asked for (every rank
-        iterates, in step)."""
-        if self.lora is not None and not self.ranks.lead:  # an adapter's send gathers nothing
-            return
-        for j, spec in enumerate(self.specs):
-            yield spec.name, self._full(snapshot, j)
+        """(name, whole parameter) of `snapshot`, in the layout's order (`TrainedWeights.named_full`)."""
+        return self.weights.named_full(snapshot)
 
     def send_named(self, snapshot: list[torch.Tensor],
                    send: Callable[[Iterator[tuple[str, torch.Tensor]]], None] | None) -> None:
-        """Gather `snapshot` parameter by parameter (every rank) and hand them
-        to `send` (rank 0, e.g. `NcclGroup.send`; None: gather only)."""
-        named = self.named_full(snapshot)
-        if send is None:
-            for _ in named:
-                pass
-            return
-        try:
-            send(named)
-        finally:
-            for _ in named:  # a failed send: the other ranks are gathering still
-                pass
+        """Gather `snapshot` and hand it to `send` parameter by parameter (`TrainedWeights.send_named`)."""
+        self.weights.send_named(snapshot, send)
 
     def send(self, snapshot: list[torch.Tensor], broadcast: Callable[[torch.Tensor], None] | None) -> None:
-        """Gather `snapshot` piece by piece (every rank) and hand each piece to
-        `broadcast` (rank 0; None: gather only), gathering the next piece while
-        the last is broadcast: at most two pieces are held at once.
+        """Gather `snapshot` and hand it to `broadcast` piece by piece (`TrainedWeights.send`)."""
+        self.weights.send(snapshot, broadcast)
 
-        A failed broadcast stops the broadcasting, not the gathering (the other
-        ranks are gathering too); it is raised at the end."""
-        failure: BaseException | None = None
-        with ThreadPoolExecutor(1, thread_name_prefix="weights-out") as pool:
-            sending: Future | None = None
-            for piece in self.pieces(snapshot):
-                if sending is not None:
-                    failure = failure or sending.exception()
-                    sending = None
-                if broadcast is not None and failure is None:
-                    sending = pool.submit(broadcast, piece)
-            if sending is not None:
-                failure = failure or sending.exception()
-        if failure is not None:
-            raise failure
-
-    # -- checkpoints ---------------------------------------------------------------
+    # -- checkpoints (see `checkpoint`) -----------------------------------------------
 
     def save(self, folder: pathlib.Path, run_state: dict[str, Any]) -> None:
-        """A Hugging Face model directory (with LoRA: the adapter in PEFT's
-        format under adapter/, and the merged model only if asked for) plus
-        optimizer, RNG and run state (every rank)."""
-        ranks = self.ranks
-        tmp = folder.with_name(folder.name + ".tmp")
-        if ranks.lead:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        ranks.barrier()
-        ranks.save_optimizer(self.model, self.optimizer, tmp / TRAINER_OPTIMIZER)
-        if self.lora is not None:  # the adapter in PEFT's format (and the merged model, if asked for)
-            adapter = self.snapshot()
-            if not ranks.lead:
-                return
-            save_adapter(tmp, self.lora, self.specs, adapter, self.model_path, self.dtype)
-        else:
-            weights = ranks.full_state(self.model)
-            if not ranks.lead:
-                return
-            self.model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
-            del weights
-        for name in os.listdir(self.model_path):
-            if "token" in name or name in ("generation_config.json", "vocab.json", "merges.txt"):
-                src = pathlib.Path(self.model_path) / name
-                if src.is_file() and not (tmp / name).exists():
-                    shutil.copy(src, tmp / name)
-        torch.save(
-            {
-                "steps": self.steps,
-                "rng": {
-                    "torch": torch.get_rng_state(),
-                    "numpy": np.random.get_state(),
-                    "python": random.getstate(),
-                },
-            },
-            tmp / TRAINER_STATE,
-        )
-        (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=1))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        """The weights (a Hugging Face model directory; with LoRA the adapter in PEFT's format under
+        adapter/, and the merged model only if asked for) plus optimizer, RNG and run state (every rank)."""
+        checkpoint.save(folder, run_state, weights=self.weights, optimizer=self.optimizer, steps=self.steps,
+                        model_path=self.model_path, dtype=self.dtype)
 
     def load_state(self, folder: pathlib.Path) -> dict[str, Any]:
         """Restore optimizer and RNG state saved by `save` (on any number of
         ranks); the run state. The weights are the folder's model, loaded at start."""
-        state = torch.load(folder / TRAINER_STATE, weights_only=False)
-        if (folder / TRAINER_OPTIMIZER).is_dir():
-            self.ranks.load_optimizer(self.model, self.optimizer, folder / TRAINER_OPTIMIZER)
-        elif "optimizer" in state:  # written by a trainer of one process, before it was sharded
-            self.ranks.load_full_optimizer(self.model, self.optimizer, _by_name(state["optimizer"], self.specs))
-        self.steps = state["steps"]
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
-        return json.loads((folder / RUN_STATE).read_text())
-
-
-def learning_rate(cfg: TorchTrainer, step: int, total_steps: int) -> float:
-    """The learning rate of step `step` (from 0) of `total_steps`: a linear
-    warm-up over `warmup_steps`, then `lr`, held or brought down (`lr_decay`)
-    to ``lr_final * lr`` at the last step."""
-    if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    if cfg.lr_decay == "none":
-        return cfg.lr
-    span = max(total_steps - 1 - cfg.warmup_steps, 1)
-    progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
-    shape = 1.0 - progress if cfg.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.lr * (cfg.lr_final + (1.0 - cfg.lr_final) * shape)
-
-
-def _by_name(state: dict[str, Any], specs: list[ParamSpec]) -> dict[str, Any]:
-    """A torch optimizer state dict keyed by parameter index, keyed by
-    parameter name instead (the indices count the model's parameters in order)."""
-    names = [spec.name for spec in specs]
-    return {
-        "state": {names[i]: value for i, value in state["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
-    }
-
-
-def _column(part: list, name: str, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """A per-token column of the samples `part`, concatenated (float32, or int32 ids); only the
-    tokens `keep` says are trained on, if given."""
-    column = torch.cat([torch.from_numpy(np.ascontiguousarray(getattr(r, name))) for r in part])
-    return column if keep is None else column[keep]
-
-
-# -- the loss mask (a run with an environment: observations are not trained on) ----------
-
-
-def _loss_mask(part: list) -> torch.Tensor | None:
-    """Which tokens of `part`'s responses, concatenated, are trained on (None: all of them)."""
-    if all(r.loss_mask is None for r in part):
-        return None
-    return torch.from_numpy(own_tokens(part))
-
-
-def _own(sample, values):
-    """A per-token quantity of `sample` (numpy or torch) at the tokens it is trained on."""
-    if sample.loss_mask is None:
-        return values
-    keep = sample.loss_mask.astype(bool)
-    return values[keep] if isinstance(values, np.ndarray) else values[torch.from_numpy(keep)]
-
-
-def _token_mean(rows: list, per_sample) -> float:
-    """The mean over every token trained on of the batch of a per-token quantity."""
-    values = [_own(r, per_sample(r)) for r in rows if own_count(r)]
-    return float(np.concatenate(values).mean()) if values else 0.0
-
-
-class TorchTrainerEngine:
-    """`TorchEngine` behind the trainer service's interface: one rank of the
-    trainer, its steps in a worker thread; rank 0 hosts a gloo group with
-    every rollout replica and broadcasts the weights there; checkpoints
-    land where the service says."""
-
-    def __init__(self, cfg: TorchTrainer, ctx: EngineContext) -> None:
-        config = ctx.config
-        rollout = config.roles.rollout.engine
-        self.replicas = ctx.replicas
-        self.ranks = Sharded(ctx.rank, ctx.replicas, *rendezvous(ctx.replicas),
-                             timeout_s=config.cluster.handshake_timeout_s + 1800.0)
-        self.engine = TorchEngine(
-            cfg,
-            config.policy_path,
-            temperature=getattr(rollout, "temperature", 1.0),
-            seed=config.run.seed,
-            ranks=self.ranks,
-            total_steps=config.run.steps,
-            adapter=config.adapter_path,
-        )
-        #: With LoRA, the adapter its weight updates carry (its `Hello.adapter`).
-        self.adapter: Adapter | None = adapter_offer(cfg.lora, config.run.staleness) if cfg.lora else None
-        self.checkpoint_every = cfg.checkpoint_every
-        self.cluster = config.cluster
-        self.host = ctx.host
-        #: Where rank 0 will host the weight group it offers: listening since it was offered, so that
-        #: no other process takes the port while the receivers start (`compat.master_store`).
-        self._listener: socket.socket | None = None
-        self.ranks_per_receiver = getattr(rollout, "tensor_parallel_size", 1)
-        self.group: GlooGroup | NcclGroup | None = None
-        #: An adapter over ZeroMQ (`Lora.transfer`): the replicas fetch it from rank 0's weight server; no
-        #: group to host, nothing to send.
-        self.pulled = cfg.lora is not None and cfg.lora.transfer == "zmq"
-        self.server = WeightServer(ctx) if self.pulled and self.ranks.lead else None
-        self.snapshots: dict[int, list[torch.Tensor]] = {}
-        self._published: dict[int, trio.Event] = {}
-        if config.run.resume:
-            self.engine.load_state(pathlib.Path(config.run.resume))
-
-    def offer(self) -> tuple[WeightTransfer, list[ParamSpec]]:
-        engine = self.engine
-        if self.server is not None:
-            return WeightsZmq(address=self.server.address), engine.specs
-        if self._listener is None:
-            self._listener = listener(self.host)
-        return weight_offer(self.ranks.device.type, self.host, self._listener.getsockname()[1], engine.nbytes,
-                            engine.cfg.bucket_bytes, self.ranks_per_receiver), engine.specs
-
-    async def serve(self, *, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
-        """An adapter over ZeroMQ: the weight server; else weights are pushed when the controller
-        says so: nothing to serve."""
-        if self.server is not None:
-            await self.server.serve(task_status=task_status)
-        else:
-            task_status.started()
-
-    async def connect(self, transfer: WeightTransfer | None, *, first: bool = True) -> None:
-        """Host the weight group and wait until every receiver has joined (rank
-        0; the other ranks only help gather): the first group as long as the
-        services may take to start, a later generation `cluster.weight_timeout_s`."""
-        if (transfer is None and not self.ranks.lead) or self.pulled:
-            return  # over ZeroMQ there is no group
-        offered = WeightsNccl if self.ranks.device.type == "cuda" else WeightsGloo
-        if not isinstance(transfer, offered):
-            raise ValueError(f"the torch trainer on {self.ranks.device.type} sends weights as {offered.__name__}; "
-                             f"the controller asks for {transfer!r}")
-        held = self._take_listener(transfer.port)
-        if isinstance(transfer, WeightsNccl):
-            self.group = await trio.to_thread.run_sync(
-                functools.partial(NcclGroup, transfer, self.ranks.device, listener=held))
-        else:
-            timeout_s = max(self.cluster.handshake_timeout_s, self.cluster.weight_timeout_s) if first \
-                else self.cluster.weight_timeout_s
-            self.group = await trio.to_thread.run_sync(
-                functools.partial(GlooGroup, transfer.host, transfer.port, 0, transfer.world_size, timeout_s,
-                                  listener=held))
-
-    def _take_listener(self, port: int) -> socket.socket | None:
-        """The socket listening at `port` since it was offered, now the group's
-        (None, and any other closed, if the controller names another port)."""
-        held, self._listener = self._listener, None
-        if held is not None and held.getsockname()[1] != port:
-            held.close()
-            held = None
-        return held
-
-    async def deal(self, batch: SampleBatch) -> tuple[dict[str, float], list[SampleBatch]]:
-        return await trio.to_thread.run_sync(self.engine.prepare, batch, self.replicas)
-
-    async def train(self, share: SampleBatch) -> dict[str, float]:
-        return await trio.to_thread.run_sync(self.engine.step, share)
-
-    async def publish(self, version: int) -> tuple[int, str]:
-        snapshot = self.snapshots[version] = await trio.to_thread.run_sync(self.engine.snapshot)
-        self._event(version).set()
-        if self.server is not None:  # the adapter, whole at rank 0: served from now on
-            self.server.publish(WeightsPayload(version=version, names=[s.name for s in self.engine.specs],
-                                               tensors=[Tensor.from_torch(t) for t in snapshot]))
-        return self.engine.nbytes, await trio.to_thread.run_sync(self.engine.checksum, snapshot)
-
-    def _event(self, version: int) -> trio.Event:
-        return self._published.setdefault(version, trio.Event())
-
-    def new_group(self, transfer: WeightTransfer) -> WeightTransfer:
-        """The next generation of the group, on a port this process listens on from now on."""
-        if self._listener is not None:
-            self._listener.close()
-        self._listener = listener(self.host)
-        return msgspec.structs.replace(transfer, host=self.host, port=self._listener.getsockname()[1],
-                                       nbytes=self.engine.nbytes, bucket_bytes=self.engine.cfg.bucket_bytes)
-
-    async def send(self, version: int, transfer: WeightTransfer | None, *, broadcast: bool = True) -> None:
-        """Gather the weights of `version` with the other ranks; rank 0
-        broadcasts them to the rollout replicas (joining `transfer`, a new
-        generation of the group, first), unless not to `broadcast`."""
-        if transfer is not None:
-            self._let_go()
-            await self.connect(transfer, first=False)
-        await self._event(version).wait()  # this rank's own step may end a moment after rank 0's
-        snapshot = self.snapshots[version]
-        # Older versions will not be sent; this one is let go of once sent: a send that fails keeps
-        # it, as the controller may move it again through a new generation of the group.
-        self._forget(lambda v: v < version)
-        if self.pulled:
-            self._forget(lambda v: v == version)
-            return  # served since it was published: the replicas fetch it
-        group = self.group if self.ranks.lead and broadcast else None
-        try:
-            if isinstance(group, NcclGroup):
-                await trio.to_thread.run_sync(self.engine.send_named, snapshot, functools.partial(_send_nccl, group))
-            elif self.ranks.device.type == "cuda":  # a rank that only gathers
-                await trio.to_thread.run_sync(self.engine.send_named, snapshot, None)
-            else:
-                broadcast = None if group is None else functools.partial(_broadcast, group)
-                await trio.to_thread.run_sync(self.engine.send, snapshot, broadcast)
-        except Exception:
-            if self.group is group:
-                self.group = None
-            raise
-        self._forget(lambda v: v == version)
-
-    def _forget(self, which: Callable[[int], bool]) -> None:
-        """Let go of the snapshots (and publish events) of the versions `which` picks."""
-        for v in [v for v in self.snapshots if which(v)]:
-            del self.snapshots[v]
-            self._published.pop(v, None)
-
-    def _let_go(self) -> None:
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-
-    async def save(self, folder: pathlib.Path, run_state: dict[str, int]) -> bool:
-        await trio.to_thread.run_sync(self.engine.save, folder, run_state)
-        return True
-
-    async def close(self) -> None:
-        self._let_go()
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        # Abandoned if cancelled: a rank that died mid-step may leave this one's group unable to close.
-        await trio.to_thread.run_sync(self.ranks.close, abandon_on_cancel=True)
-
-
-def _broadcast(group: GlooGroup, piece: torch.Tensor) -> None:
-    """One piece to every receiver. When it fails (a receiver died mid-way)
-    the group is let go of at once: its connections close, and the receivers
-    still waiting in this broadcast return (to join the next generation)."""
-    try:
-        group.broadcast(piece)
-    except Exception:
-        group.close()
-        raise
-
-
-def _send_nccl(group: NcclGroup, named: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Every parameter to every receiver; a failure lets go of the group."""
-    try:
-        group.send(named)
-    except Exception:
-        group.close()
-        raise
-
-
-def weight_offer(device: str, host: str, port: int, nbytes: int, bucket_bytes: int,
-                 ranks_per_receiver: int = 1) -> WeightTransfer:
-    """How a trainer on `device` ("cpu" or "cuda") sends weights: over gloo
-    from the CPU, over NCCL (vLLM's `nccl` backend on the receivers, each
-    `ranks_per_receiver` tensor-parallel workers) from a GPU."""
-    if device == "cuda":
-        return WeightsNccl(host=host, port=port, nbytes=nbytes, bucket_bytes=bucket_bytes,
-                           ranks_per_receiver=ranks_per_receiver)
-    return WeightsGloo(host=host, port=port, nbytes=nbytes, bucket_bytes=bucket_bytes)
-
-
+        self.steps, run_state = checkpoint.load(folder, weights=self.weights, optimizer=self.optimizer)
+        return run_state
