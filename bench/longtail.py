@@ -25,14 +25,21 @@ async.
 
     RESULT longtail workload=reference async_vs_sync=S bound_efficiency=E async_vs_colocated_sync=C real_async_vs_sync=R
 
-`--scale` runs a bigger simulated cluster instead: 1,024 slots over 4
-rollout replicas and 4,096 over 16 (async, max_staleness 2, batch sizes
-scaled with the slots as in the sweep's `slots-1024`), reports each one's
-efficiency against the bound, and holds `rlflow plan`'s prediction (its
-`simulate`, with the unit costs learned from each run) against the
-steady-state throughput measured in that run:
+`--scale` runs bigger simulated clusters instead: 1,024 slots over 4
+rollout replicas, 4,096 over 16, and 16,384 over 64 with 16 reward
+replicas (async, max_staleness 2, batch sizes scaled with the slots as in
+the sweep's `slots-1024`; every replica a process of its own on Ray, the
+engines simulated; at 16,384 a decode step takes 16 ms, a GPU's at that
+batch, where 1 ms would ask more samples a second of the data plane than
+two cores move), reports each one's efficiency against the bound, the
+controller's CPU (its thread's share of one core) and how long a message
+waits for it and its handling (p50 / p99, from taken off its socket to
+handled), and holds `rlflow plan`'s prediction (its `simulate`, with the
+unit costs learned from each run) against the steady-state throughput
+measured in that run:
 
-    RESULT longtail_scale slots_1024_efficiency=E1 slots_4096_efficiency=E2 plan_error_max=P
+    RESULT longtail_scale slots_1024_efficiency=A slots_4096_efficiency=B slots_16384_efficiency=C \
+        controller_cpu_16384=U controller_p99_ms_16384=L plan_error_max=E
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ response_len = {response_len}
 
 [roles.reward]
 pool = "score"
+replicas = {reward_replicas}
 [roles.reward.engine]
 kind = "sim"
 concurrency = 4096
@@ -118,6 +126,7 @@ class Workload:
     n: int = 8
     balance: float = 1.0
     """Training time of a step / generation time of a step at full occupancy."""
+    reward_replicas: int = 1
     spread: bool = False
     """Lay the roles out over this machine's cores: the rollout replicas on one
     (a generate pool of 1 CPU), reward and trainer on the next (0.5 each),
@@ -147,6 +156,7 @@ class Workload:
             slots, s_per_token = 2 * slots, s_per_token / 2
         return {
             "replicas": self.replicas,
+            "reward_replicas": self.reward_replicas,
             "slots": slots,
             "step_s": self.step_s,
             "step_s_per_seq": self.step_s_per_seq,
@@ -180,6 +190,11 @@ REFERENCE = Workload("reference", '{ kind = "lognormal", median = 256, sigma = 1
 SCALE = [
     Workload("scale-1024", REFERENCE.response_len, slots=256, replicas=4, batch_size=512, spread=True),
     Workload("scale-4096", REFERENCE.response_len, slots=256, replicas=16, batch_size=2048, spread=True),
+    # 64 rollout replicas and 16 reward replicas, each a process of its own; their decode steps take
+    # 16 ms (a GPU's at this batch, where the 1 ms above would ask 30,000 samples/s of two cores), and a
+    # step is two samples a slot.
+    Workload("scale-16384", REFERENCE.response_len, slots=256, replicas=64, reward_replicas=16, step_s=0.016,
+             batch_size=4096, spread=True),
 ]
 
 
@@ -203,6 +218,12 @@ class Result:
     vs: dict = field(default_factory=dict)
     predicted_samples_per_s: float = math.nan
     """`rlflow plan`'s prediction for this run (`--scale` only)."""
+    controller_cpu: float = math.nan
+    """The controller's thread's share of one core over the run."""
+    controller_p50_ms: float = math.nan
+    controller_p99_ms: float = math.nan
+    """A message's wait for the controller and its handling (median, 99th percentile)."""
+    controller_msgs_per_s: float = math.nan
 
 
 def measure(w: Workload, mode: str, staleness: int, steps: int, out: pathlib.Path, *, partial: bool = True,
@@ -256,6 +277,10 @@ def measure(w: Workload, mode: str, staleness: int, steps: int, out: pathlib.Pat
         bound_samples_per_s=bound,
         efficiency=(samples / span) / bound,
         run_dir=str(run_dir),
+        controller_cpu=summary.controller.cpu_share,
+        controller_p50_ms=summary.controller.latency_p50_ms,
+        controller_p99_ms=summary.controller.latency_p99_ms,
+        controller_msgs_per_s=summary.controller.messages_per_s,
     )
 
 
@@ -305,7 +330,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     modes = parser.add_mutually_exclusive_group()
     modes.add_argument("--quick", action="store_true", help="the reference workload only (under 3 minutes)")
-    modes.add_argument("--scale", action="store_true", help="1,024 and 4,096 slots, and the planner against them")
+    modes.add_argument("--scale", action="store_true",
+                       help="1,024, 4,096 and 16,384 slots, the controller's load, and the planner against them")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -362,12 +388,13 @@ def main() -> None:
             if coloc is not None:
                 r.vs["colocated_sync"] = r.samples_per_s / coloc.samples_per_s
 
-    planned = f"{'planned':>9}" if args.scale else ""
+    planned = f"{'planned':>9}{'ctl CPU':>8}{'msg/s':>7}{'p50 ms':>7}{'p99 ms':>7}" if args.scale else ""
     print(f"{'workload':<15}{'mode':<22}{'samples/s':>10}{'tokens/s':>10}{'trainer idle':>13}{'occupancy':>10}"
           f"{'stale mean/max':>15}{'vs sync':>8}{'vs coloc':>9}{'efficiency':>11}{planned}")
     for r in results:
         mode = f"{r.mode} k={r.staleness}{_variant(r.partial, r.check).replace('-', ' ')}"
-        planned = f"{r.predicted_samples_per_s:>9.1f}" if args.scale else ""
+        planned = (f"{r.predicted_samples_per_s:>9.1f}{r.controller_cpu:>8.1%}{r.controller_msgs_per_s:>7.0f}"
+                   f"{r.controller_p50_ms:>7.2f}{r.controller_p99_ms:>7.2f}") if args.scale else ""
         print(f"{r.workload:<15}{mode:<22}{r.samples_per_s:>10.1f}{r.tokens_per_s:>10.0f}{r.trainer_idle:>13.0%}"
               f"{r.occupancy:>10.0%}{r.staleness_mean:>9.2f}/{r.staleness_max:<5g}"
               f"{r.vs.get('sync', math.nan):>8.2f}{r.vs.get('colocated_sync', math.nan):>9.2f}{r.efficiency:>11.2f}"
@@ -394,9 +421,12 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     if args.scale:
         errors = [abs(r.predicted_samples_per_s - r.samples_per_s) / r.samples_per_s for r in results]
+        wide = results[2]
         print(
             f"RESULT longtail_scale slots_1024_efficiency={results[0].efficiency:.2f} "
-            f"slots_4096_efficiency={results[1].efficiency:.2f} plan_error_max={max(errors):.3f}"
+            f"slots_4096_efficiency={results[1].efficiency:.2f} slots_16384_efficiency={wide.efficiency:.2f} "
+            f"controller_cpu_16384={wide.controller_cpu:.3f} controller_p99_ms_16384={wide.controller_p99_ms:.2f} "
+            f"plan_error_max={max(errors):.3f}"
         )
         return
     real_text = "skipped" if real is None else f"{real:.2f}"

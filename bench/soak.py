@@ -12,6 +12,10 @@ run, from the reading at 50% to the one at 100%: the target is at most 2%
 for every process. The warm-up, from 1% to 50%, is reported on its own line.
 Writes bench/results/soak.json.
 
+`--steps N` runs a long narrow run instead: N small steps (4 groups of 4
+samples each), where what a process keeps per step, not per sample, would
+show (writes bench/results/soak-steps.json).
+
     RESULT soak samples=N rss_growth_max=G controller_bytes_per_step=K
 
 G: the largest second-half growth; K: the controller process's growth over
@@ -30,6 +34,7 @@ import pathlib
 import sys
 import tempfile
 import time
+import tracemalloc
 
 import psutil
 
@@ -40,6 +45,8 @@ from rlflow.rundir import Status
 RESULTS = pathlib.Path(__file__).parent / "results"
 #: Prompt groups per step and samples per group: 1,024 samples a step.
 BATCH, SAMPLES_PER_PROMPT = 64, 16
+#: The same of the long narrow run (`--steps`): 16 samples a step.
+NARROW_BATCH, NARROW_SAMPLES_PER_PROMPT = 4, 4
 #: Share of the run's steps run past the last reading, so that every service is still up for it (the
 #: controller reports about twice a second: at 30 steps a second, 5 steps were over before it did).
 TAIL_SHARE = 0.03
@@ -98,8 +105,10 @@ class Readings:
     """RSS of every service and the controller at each of `MARKS` (an
     `on_status` callback: the controller calls it about twice a second)."""
 
-    def __init__(self, steps: int):
+    def __init__(self, steps: int, trace: bool = False):
         self.marks = [(fraction, max(1, round(steps * fraction))) for fraction in MARKS]
+        #: With `trace`: tracemalloc snapshots of this process at 50% and 100% (what the Python code grew by).
+        self.trace, self.snapshots = trace, {}
         self.rows: list[dict] = []
         self.started = time.monotonic()
         #: "role.queue" -> its deepest so far: a buffer's high-water mark is where its memory stays.
@@ -123,6 +132,8 @@ class Readings:
                     rss[f"{role}-{placed.rank}"] = psutil.Process(placed.pid).memory_info().rss
                 except psutil.NoSuchProcess:
                     pass
+        if self.trace and fraction in (0.5, 1.0):
+            self.snapshots[fraction] = tracemalloc.take_snapshot()
         row = {"fraction": fraction, "step": status.step, "samples": status.samples,
                "elapsed_s": time.monotonic() - self.started, "rss": rss, "queue_peaks": dict(self.peaks)}
         self.rows.append(row)
@@ -144,16 +155,22 @@ def growth(before: dict, after: dict) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=3_000_000, help="samples to train on (default three million)")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="a long narrow run of this many small steps instead (16 samples each)")
+    parser.add_argument("--trace-memory", action="store_true",
+                        help="trace this process's Python allocations (slower): where it grew over the second half")
     parser.add_argument("--run-dir", type=pathlib.Path, default=None,
                         help="keep the run here (default: a temporary one)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
     args = parser.parse_args()
 
-    per_step = BATCH * SAMPLES_PER_PROMPT
-    steps = max(100, math.ceil(args.samples / per_step))
+    batch, spp = (NARROW_BATCH, NARROW_SAMPLES_PER_PROMPT) if args.steps else (BATCH, SAMPLES_PER_PROMPT)
+    steps = max(100, args.steps or math.ceil(args.samples / (batch * spp)))
     tail = max(5, math.ceil(steps * TAIL_SHARE))
-    config = C.load(text=CONFIG.format(batch=BATCH, spp=SAMPLES_PER_PROMPT, steps=steps + tail))
-    readings = Readings(steps)
+    config = C.load(text=CONFIG.format(batch=batch, spp=spp, steps=steps + tail))
+    readings = Readings(steps, args.trace_memory)
+    if args.trace_memory:
+        tracemalloc.start(8)
     with tempfile.TemporaryDirectory(prefix="rlflow-soak-") as tmp:
         run_dir = args.run_dir or pathlib.Path(tmp) / "run"
         started = time.monotonic()
@@ -178,12 +195,19 @@ def main() -> int:
     print(f"{samples:,d} samples in {wall:.0f} s ({summary.samples / wall:.0f} samples/s over the whole run); "
           f"largest growth over the second half, steps {half['step']}-{last['step']}: {worst:+.2%} "
           f"({max(second, key=second.get)}; target at most {TARGET:.0%})")
+    if len(readings.snapshots) == 2:
+        grown = readings.snapshots[1.0].compare_to(readings.snapshots[0.5], "traceback")
+        print(f"this process's Python allocations over the second half: {sum(d.size_diff for d in grown):+,d} bytes; "
+              "the largest:")
+        for diff in grown[:8]:
+            print(f"  {diff.size_diff:+,d} B in {diff.count_diff:+d} blocks at "
+                  + " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in diff.traceback[:4]))
     controller_step = (last["rss"]["controller"] - half["rss"]["controller"]) / max(1, last["step"] - half["step"])
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"samples": samples, "steps": steps, "wall_s": wall, "growth": second, "warmup_growth": warmup,
               "rss_growth_max": worst, "warmup_growth_max": warm, "controller_bytes_per_step": controller_step,
               "target": TARGET, "readings": readings.rows}
-    (args.out / "soak.json").write_text(json.dumps(result, indent=1))
+    (args.out / ("soak-steps.json" if args.steps else "soak.json")).write_text(json.dumps(result, indent=1))
     print(f"warmup_growth_max={warm:.4f}")
     print(f"RESULT soak samples={samples} rss_growth_max={worst:.4f} controller_bytes_per_step={controller_step:.0f}")
     return 0
