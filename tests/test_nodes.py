@@ -26,6 +26,7 @@ import pytest
 
 from rlflow import config as C
 from rlflow.rundir import RunDir
+from rlflow.tools.audit import audit, text
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -152,8 +153,7 @@ def two_nodes() -> Iterator[TwoNodes]:
         head.ray = _ray_start(head, tmp / "head.log", env, "--head", f"--port={PORT}", "--num-cpus=2",
                               "--include-dashboard=false", *common)
         _wait_for_nodes(cluster, 1)
-        worker.ray = _ray_start(worker, tmp / "worker.log", env, f"--address={cluster.address}", "--num-cpus=1",
-                                '--resources={"node_b": 1}', *common)
+        worker.ray = _start_worker(cluster)
         _wait_for_nodes(cluster, 2)
         yield cluster
     finally:
@@ -161,8 +161,26 @@ def two_nodes() -> Iterator[TwoNodes]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _start_worker(cluster: TwoNodes) -> subprocess.Popen:
+    """Node B's Ray, labelled for the generate pool."""
+    return _ray_start(cluster.worker, cluster.tmp / "worker.log", cluster.env, f"--address={cluster.address}",
+                      "--num-cpus=1", "--labels=pool=generate", "--block", "--disable-usage-stats",
+                      f"--temp-dir={cluster.tmp / 'ray'}")
+
+
+def _kill_node(node: Node) -> None:
+    """Every process of the node (its Ray, and what Ray started there) killed at once, as a lost machine."""
+    for pid in sh("ip", "netns", "pids", node.netns, check=False).stdout.split():
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if node.ray is not None:
+        node.ray.wait(timeout=30)
+
+
 class Driver:
-    """`rlflow up` as the driver on the head node: rollout pinned to node B,
+    """`rlflow up` as the driver on the head node: rollout placed on node B by its label,
     every socket bound on its node's own IP, so CURVE is on. A context
     manager that kills it on the way out if it still runs."""
 
@@ -175,7 +193,7 @@ class Driver:
             "--set", f"cluster.address={cluster.address}",
             "--set", "cluster.host=",
             "--set", "cluster.heartbeat_s=0.2",
-            "--set", "pools.generate.resources={node_b = 1}",
+            "--set", 'pools.generate.labels={pool = "generate"}',
         ]
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cluster.head.cmd(*args), env=cluster.env, stdout=out, stderr=subprocess.STDOUT)
@@ -199,16 +217,20 @@ class Driver:
 
     def wait_for_step(self, step: int, timeout: float = 120) -> dict:
         """status.json once the run is running at `step` or later."""
+        return self.wait_for(lambda status: status.get("step", 0) >= step, timeout, f"step {step}")
+
+    def wait_for(self, ok, timeout: float, what: str = "what the test waits for") -> dict:
+        """status.json once the run is running and `ok(status)`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 status = json.loads((self.run_dir / "status.json").read_text())
             except (OSError, ValueError):
                 status = {}
-            if status.get("state") == "running" and status.get("step", 0) >= step:
+            if status.get("state") == "running" and ok(status):
                 return status
             time.sleep(0.1)
-        raise AssertionError(f"the run never reached step {step}:\n{self.output()}")
+        raise AssertionError(f"the run never reached {what}:\n{self.output()}")
 
 
 def netns_of(pid: int) -> str:
@@ -280,24 +302,6 @@ def test_a_run_across_two_nodes_with_curve(two_nodes, tmp_path):
     assert "malformed" not in final.roles["reward"].counters.rejected
 
 
-def test_the_worker_nodes_rollout_killed_midway_is_restarted_and_the_run_finishes(two_nodes, tmp_path):
-    """SIGKILL of the rollout replica on node B mid-run: it is restarted in
-    its bundle (on node B), registers again as a new incarnation over CURVE,
-    and the run finishes its steps."""
-    run_dir = tmp_path / "run"
-    steps = 30
-    with Driver(two_nodes, run_dir, steps) as driver:
-        status = driver.wait_for_step(3)
-        pid = status["roles"]["rollout"]["placed"][0]["pid"]
-        assert netns_of(pid) == two_nodes.worker.netns
-        os.kill(pid, signal.SIGKILL)
-        assert driver.finish(300) == 0, driver.output()
-    summary = RunDir(run_dir).read_summary()
-    assert summary.state == "stopped" and summary.stop_reason == f"{steps} steps done", summary.error
-    rollout = RunDir(run_dir).read_status().roles["rollout"].placed[0]
-    assert rollout.incarnation >= 1 and rollout.pid != pid
-
-
 def test_ray_refuses_a_driver_without_the_clusters_token(two_nodes):
     """Ray's own token authentication stays on beside CURVE."""
     # A refused driver asks again once a second, 20 times by default (Ray's NUM_REDIS_GET_RETRIES); the
@@ -308,3 +312,35 @@ def test_ray_refuses_a_driver_without_the_clusters_token(two_nodes):
                           text=True, timeout=120)
     assert done.returncode != 0 and "joined" not in done.stdout
     assert "AuthenticationError" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_node_lost_mid_run_is_a_lost_replica_restarted_on_the_node_that_takes_its_label(two_nodes, tmp_path):
+    """Node B, with the run's only rollout replica, is lost whole (every process of it killed at once):
+    the replica is lost like any other (its groups granted again), its restart waits for a node with
+    the pool's label, node B comes back, the replica's next incarnation registers over CURVE there, and
+    the run finishes its steps with no group lost or trained twice. (Last in this module: node B is
+    started again by it.)"""
+    run_dir = tmp_path / "run"
+    steps = 30
+    try:
+        with Driver(two_nodes, run_dir, steps) as driver:
+            status = driver.wait_for_step(3)
+            pid = status["roles"]["rollout"]["placed"][0]["pid"]
+            assert netns_of(pid) == two_nodes.worker.netns
+            _kill_node(two_nodes.worker)
+            time.sleep(2)
+            two_nodes.worker.ray = _start_worker(two_nodes)
+            again = driver.wait_for(lambda st: st["roles"]["rollout"]["placed"][0]["incarnation"] >= 1
+                                    and st["roles"]["rollout"]["placed"][0]["state"] == "ready", 240)
+            assert netns_of(again["roles"]["rollout"]["placed"][0]["pid"]) == two_nodes.worker.netns
+            assert driver.finish(300) == 0, driver.output()
+    finally:
+        if two_nodes.worker.ray is None or two_nodes.worker.ray.poll() is not None:
+            two_nodes.worker.ray = _start_worker(two_nodes)
+    summary = RunDir(run_dir).read_summary()
+    assert summary.state == "stopped" and summary.stop_reason == f"{steps} steps done", summary.error
+    rollout = RunDir(run_dir).read_status().roles["rollout"].placed[0]
+    assert rollout.incarnation >= 1 and rollout.pid != pid
+    result = audit(run_dir)
+    assert result.lost == 0 and result.duplicated == 0, text(result)
+    assert summary.groups.reissued > 0  # what the lost replica held was granted again

@@ -61,6 +61,19 @@ def test_a_shortfall_names_the_pool_the_resource_and_the_numbers():
     check_resources(config, {"CPU": 5, "GPU": 2}, [{"CPU": 5, "GPU": 2}])
 
 
+
+def test_a_labelled_pool_fits_only_on_the_nodes_that_carry_its_labels():
+    config = C.load(text=BASE, overrides=['pools.generate.labels={pool = "generate"}'])
+    nodes = [{"CPU": 8, "GPU": 0}, {"CPU": 2, "GPU": 2}]
+    with pytest.raises(PlacementError, match=r"pool 'generate' asks for nodes labelled pool=generate; no live node"):
+        check_resources(config, {"CPU": 10, "GPU": 2}, nodes, [{}, {"pool": "train"}])
+    # The labelled node has the GPUs but too few CPUs for a bundle; the other has CPUs but not the label.
+    with pytest.raises(PlacementError, match=r"bundles of 2 CPU; the largest node has 1"):
+        check_resources(config, {"CPU": 10, "GPU": 2}, [{"CPU": 8, "GPU": 0}, {"CPU": 1, "GPU": 2}],
+                        [{}, {"pool": "generate"}])
+    check_resources(config, {"CPU": 10, "GPU": 2}, nodes, [{}, {"pool": "generate", "zone": "a"}])
+
+
 def test_a_death_report_names_the_services_own_error_not_the_border_of_its_traceback():
     from rlflow.control.placement import _first_line
 

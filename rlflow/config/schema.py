@@ -163,6 +163,9 @@ class PoolConfig(Table):
     """Custom Ray resources in each bundle (e.g. {gpu_slot = 1} to emulate accelerators)."""
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """Ray placement strategy for the pool's bundles."""
+    labels: dict[str, str] = {}
+    """Ray node labels every bundle's node must carry (e.g. {pool = "generate"} places the pool on nodes
+    started with `ray start --labels pool=generate`); empty: any node."""
 
     @property
     def bundles(self) -> int:

@@ -69,13 +69,26 @@ def _bundle(pool: PoolConfig) -> dict[str, float]:
     return {k: v for k, v in bundle.items() if v > 0}
 
 
-def check_resources(config: Config, available: dict[str, float], nodes: list[dict[str, float]]) -> None:
+def check_resources(config: Config, available: dict[str, float], nodes: list[dict[str, float]],
+                    labels: list[dict[str, str]] | None = None) -> None:
     """Fail, naming the pool, the resource, asked and available, if the pools
-    cannot fit in a cluster with `available` resources on `nodes`."""
+    cannot fit in a cluster with `available` resources on `nodes` (whose Ray
+    node labels are `labels`, in the same order: a pool with labels of its own
+    fits only on the nodes that carry them)."""
     asked: dict[str, float] = defaultdict(float)
     takers: dict[str, list[str]] = defaultdict(list)
     for name, pool in config.pools.items():
         bundle = _bundle(pool)
+        if pool.labels:
+            carrying = [n for n, have in zip(nodes, labels or [{}] * len(nodes))
+                        if all(have.get(k) == v for k, v in pool.labels.items())]
+            if not carrying:
+                wanted = ", ".join(f"{k}={v}" for k, v in pool.labels.items())
+                raise PlacementError(f"pool {name!r} asks for nodes labelled {wanted}; no live node of the cluster "
+                                     "is (`ray start --labels`)")
+            nodes_of_pool = carrying
+        else:
+            nodes_of_pool = nodes
         for resource, amount in bundle.items():
             total = amount * pool.bundles
             before = asked[resource]
@@ -88,7 +101,7 @@ def check_resources(config: Config, available: dict[str, float], nodes: list[dic
                     f"pool {name!r} asks for {total:g} {resource} ({pool.bundles} bundles x {amount:g}); "
                     f"the cluster has {have:g} {resource}{earlier}"
                 )
-            largest = max((n.get(resource, 0.0) for n in nodes), default=0.0)
+            largest = max((n.get(resource, 0.0) for n in nodes_of_pool), default=0.0)
             if amount > largest + 1e-9:
                 raise PlacementError(
                     f"pool {name!r} asks for bundles of {amount:g} {resource}; the largest node has {largest:g}"
@@ -158,14 +171,15 @@ class PoolManager:
     groups: dict[str, PlacementGroup] = field(default_factory=dict)
 
     def create(self) -> None:
-        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-        check_resources(self.config, ray.cluster_resources(), nodes)
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        nodes, labels = [n["Resources"] for n in alive], [n.get("Labels") or {} for n in alive]
+        check_resources(self.config, ray.cluster_resources(), nodes, labels)
         # The pools fit the cluster: wait a little for resources a run that just ended gives back (Ray
         # frees a removed placement group's bundles a moment later).
         deadline = time.monotonic() + 10.0
         while True:
             try:
-                check_resources(self.config, ray.available_resources(), nodes)
+                check_resources(self.config, ray.available_resources(), nodes, labels)
                 break
             except PlacementError:
                 if time.monotonic() > deadline:
@@ -173,7 +187,8 @@ class PoolManager:
                 time.sleep(0.2)
         for name, pool in self.config.pools.items():
             self.groups[name] = placement_group(
-                [_bundle(pool)] * pool.bundles, strategy=pool.strategy, name=f"rlflow:{self.run_id}:{name}"
+                [_bundle(pool)] * pool.bundles, strategy=pool.strategy, name=f"rlflow:{self.run_id}:{name}",
+                bundle_label_selector=[dict(pool.labels)] * pool.bundles if pool.labels else None,
             )
         deadline = self.config.cluster.placement_timeout_s
         for name, group in self.groups.items():
