@@ -170,7 +170,7 @@ def main() -> int:
     config = C.load(text=CONFIG.format(batch=batch, spp=spp, steps=steps + tail))
     readings = Readings(steps, args.trace_memory)
     if args.trace_memory:
-        tracemalloc.start(8)
+        tracemalloc.start(4)
     with tempfile.TemporaryDirectory(prefix="rlflow-soak-") as tmp:
         run_dir = args.run_dir or pathlib.Path(tmp) / "run"
         started = time.monotonic()
