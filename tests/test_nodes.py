@@ -250,7 +250,12 @@ def intrude(cluster: TwoNodes, run_dir: pathlib.Path, status: dict) -> list[str]
     return done.stdout.split()
 
 
-def test_a_run_across_two_nodes_with_curve(two_nodes, tmp_path):
+def test_a_run_across_two_nodes_with_curve_and_its_worker_nodes_rollout_killed_midway(two_nodes, tmp_path):
+    """Where each role runs and on which address; an intruder on node B is
+    refused by both sockets it reaches while the run goes on; a SIGKILL of
+    the rollout replica on node B mid-run: it is restarted in its bundle (on
+    node B), registers again as a new incarnation over CURVE, and the run
+    finishes its steps."""
     run_dir = tmp_path / "run"
     steps = 40
     with Driver(two_nodes, run_dir, steps) as driver:
@@ -264,11 +269,15 @@ def test_a_run_across_two_nodes_with_curve(two_nodes, tmp_path):
         for role in on_head:
             assert placed[role]["endpoints"]["in"].startswith(f"tcp://{two_nodes.head.ip}:")
         assert status["address"].startswith(f"tcp://{two_nodes.head.ip}:")
+        # The rollout dies first: the run cannot finish without its next incarnation, so it is still
+        # running once the intruder is done.
+        killed = placed["rollout"]["pid"]
+        os.kill(killed, signal.SIGKILL)
         # An intruder on node B reaches both sockets, and the handshakes fail
         # while the run goes on.
         assert intrude(two_nodes, run_dir, status) == ["refused", "refused"]
         assert json.loads((run_dir / "status.json").read_text())["state"] == "running"
-        assert driver.finish(240) == 0, driver.output()
+        assert driver.finish(300) == 0, driver.output()
     info = RunDir(run_dir).read_controller()
     assert info.curve is not None and (run_dir / "controller.json").stat().st_mode & 0o077 == 0
     assert C.load(run_dir / "config.toml").cluster.uses_curve
@@ -278,24 +287,8 @@ def test_a_run_across_two_nodes_with_curve(two_nodes, tmp_path):
     final = RunDir(run_dir).read_status()
     assert final.controller.rejected == {} and final.controller.ignored == {}
     assert "malformed" not in final.roles["reward"].counters.rejected
-
-
-def test_the_worker_nodes_rollout_killed_midway_is_restarted_and_the_run_finishes(two_nodes, tmp_path):
-    """SIGKILL of the rollout replica on node B mid-run: it is restarted in
-    its bundle (on node B), registers again as a new incarnation over CURVE,
-    and the run finishes its steps."""
-    run_dir = tmp_path / "run"
-    steps = 30
-    with Driver(two_nodes, run_dir, steps) as driver:
-        status = driver.wait_for_step(3)
-        pid = status["roles"]["rollout"]["placed"][0]["pid"]
-        assert netns_of(pid) == two_nodes.worker.netns
-        os.kill(pid, signal.SIGKILL)
-        assert driver.finish(300) == 0, driver.output()
-    summary = RunDir(run_dir).read_summary()
-    assert summary.state == "stopped" and summary.stop_reason == f"{steps} steps done", summary.error
-    rollout = RunDir(run_dir).read_status().roles["rollout"].placed[0]
-    assert rollout.incarnation >= 1 and rollout.pid != pid
+    rollout = final.roles["rollout"].placed[0]
+    assert rollout.incarnation >= 1 and rollout.pid != killed
 
 
 def test_ray_refuses_a_driver_without_the_clusters_token(two_nodes):
