@@ -41,6 +41,14 @@ IN_PLACE_ID = 1
 #: memory, never from a file, so if vLLM ever looked here (an adapter let go
 #: of while a request used it) it would fail naming this.
 ADAPTER_PATH = "/rlflow/adapter-received-over-the-weight-group"
+#: On CPU, how long vLLM's engine-core process and its worker get to exit
+#: after `close` before vLLM kills them. Once their loops have ended they
+#: hold nothing of the run's; what is left is interpreter teardown, which took
+#: 2-5 s on a 2-core machine (vLLM's default grace is 5 s, after which it
+#: kills them anyway) and held up the end of every run. Shared memory and
+#: socket files are left no more than by vLLM's own kill. On a GPU, vLLM's
+#: default stands: its teardown releases device memory.
+CPU_EXIT_GRACE_S = 1.0
 
 
 class AsyncioBridge:
@@ -212,10 +220,13 @@ class VllmBackend:
     def close(self) -> None:
         """Stop vLLM (on its own loop, so that its output task ends cleanly)."""
         if self.llm is not None and self.bridge is not None:
+            from vllm.platforms import current_platform
+
             llm, self.llm = self.llm, None
+            grace = CPU_EXIT_GRACE_S if current_platform.is_cpu() else None
 
             async def stop() -> None:
-                llm.shutdown()
+                llm.shutdown(timeout=grace)
 
             asyncio.run_coroutine_threadsafe(stop(), self.bridge.loop).result(timeout=60)
         if self.bridge is not None:

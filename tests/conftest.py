@@ -122,9 +122,12 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """After a whole run of the suite (no selection of any kind), write each test's seconds for `--fast`."""
+    """End the rank processes kept between tests; after a whole run of the suite (no selection of any
+    kind), write each test's seconds for `--fast`."""
     import json
 
+    if "ranks" in sys.modules:  # the rank processes tests/ranks.py keeps between jobs
+        sys.modules["ranks"].close_pool()
     config = session.config
     chosen = config.getoption("--fast") or config.getoption("keyword") or config.getoption("markexpr") or \
         config.getoption("lf", False) or any(arg not in ("tests", "tests/") for arg in config.args)

@@ -1,7 +1,13 @@
-"""Trainer and critic ranks as real processes, for tests: `run_ranks` starts one process
-per rank (spawned: nothing of the test process is inherited), each joins a
-gloo process group on loopback and runs a job of this module; their
-results come back, and every process is ended however the test goes.
+"""Trainer and critic ranks as real processes, for tests: `run_ranks` hands a job
+of this module to one process per rank (spawned: nothing of the test process
+is inherited), each joins a gloo process group on loopback for that job and
+leaves it after; their results come back.
+
+The processes are kept for the next job (each spawn re-imports torch and
+transformers, seconds on a small machine): a job leaves nothing in them but
+imported modules, since it makes its engine, group and seeds anew. A job that
+fails or runs out of time ends them all, and the next job starts fresh ones;
+`close_pool` ends them at the end of the session.
 
 Jobs return plain data (numpy arrays, floats): nothing torch-specific
 crosses the process boundary.
@@ -22,37 +28,72 @@ def run_ranks(job: str, world: int, *args: Any, timeout_s: float = 180.0) -> lis
     """Run `job(ranks, *args)` on `world` ranks; the result of each, by rank."""
     from rlflow.data.net import free_port
 
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
+    workers = _pool(world)
     port = free_port("127.0.0.1")
-    procs = [ctx.Process(target=_main, args=(job, rank, world, port, results, args), daemon=True)
-             for rank in range(world)]
+    for rank, (proc, inbox) in enumerate(workers):
+        inbox.put((job, rank, world, port, args))
     out: dict[int, Any] = {}
+    ok = False
     try:
-        for proc in procs:
-            proc.start()
         deadline = time.monotonic() + timeout_s
         while len(out) < world:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{job} on {world} ranks did not finish within {timeout_s:g} s")
             try:
-                rank, ok, value = results.get(timeout=0.5)
+                rank, done, value = _POOL["results"].get(timeout=0.5)
             except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                dead = [p.exitcode for p, _ in workers if p.exitcode is not None]
                 if dead:
                     raise RuntimeError(f"{job}: a rank exited with {dead[0]} before reporting") from None
                 continue
-            if not ok:
+            if not done:
                 raise RuntimeError(f"{job} failed on rank {rank}:\n{value}")
             out[rank] = value
+        ok = True
         return [out[rank] for rank in range(world)]
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(10)
-        results.close()
-        results.join_thread()
+        if not ok:
+            close_pool()
+
+
+#: The rank processes kept between jobs: "workers" [(process, its inbox)], "results" (one queue for all).
+_POOL: dict[str, Any] = {}
+
+
+def _pool(world: int) -> list[tuple[Any, Any]]:
+    """The first `world` processes of the pool, started if there are fewer."""
+    ctx = multiprocessing.get_context("spawn")
+    if not _POOL:
+        _POOL.update(workers=[], results=ctx.Queue())
+    workers = _POOL["workers"]
+    while len(workers) < world:
+        inbox = ctx.Queue()
+        proc = ctx.Process(target=_serve, args=(inbox, _POOL["results"]), daemon=True)
+        proc.start()
+        workers.append((proc, inbox))
+    return workers[:world]
+
+
+def close_pool() -> None:
+    """End every process of the pool."""
+    if not _POOL:
+        return
+    for proc, inbox in _POOL["workers"]:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+        inbox.close()
+        inbox.join_thread()
+    _POOL["results"].close()
+    _POOL["results"].join_thread()
+    _POOL.clear()
+
+
+def _serve(inbox: Any, results: Any) -> None:
+    """A rank process: run each job it is handed, until it is ended."""
+    while True:
+        job, rank, world, port, args = inbox.get()
+        _main(job, rank, world, port, results, args)
 
 
 def _main(job: str, rank: int, world: int, port: int, results: Any, args: tuple) -> None:

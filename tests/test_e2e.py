@@ -12,7 +12,7 @@ import time
 import psutil
 
 import pytest
-from conftest import late_starts
+from conftest import late_starts, trained_groups
 from models import tiny_model
 
 from rlflow import config as C
@@ -127,6 +127,7 @@ def test_a_trainer_of_two_ranks_end_to_end(real_run):
     assert summary.state == "stopped", summary.error
     rows = RunDir(run_dir).read_metrics()
     assert [r.step for r in rows] == [0, 1, 2] and all(r.samples == 16 for r in rows)
+    assert len([g for g in trained_groups(run_dir) if g[0] < 3]) == 3 * 4  # every group of every step, once
     assert sum(r.train["trained_tokens"] for r in rows) > 0
     folder = run_dir / "checkpoints" / "step-000003"
     assert (folder / "optimizer").is_dir()

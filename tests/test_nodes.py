@@ -272,25 +272,42 @@ def intrude(cluster: TwoNodes, run_dir: pathlib.Path, status: dict) -> list[str]
     return done.stdout.split()
 
 
-def test_a_run_across_two_nodes_with_curve(two_nodes, tmp_path):
+def test_a_run_across_two_nodes_with_curve_and_its_worker_node_lost_midway(two_nodes, tmp_path):
+    """Where each role runs and on which address (the rollout on node B by the generate pool's label);
+    an intruder on node B is refused by both sockets it reaches while the run goes on; node B, with the
+    run's only rollout replica, is lost whole mid-run (every process of it killed at once): the replica
+    is lost like any other (its groups granted again), its restart waits for a node with the pool's
+    label, node B comes back, the replica's next incarnation registers over CURVE there, and the run
+    finishes its steps with no group lost or trained twice."""
     run_dir = tmp_path / "run"
     steps = 40
-    with Driver(two_nodes, run_dir, steps) as driver:
-        status = driver.wait_for_step(2)
-        placed = {role: info["placed"][0] for role, info in status["roles"].items()}
-        # Where everything runs: the rollout in node B's namespace, the rest
-        # in A's, each socket on its node's own address, not loopback.
-        where = {role: netns_of(p["pid"]) for role, p in placed.items()}
-        on_head = dict.fromkeys(("reward", "teacher", "trainer"), two_nodes.head.netns)
-        assert where == {"rollout": two_nodes.worker.netns, **on_head}
-        for role in on_head:
-            assert placed[role]["endpoints"]["in"].startswith(f"tcp://{two_nodes.head.ip}:")
-        assert status["address"].startswith(f"tcp://{two_nodes.head.ip}:")
-        # An intruder on node B reaches both sockets, and the handshakes fail
-        # while the run goes on.
-        assert intrude(two_nodes, run_dir, status) == ["refused", "refused"]
-        assert json.loads((run_dir / "status.json").read_text())["state"] == "running"
-        assert driver.finish(240) == 0, driver.output()
+    try:
+        with Driver(two_nodes, run_dir, steps) as driver:
+            status = driver.wait_for_step(2)
+            placed = {role: info["placed"][0] for role, info in status["roles"].items()}
+            # Where everything runs: the rollout in node B's namespace, the rest
+            # in A's, each socket on its node's own address, not loopback.
+            where = {role: netns_of(p["pid"]) for role, p in placed.items()}
+            on_head = dict.fromkeys(("reward", "teacher", "trainer"), two_nodes.head.netns)
+            assert where == {"rollout": two_nodes.worker.netns, **on_head}
+            for role in on_head:
+                assert placed[role]["endpoints"]["in"].startswith(f"tcp://{two_nodes.head.ip}:")
+            assert status["address"].startswith(f"tcp://{two_nodes.head.ip}:")
+            # Node B goes first: the run cannot finish without the rollout's next incarnation, so it is
+            # still running once the intruder (a process in B's namespace, not of its Ray) is done.
+            killed = placed["rollout"]["pid"]
+            _kill_node(two_nodes.worker)
+            assert intrude(two_nodes, run_dir, status) == ["refused", "refused"]
+            assert json.loads((run_dir / "status.json").read_text())["state"] == "running"
+            two_nodes.worker.ray = _start_worker(two_nodes)
+            again = driver.wait_for(lambda st: st["roles"]["rollout"]["placed"][0]["incarnation"] >= 1
+                                    and st["roles"]["rollout"]["placed"][0]["state"] == "ready", 240,
+                                    "the rollout's next incarnation")
+            assert netns_of(again["roles"]["rollout"]["placed"][0]["pid"]) == two_nodes.worker.netns
+            assert driver.finish(300) == 0, driver.output()
+    finally:  # node B up again for the tests after this one
+        if two_nodes.worker.ray is None or two_nodes.worker.ray.poll() is not None:
+            two_nodes.worker.ray = _start_worker(two_nodes)
     info = RunDir(run_dir).read_controller()
     assert info.curve is not None and (run_dir / "controller.json").stat().st_mode & 0o077 == 0
     assert C.load(run_dir / "config.toml").cluster.uses_curve
@@ -300,6 +317,11 @@ def test_a_run_across_two_nodes_with_curve(two_nodes, tmp_path):
     final = RunDir(run_dir).read_status()
     assert final.controller.rejected == {} and final.controller.ignored == {}
     assert "malformed" not in final.roles["reward"].counters.rejected
+    rollout = final.roles["rollout"].placed[0]
+    assert rollout.incarnation >= 1 and rollout.pid != killed
+    result = audit(run_dir)
+    assert result.lost == 0 and result.duplicated == 0, text(result)
+    assert summary.groups.reissued > 0  # what the lost replica held was granted again
 
 
 def test_ray_refuses_a_driver_without_the_clusters_token(two_nodes):
@@ -312,35 +334,3 @@ def test_ray_refuses_a_driver_without_the_clusters_token(two_nodes):
                           text=True, timeout=120)
     assert done.returncode != 0 and "joined" not in done.stdout
     assert "AuthenticationError" in done.stderr, done.stderr[-2000:]
-
-
-def test_a_node_lost_mid_run_is_a_lost_replica_restarted_on_the_node_that_takes_its_label(two_nodes, tmp_path):
-    """Node B, with the run's only rollout replica, is lost whole (every process of it killed at once):
-    the replica is lost like any other (its groups granted again), its restart waits for a node with
-    the pool's label, node B comes back, the replica's next incarnation registers over CURVE there, and
-    the run finishes its steps with no group lost or trained twice. (Last in this module: node B is
-    started again by it.)"""
-    run_dir = tmp_path / "run"
-    steps = 30
-    try:
-        with Driver(two_nodes, run_dir, steps) as driver:
-            status = driver.wait_for_step(3)
-            pid = status["roles"]["rollout"]["placed"][0]["pid"]
-            assert netns_of(pid) == two_nodes.worker.netns
-            _kill_node(two_nodes.worker)
-            time.sleep(2)
-            two_nodes.worker.ray = _start_worker(two_nodes)
-            again = driver.wait_for(lambda st: st["roles"]["rollout"]["placed"][0]["incarnation"] >= 1
-                                    and st["roles"]["rollout"]["placed"][0]["state"] == "ready", 240)
-            assert netns_of(again["roles"]["rollout"]["placed"][0]["pid"]) == two_nodes.worker.netns
-            assert driver.finish(300) == 0, driver.output()
-    finally:
-        if two_nodes.worker.ray is None or two_nodes.worker.ray.poll() is not None:
-            two_nodes.worker.ray = _start_worker(two_nodes)
-    summary = RunDir(run_dir).read_summary()
-    assert summary.state == "stopped" and summary.stop_reason == f"{steps} steps done", summary.error
-    rollout = RunDir(run_dir).read_status().roles["rollout"].placed[0]
-    assert rollout.incarnation >= 1 and rollout.pid != pid
-    result = audit(run_dir)
-    assert result.lost == 0 and result.duplicated == 0, text(result)
-    assert summary.groups.reissued > 0  # what the lost replica held was granted again

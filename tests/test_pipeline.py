@@ -83,19 +83,6 @@ def test_each_mode_runs_within_its_staleness_bound(mode, bound, check, clean, tm
         assert shares.busy + shares.starved + shares.blocked + shares.loading == pytest.approx(1, abs=0.01)
 
 
-def test_a_trainer_of_two_ranks_trains_every_step(clean, tmp_path):
-    """Rank 0 takes the stream and deals each step's samples to both ranks by tokens."""
-    config = sim_config("run.steps=3", "roles.trainer.replicas=2")
-    summary = run(config, tmp_path / "run")
-    assert summary.state == "stopped", summary.error
-    steps = rows(tmp_path / "run")
-    assert [r.step for r in steps] == [0, 1, 2] and all(r.samples == 64 for r in steps)
-    assert len(trained_groups(tmp_path / "run")) == 3 * config.run.batch_size
-    # Both ranks trained: each took its share of every step's tokens.
-    ranks = {p.name for p in (tmp_path / "run" / "logs").iterdir() if p.name.startswith("trainer-")}
-    assert ranks == {"trainer-0.log", "trainer-1.log"}
-
-
 @pytest.fixture(scope="module")
 def three_steps(ray_cluster, tmp_path_factory):
     """One short async sim run shared by the tests that only read its output."""

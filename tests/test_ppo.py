@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
 
 PPO = pathlib.Path(__file__).resolve().parent.parent / "examples" / "ppo.toml"
 STEPS = 24  # a warm-up step of the critic's, then the actor's
+MAX_TOKENS = 8
 #: The reward: an answer that starts with 1, as about a third of the default model's do at first (a
 #: signal at the first token, which PPO's per-token credit gives that token): one the default model
 #: learns in a few steps, where its arithmetic takes a hundred.
@@ -29,10 +30,12 @@ REWARD = ('roles.reward.engine={kind = "functions", check_references = 0, functi
 
 def test_the_ppo_example_warms_its_critic_up_then_its_policy_learns(ray_cluster, tmp_path):
     run_dir = tmp_path / "run"
-    # 32 prompts a step, not the example's 128, at ten times its learning rate: a few steps to learn in.
+    # 32 prompts a step, not the example's 128, at ten times its learning rate: a few steps to learn in. The
+    # reward reads the first token alone, so responses stop at 8 tokens, not the example's 100 (which the
+    # learning policy's reach, making the critic's and the trainer's steps twelve times as long).
     config = C.load(PPO, [f"run.steps={STEPS}", "roles.critic.warmup_steps=1", "eval.every_steps=0",
                           "eval.before=false", "eval.after=false", "run.batch_size=32", "roles.trainer.engine.lr=1e-3",
-                          REWARD])
+                          f"roles.rollout.engine.max_tokens={MAX_TOKENS}", REWARD])
     summary = run(config, run_dir)
     assert summary.state == "stopped", summary.error
     folder = RunDir(run_dir)
