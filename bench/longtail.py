@@ -191,10 +191,9 @@ SCALE = [
     Workload("scale-1024", REFERENCE.response_len, slots=256, replicas=4, batch_size=512, spread=True),
     Workload("scale-4096", REFERENCE.response_len, slots=256, replicas=16, batch_size=2048, spread=True),
     # 64 rollout replicas and 16 reward replicas, each a process of its own; their decode steps take
-    # 16 ms (a GPU's at this batch, where the 1 ms above would ask 30,000 samples/s of two cores), and a
-    # step is two samples a slot.
+    # 16 ms (a GPU's at this batch, where the 1 ms above would ask 30,000 samples/s of two cores).
     Workload("scale-16384", REFERENCE.response_len, slots=256, replicas=64, reward_replicas=16, step_s=0.016,
-             batch_size=4096, spread=True),
+             batch_size=8192, spread=True),
 ]
 
 
