@@ -1,6 +1,7 @@
 """The ranks of a role that trains a torch model (`RoleSpec.stateful`):
 every replica of the role in one process group, the model sharded across them
-with FSDP2, bf16 passes on a CPU, checkpoints of the optimizer's shards, and the
+with FSDP2, bf16 passes on a CPU, checkpoints (the optimizer's shards, and
+the folder a checkpoint is written into and put in place whole), and the
 few collectives a step needs. Shared machinery: the roles import it from here.
 
 One code path for CPU and GPU: the device is CUDA where there is one (a GPU
@@ -26,12 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import pathlib
+import random
+import shutil
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -44,9 +49,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from rlflow.services import compat
 
 from rlflow.data.net import take_held
+from rlflow.rundir import RUN_STATE
+from rlflow.services import compat
 
 
 def device() -> torch.device:
@@ -240,3 +246,48 @@ def _single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+# -- checkpoints ---------------------------------------------------------------------
+
+def _beside_weights(name: str) -> bool:
+    """Whether a file of a model's directory goes beside a checkpoint's weights (the tokenizer's, and how
+    to generate): a checkpoint reads the same tokens as the model it started from."""
+    return "token" in name or name in ("generation_config.json", "vocab.json", "merges.txt")
+
+
+def checkpoint_begin(folder: pathlib.Path, ranks: Solo) -> pathlib.Path:
+    """The ``.tmp`` folder beside `folder` that a checkpoint is written into
+    (made anew by rank 0; every rank waits for it): a folder without that
+    suffix is a whole checkpoint."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    if ranks.lead:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    ranks.barrier()
+    return tmp
+
+
+def checkpoint_end(tmp: pathlib.Path, folder: pathlib.Path, *, model_path: str, state_file: str, steps: int,
+                   run_state: dict[str, Any]) -> None:
+    """Rank 0 finishes the checkpoint in `tmp`, its weights written: the model's
+    tokenizer files beside them, `steps` and the RNG in `state_file`, the run
+    state; then `tmp` takes `folder`'s place."""
+    for name in os.listdir(model_path):
+        src = pathlib.Path(model_path) / name
+        if _beside_weights(name) and src.is_file() and not (tmp / name).exists():
+            shutil.copy(src, tmp / name)
+    rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    torch.save({"steps": steps, "rng": rng}, tmp / state_file)
+    (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=1))
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """The RNG as `checkpoint_end` saved it (`state`: what it wrote into its state file)."""
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])

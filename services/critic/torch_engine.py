@@ -28,8 +28,6 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import random
-import shutil
 from typing import Any
 
 import numpy as np
@@ -40,9 +38,11 @@ from rlflow.algo.balance import deal, micro_batches
 from rlflow.algo.values import own_count, own_tokens, value_loss
 from rlflow.config import TorchCritic
 from rlflow.protocol import Codec, SampleBatch, samples
-from rlflow.rundir import RUN_STATE, TRAINER_OPTIMIZER, beside
+from rlflow.rundir import TRAINER_OPTIMIZER, beside
 from rlflow.services.base import EngineContext
-from rlflow.services.fsdp import Sharded, Solo, autocast, bf16_passes, rendezvous
+from rlflow.services.fsdp import (
+    Sharded, Solo, autocast, bf16_passes, checkpoint_begin, checkpoint_end, rendezvous, restore_rng,
+)
 
 #: Beside a critic checkpoint's model: the critic's RNG and step.
 CRITIC_STATE = "critic_state.pt"
@@ -232,30 +232,15 @@ class CriticModel:
 
     def save(self, folder: pathlib.Path, run_state: dict[str, Any]) -> None:
         """A Hugging Face directory of the value model, plus optimizer, RNG and run state (every rank)."""
-        ranks = self.ranks
-        tmp = folder.with_name(folder.name + ".tmp")
-        if ranks.lead:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir(parents=True)
-        ranks.barrier()
-        ranks.save_optimizer(self.model, self.optimizer, tmp / TRAINER_OPTIMIZER)
-        weights = ranks.full_state(self.model)
-        if not ranks.lead:
+        tmp = checkpoint_begin(folder, self.ranks)
+        self.ranks.save_optimizer(self.model, self.optimizer, tmp / TRAINER_OPTIMIZER)
+        weights = self.ranks.full_state(self.model)
+        if not self.ranks.lead:
             return
         self.model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         del weights
-        for name in os.listdir(self.model_path):  # a critic's directory reads the policy's tokens
-            if "token" in name or name in ("vocab.json", "merges.txt"):
-                src = pathlib.Path(self.model_path) / name
-                if src.is_file() and not (tmp / name).exists():
-                    shutil.copy(src, tmp / name)
-        torch.save({"steps": self.steps, "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                                                 "python": random.getstate()}}, tmp / CRITIC_STATE)
-        (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=1))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
+        checkpoint_end(tmp, folder, model_path=self.model_path, state_file=CRITIC_STATE, steps=self.steps,
+                       run_state=run_state)
 
     def load_state(self, folder: pathlib.Path) -> None:
         """Restore the optimizer, RNG and step saved by `save` (on any number of
@@ -263,9 +248,7 @@ class CriticModel:
         state = torch.load(folder / CRITIC_STATE, weights_only=False)
         self.ranks.load_optimizer(self.model, self.optimizer, folder / TRAINER_OPTIMIZER)
         self.steps = state["steps"]
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
+        restore_rng(state)
 
 
 def _width(sample: Any) -> int:

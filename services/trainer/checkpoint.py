@@ -11,19 +11,15 @@ into place once complete: a folder without that suffix is a whole checkpoint.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import random
-import shutil
 from typing import Any
 
-import numpy as np
 import torch
-from rlflow.protocol import ParamSpec
-from rlflow.services.fsdp import Solo
-from rlflow.services.trainer.trained import TrainedWeights
 
+from rlflow.protocol import ParamSpec
 from rlflow.rundir import RUN_STATE, TRAINER_OPTIMIZER, TRAINER_STATE
+from rlflow.services.fsdp import Solo, checkpoint_begin, checkpoint_end, restore_rng
+from rlflow.services.trainer.trained import TrainedWeights
 
 
 def save(folder: pathlib.Path, run_state: dict[str, Any], *, weights: TrainedWeights, optimizer: torch.optim.Optimizer,
@@ -32,35 +28,10 @@ def save(folder: pathlib.Path, run_state: dict[str, Any], *, weights: TrainedWei
     optimizer, RNG and step (after `steps` steps) and `run_state` into
     `folder` (every rank, at the same step)."""
     ranks: Solo = weights.ranks
-    tmp = folder.with_name(folder.name + ".tmp")
-    if ranks.lead:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    ranks.barrier()
+    tmp = checkpoint_begin(folder, ranks)
     ranks.save_optimizer(weights.model, optimizer, tmp / TRAINER_OPTIMIZER)
-    if not weights.save(tmp, model_path, dtype):
-        return  # the rest is rank 0's
-    for name in os.listdir(model_path):
-        if "token" in name or name in ("generation_config.json", "vocab.json", "merges.txt"):
-            src = pathlib.Path(model_path) / name
-            if src.is_file() and not (tmp / name).exists():
-                shutil.copy(src, tmp / name)
-    torch.save(
-        {
-            "steps": steps,
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "numpy": np.random.get_state(),
-                "python": random.getstate(),
-            },
-        },
-        tmp / TRAINER_STATE,
-    )
-    (tmp / RUN_STATE).write_text(json.dumps(run_state, indent=1))
-    if folder.exists():
-        shutil.rmtree(folder)
-    os.replace(tmp, folder)
+    if weights.save(tmp, model_path, dtype):  # the rest is rank 0's
+        checkpoint_end(tmp, folder, model_path=model_path, state_file=TRAINER_STATE, steps=steps, run_state=run_state)
 
 
 def load(folder: pathlib.Path, *, weights: TrainedWeights,
@@ -73,9 +44,7 @@ def load(folder: pathlib.Path, *, weights: TrainedWeights,
         weights.ranks.load_optimizer(weights.model, optimizer, folder / TRAINER_OPTIMIZER)
     elif "optimizer" in state:  # written by a trainer of one process, before it was sharded
         weights.ranks.load_full_optimizer(weights.model, optimizer, _by_name(state["optimizer"], weights.specs))
-    torch.set_rng_state(state["rng"]["torch"])
-    np.random.set_state(state["rng"]["numpy"])
-    random.setstate(state["rng"]["python"])
+    restore_rng(state)
     return state["steps"], json.loads((folder / RUN_STATE).read_text())
 
 
