@@ -13,7 +13,8 @@ same recipe everywhere, but not the same weights (float sums differ from
 one CPU to another, and so does the step where the warm start stops), and
 a run's curve is only comparable with another's from the same start.
 `rlflow model build` builds it again, into ``~/.cache/rlflow/models``
-(``$RLFLOW_CACHE`` to move it), as it builds the default teacher.
+(``$RLFLOW_CACHE`` to move it), as it builds the models a role asks for
+(`RoleSpec.models`: the same recipe, warm-started further).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
+from rlflow.roles import ROLES
 
 #: Bump when the recipe below changes, so that caches rebuild.
 BUILD_VERSION = 2
@@ -79,11 +82,13 @@ def cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("RLFLOW_CACHE", pathlib.Path.home() / ".cache" / "rlflow"))
 
 
-#: The models rlflow builds itself, by name: (folder name, recipe). The
-#: teacher is the default model warm-started far longer (for distillation).
+#: The models rlflow builds itself, by name: (folder name, recipe): the default
+#: model's, and those the roles ask for (`RoleSpec.models`: the default model
+#: warm-started further).
 BUILT = {
     "default": (DEFAULT_NAME, Recipe()),
-    "default-teacher": (f"{DEFAULT_NAME}-teacher", Recipe(target_accuracy=0.8, max_steps=8000)),
+    **{name: (DEFAULT_NAME + name.removeprefix("default"), Recipe(target_accuracy=accuracy, max_steps=steps))
+       for role in ROLES for name, accuracy, steps in role.models},
 }
 
 
@@ -107,7 +112,7 @@ TINY_VERSION = 3
 
 def resolve_model(name: str) -> pathlib.Path:
     """A model directory: "default" is the default model rlflow ships,
-    "default-teacher" the default teacher once built, "tiny-text" a tiny
+    another name of `BUILT` that model once built, "tiny-text" a tiny
     text model (`build_tiny_text`), "tiny-chat" a tiny chat model that calls
     tools (`build_tiny_chat`)."""
     if name == "default":
@@ -115,7 +120,7 @@ def resolve_model(name: str) -> pathlib.Path:
     if name in BUILT:
         path = default_model_dir(name)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"the {name} model is not built yet ({path}); run `rlflow model build --teacher`")
+            raise FileNotFoundError(f"the {name} model is not built yet ({path}); run `rlflow model build {name}`")
         return path
     if name in (TINY_TEXT, TINY_CHAT):
         path = cache_dir() / "models" / f"{name}-v{TINY_VERSION}"

@@ -51,12 +51,17 @@ class RoleSpec:
     """``module:function`` giving the line `rlflow report` adds about the role, from the run's `StepRow`s
     ("" for none)."""
     curves: tuple[tuple[str, str], ...] = ()
-    """(`StepRow.train` key, label) of statistics of its own that `rlflow report` draws in a panel."""
+    """(`StepRow.train` key, label) of statistics of its own that `rlflow report` draws in a panel and the
+    status shows the trend of."""
     curves_title: str = ""
     """That panel's title."""
     plan: str = ""
     """``module:function`` giving, from a run, the costs `rlflow plan` models the role by, for a role that
     values each group on its way to the trainer and trains on it (`rlflow.tools.plan.Learner`)."""
+    models: tuple[tuple[str, float, int], ...] = ()
+    """Models rlflow builds for the role (``rlflow model build NAME``; on first use by a config that names
+    one): (name, held-out accuracy its warm start stops at, most warm-start steps), each the default
+    model's recipe warm-started further."""
 
 
 ROLES: tuple[RoleSpec, ...] = (
@@ -67,7 +72,9 @@ ROLES: tuple[RoleSpec, ...] = (
     RoleSpec("reward", 2, "rlflow.services.reward.service:RewardService", takes="samples", hands_on="samples",
              busy="scoring", external=True),
     RoleSpec("teacher", 3, "rlflow.services.teacher.service:TeacherService", takes="samples", hands_on="samples",
-             busy="scoring", optional=True, external=True),
+             busy="scoring", optional=True, external=True,
+             curves=(("kl_teacher", "KL"),), curves_title="KL to the teacher (per token)",
+             models=(("default-teacher", 0.8, 8000),)),
     RoleSpec("critic", 6, "rlflow.services.critic.service:CriticService", takes="samples", hands_on="samples",
              busy="valuing and training", optional=True, versioned=True, stateful=True,
              report="rlflow.services.critic.report:line",

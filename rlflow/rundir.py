@@ -231,7 +231,7 @@ class GroupCounts(Record):
 
 
 class Trend(Record):
-    """A training statistic over the latest steps (e.g. the KL to the teacher)."""
+    """A training statistic over the latest steps (e.g. ``kl_teacher``)."""
 
     last: float
     mean: float
@@ -272,8 +272,8 @@ class Status(Record):
     waiting_for: list[str] = []
     """External replicas (``role-rank``) the run waits for: not up (`rlflow join` says what each needs)."""
     trends: dict[str, Trend] = {}
-    """Training statistics to watch as they move (``kl_teacher``: the per-token KL to the teacher;
-    and a role's own, e.g. how a value model fits the returns)."""
+    """Training statistics to watch as they move (`rlflow.control.stats.TRENDS`: e.g. ``kl_teacher``, the
+    per-token KL to the reference the batches carry)."""
 
 
 class SessionTotals(Record):

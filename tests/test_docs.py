@@ -38,7 +38,6 @@ RUN_BY = {
     "rlflow model build": "tests/test_models.py",
     "rlflow config show": SHOW,
     "rlflow config show --config --set": SHOW,
-    "rlflow model build --teacher": "bench/teacher.py",
 }
 
 
@@ -120,7 +119,7 @@ def test_every_command_the_docs_show_is_taken_by_the_code_and_run_by_a_test_or_a
 
 
 @pytest.mark.parametrize("command", ["rlflow up --config my.toml --set run.mode=sync --set roles.rollout.replicas=4",
-                                     "rlflow model build --teacher", "rlflow join RUN_DIR --role reward --rank 0",
+                                     "rlflow model build default-teacher", "rlflow join RUN_DIR --role reward --rank 0",
                                      "rlflow config show --config my.toml --set run.steps=5"])
 def test_the_shape_of_a_command_is_its_verb_and_flags(command):
     assert shape(command) in RUN_BY

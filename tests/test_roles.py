@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import msgspec
+import pytest
 
 from rlflow import config as C
 from rlflow.protocol import Role
@@ -43,21 +44,30 @@ def test_the_roles_a_config_lists_are_in_the_registrys_order():
     assert names == [n for n in NAMES if n in names] and "critic" in names
 
 
-def test_the_critic_is_named_outside_its_folder_only_by_its_entry_its_config_its_columns_and_gae():
+#: Outside its folder, what names each role besides its entry: the config, the wire's columns, and the
+#: algorithm that reads them (GAE; the KL and distillation terms) with the trainer's loss.
+NAMED_BY = {
+    "critic": ["rlflow/algo/values.py"],
+    "teacher": ["rlflow/algo/losses.py"],
+}
+
+
+@pytest.mark.parametrize("role", sorted(NAMED_BY))
+def test_a_role_is_named_outside_its_folder_only_by_its_entry_its_config_its_columns_and_their_algorithm(role):
     """What a role is lives in its folder and its registry entry; the tools reach it through the entry
-    (`report`, `curves`, `plan`, `asked_by`, `RunDir.role_checkpoint`)."""
+    (`report`, `curves`, `plan`, `models`, `asked_by`, `RunDir.role_checkpoint`)."""
+    import importlib
     import re
 
-    word = re.compile(r"\bcritic\b", re.IGNORECASE)
+    word = re.compile(rf"\b{role}\b", re.IGNORECASE)
     naming = sorted(str(path.relative_to(ROOT)) for top in ("rlflow", "services", "protocol")
                     for path in (ROOT / top).rglob("*.py")
-                    if not path.is_relative_to(ROOT / "services" / "critic") and word.search(path.read_text()))
-    assert naming == ["protocol/batch.py", "protocol/messages.py", "rlflow/algo/values.py", "rlflow/config/checks.py",
-                      "rlflow/config/schema.py", "rlflow/roles.py", "services/trainer/torch_engine.py"]
+                    if not path.is_relative_to(ROOT / "services" / role) and word.search(path.read_text()))
+    assert naming == sorted(["protocol/batch.py", "protocol/messages.py", "rlflow/config/checks.py",
+                             "rlflow/config/schema.py", "rlflow/roles.py", "services/trainer/torch_engine.py",
+                             *NAMED_BY[role]])
     # Its entry's hooks resolve.
-    import importlib
-
-    critic = BY_NAME["critic"]
-    for hook in (critic.report, critic.plan):
-        module, _, name = hook.partition(":")
-        assert callable(getattr(importlib.import_module(module), name)), hook
+    for hook in (BY_NAME[role].report, BY_NAME[role].plan):
+        if hook:
+            module, _, name = hook.partition(":")
+            assert callable(getattr(importlib.import_module(module), name)), hook

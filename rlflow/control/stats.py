@@ -24,11 +24,13 @@ from typing import Any
 
 from rlflow.control.record import Carried
 from rlflow.protocol import EvalDone, Heartbeat, StepDone
+from rlflow.roles import ROLES
 from rlflow.rundir import EngineStep, EvalRow, GroupCounts, SessionTotals, Shares, StepRow, Summary, Trend
 
 STATES = ("busy", "starved", "blocked", "loading")
-#: Trainer statistics whose trend the status shows (where a run has them).
-TRENDS = ("kl_teacher", "critic_value_loss", "critic_explained_var")
+#: Statistics of a step whose trend the status shows (where a run has them): those the roles draw
+#: (`RoleSpec.curves`).
+TRENDS = tuple(key for role in ROLES for key, _ in role.curves)
 #: Steps over which a trend is taken.
 TREND_STEPS = 10
 #: Heartbeats of each replica kept for the live window.

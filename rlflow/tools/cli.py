@@ -42,15 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_dir", nargs="?", type=pathlib.Path, help="run directory (default: the newest in runs/)")
     status.add_argument("--once", action="store_true", help="print the table once and exit")
 
-    model = sub.add_parser("model", help="the embedded default model")
+    from rlflow.models import BUILT
+
+    model = sub.add_parser("model", help="the embedded default model, and the models rlflow builds from its recipe")
     model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
-    build = model_sub.add_parser("build", help="build and warm-start the default model's recipe again (cached; "
+    build = model_sub.add_parser("build", help="build and warm-start a model of the default model's recipe (cached; "
                                                "rlflow ships the default model)")
+    build.add_argument("name", nargs="?", default="default", choices=sorted(BUILT),
+                       help="which (default: the default model's recipe again)")
     build.add_argument("--force", action="store_true", help="rebuild even if it is cached")
-    build.add_argument("--teacher", action="store_true",
-                       help="build the default teacher instead (the same model, warm-started far longer)")
-    path_cmd = model_sub.add_parser("path", help="print where the default model is (the teacher: where it is cached)")
-    path_cmd.add_argument("--teacher", action="store_true", help="the default teacher's folder")
+    path_cmd = model_sub.add_parser("path", help="print where a model is (the default: where rlflow ships it; "
+                                                 "another: where it is built)")
+    path_cmd.add_argument("name", nargs="?", default="default", choices=sorted(BUILT), help="which")
 
     chk = sub.add_parser("check", help="load a config's task and reward functions and show what the model will see")
     chk.add_argument("--config", type=pathlib.Path, help="TOML config (default: the embedded default)")
@@ -296,21 +299,21 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def _build_models(config) -> None:
-    """Build the models rlflow makes itself that `config` names and that are
-    not cached yet (the default teacher; the default policy ships with rlflow)."""
-    from rlflow.config import ModelTeacher
+    """Build the models rlflow makes itself that a role's engine in `config`
+    names and that are not cached yet (the default policy ships with rlflow)."""
     from rlflow.models import BUILT
 
     if not config.needs_model:
         return
-    teacher = config.roles.teacher
-    if teacher is not None and isinstance(teacher.engine, ModelTeacher) and teacher.engine.model in BUILT:
-        _build_default_model(force=False, name=teacher.engine.model)
+    for _, role in config.role_items():
+        model = getattr(getattr(role, "engine", None), "model", None)
+        if model in BUILT and model != "default":
+            _build_default_model(force=False, name=model)
 
 
 def _build_default_model(force: bool, name: str = "default") -> pathlib.Path:
-    """A model rlflow builds itself ("default", "default-teacher"); built first
-    (with a progress bar) if needed."""
+    """A model rlflow builds itself (`rlflow.models.BUILT`); built first (with
+    a progress bar) if needed."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from rlflow.models import BUILT, build_default, default_model_dir
@@ -430,7 +433,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_model(args: argparse.Namespace) -> int:
     from rlflow.models import default_model_dir, resolve_model
 
-    name = "default-teacher" if args.teacher else "default"
+    name = args.name
     if args.model_command == "path":
         print(resolve_model(name) if name == "default" else default_model_dir(name))
         return 0

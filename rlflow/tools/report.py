@@ -263,13 +263,11 @@ def write_curves(run: Run, png: pathlib.Path | None = None) -> pathlib.Path | No
 
     png = png or run.folder.curves_png
     steps = [r.step for r in run.metrics]
-    kl = [r.train.get("kl_teacher", math.nan) for r in run.metrics]
-    has_kl = any(math.isfinite(v) for v in kl)
     # A panel per role that draws its own statistics (`RoleSpec.curves`), where the run has them.
     own = [(role, {label: [r.train.get(key, math.nan) for r in run.metrics] for key, label in role.curves})
            for role in ROLES if role.curves]
     own = [(role, fit) for role, fit in own if any(math.isfinite(v) for values in fit.values() for v in values)]
-    panels = 2 + bool(run.evals) + has_kl + len(own)
+    panels = 2 + bool(run.evals) + len(own)
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.2))
     axes[0].plot(steps, [math.nan if r.reward_mean is None else r.reward_mean for r in run.metrics], lw=1)
     axes[0].set_title("reward (training samples)")
@@ -288,18 +286,13 @@ def write_curves(run: Run, png: pathlib.Path | None = None) -> pathlib.Path | No
         ax.set_title("held-out accuracy (%)")
         ax.set_xlabel("policy version (step)")
     for ax, (role, fit) in zip(axes[2 + bool(run.evals):], own):
-        for label, values in fit.items():
-            ax.plot(steps, values, lw=1, label=label)
+        for label, values in fit.items():  # each step's, faint, and the trend's mean
+            line, = ax.plot(steps, values, lw=0.8, alpha=0.5)
+            ax.plot(steps, _rolling_mean(values, TREND_STEPS), lw=1.5, color=line.get_color(),
+                    label=f"{label} ({TREND_STEPS}-step mean)")
         ax.set_title(role.curves_title, fontsize=9)
         ax.set_xlabel("step")
-        ax.legend(frameon=False)
-    if has_kl:
-        ax = axes[-1]
-        ax.plot(steps, kl, lw=0.8, alpha=0.5, label="per step")
-        ax.plot(steps, _rolling_mean(kl, TREND_STEPS), lw=1.5, label=f"{TREND_STEPS}-step mean")
-        ax.set_title("KL to the teacher (per token)")
-        ax.set_xlabel("step")
-        ax.legend(frameon=False)
+        ax.legend(frameon=False, fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
     plt.close(fig)

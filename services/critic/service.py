@@ -147,8 +147,8 @@ class CriticService(StageService):
         penalty = None
         if isinstance(trainer, TorchTrainer) and trainer.kl_coef > 0 and trainer.kl_in == "reward":
             if batch.teacher_logprobs is None:
-                raise ValueError("the run puts a KL penalty into the reward, and a batch without the teacher's "
-                                 "log-probabilities reached the critic")
+                raise ValueError("the run puts a KL penalty into the reward, and a batch without "
+                                 "teacher_logprobs reached the critic")
 
             def penalty(row) -> np.ndarray:
                 return trainer.kl_coef * _kl(row.logprobs, row.teacher_logprobs, trainer.kl_estimator)

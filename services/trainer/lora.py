@@ -143,7 +143,8 @@ class AdapterWeights(TrainedWeights):
         self.lora: Lora = cfg.lora
         model = ranks.shard(wrap(model, self.lora, adapter_dir))
         super().__init__(model, ranks, *trained_parameters(model), cfg.bucket_bytes)
-        #: A KL penalty's reference: the base with the adapter off (`reference = "base"`), else the teacher.
+        #: A KL penalty's reference: the base with the adapter off (`reference = "base"`), else the batch's
+        #: `teacher_logprobs`.
         self.base_reference = self.lora.reference == "base" and cfg.kl_coef > 0
 
     def snapshot(self) -> list[torch.Tensor]:

@@ -32,7 +32,7 @@ class TrainedWeights:
     (`specs`, `nbytes`) the receivers load them by. Whole weights unless a
     subclass says otherwise."""
 
-    #: Whether a KL penalty's reference is the base with the adapter off (else the teacher's log-probabilities).
+    #: Whether a KL penalty's reference is the base with the adapter off (else the batch's `teacher_logprobs`).
     base_reference = False
     #: Whether every rank takes part in a send (rank 0 alone when the snapshot is whole at rank 0 already).
     gathers = True
@@ -130,16 +130,16 @@ class TrainedWeights:
     # -- a KL penalty's reference ---------------------------------------------------------
 
     def reference_rows(self, rows: list) -> list[np.ndarray]:
-        """The reference's log-probabilities of every sample's response tokens (the teacher's)."""
+        """The reference's log-probabilities of every sample's response tokens (its `teacher_logprobs`)."""
         return [r.teacher_logprobs for r in rows]
 
     def reference(self, part: list, packed: Packed, keep: torch.Tensor | None) -> torch.Tensor:
         """The reference's log-probabilities of the tokens of a pass over `part` trained on
-        (`packed` as the pass packed them, `keep` applied): the teacher's."""
+        (`packed` as the pass packed them, `keep` applied): the batch's `teacher_logprobs`."""
         return column(part, "teacher_logprobs", keep).to(self.ranks.device)
 
     def idle_reference(self, ids: torch.Tensor) -> None:
-        """What an idle pass does first to pair with a real pass's reference (nothing: the teacher's is read)."""
+        """What an idle pass does first to pair with a real pass's reference (nothing: the batch's is read)."""
 
     # -- checkpoints --------------------------------------------------------------------
 
