@@ -254,8 +254,12 @@ def _topk(ids: Tensor | None, logprobs: Tensor | None) -> dict[str, Tensor | Non
 
 def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
     """A batch of the given rows of `batch`, in the order given (rows of one
-    group must be contiguous); groups left with no rows are dropped."""
+    group must be contiguous); groups left with no rows are dropped. Every
+    row in order, of groups that all have rows, is `batch` itself (no copy)."""
     rows = np.asarray(rows, dtype=np.int64)
+    if len(rows) == batch.n_samples and np.array_equal(rows, np.arange(len(rows))) and \
+            all(g.size for g in batch.groups):
+        return batch
     r_off = batch.response_offsets.numpy()
     p_off = batch.prompt_offsets.numpy()
     group_of = np.repeat(np.arange(len(batch.groups)), [g.size for g in batch.groups])

@@ -462,6 +462,7 @@ def test_take_and_split_keep_rows_and_renumber_failures():
     assert [g.size for g in kept.groups] == [1, 1]
     assert kept.teacher_logprobs.numel == 6 and kept.rewards.tolist() == [1.0, 1.0]
     assert P.take(batch, []).n_samples == 0
+    assert P.take(batch, range(4)) is batch  # every row in order: the batch itself, no copy
 
 
 def test_text_travels_with_its_rows_through_concat_take_and_split():

@@ -22,6 +22,8 @@ def deal(lengths: Sequence[int], ranks: int) -> list[list[int]]:
     the ranks' token sums differ by at most ``max(lengths)``. Deterministic."""
     if ranks < 1:
         raise ValueError(f"ranks must be at least 1, not {ranks}")
+    if ranks == 1:
+        return [list(range(len(lengths)))]
     shares: list[list[int]] = [[] for _ in range(ranks)]
     load = [0] * ranks
     for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
