@@ -35,7 +35,8 @@ def pack(part: list) -> Packed:
 def column(part: list, name: str, keep: torch.Tensor | None = None) -> torch.Tensor:
     """A per-token column of the samples `part`, concatenated (float32, or int32 ids); only the
     tokens `keep` says are trained on, if given."""
-    values = torch.cat([torch.from_numpy(np.ascontiguousarray(getattr(r, name))) for r in part])
+    # One copy, in numpy: writable, whatever the rows' arrays are (a received batch's are read-only).
+    values = torch.from_numpy(np.concatenate([getattr(r, name) for r in part]))
     return values if keep is None else values[keep]
 
 
