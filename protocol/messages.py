@@ -399,7 +399,7 @@ class Counters(Record):
     ``step.<status>``, ``tool.<name>.<status>`` (status: ok, timeout, error, crashed), and tool calls that
     could not be parsed (``tool.unparsed``) or name no tool (``tool.unknown``)."""
     episodes: NonNegInt = 0
-    """A rollout replica: episodes finished (every sample of a run with environments is one)."""
+    """A rollout replica: episodes finished (every sample of a run with environments or outside agents is one)."""
     episode_turns: NonNegInt = 0
     """A rollout replica: model turns of those episodes."""
     critic_steps: NonNegInt = 0
@@ -414,6 +414,12 @@ class Counters(Record):
     no_signal_groups: NonNegInt = 0
     """The trainer: groups dropped for good because every reward in them was equal (`run.filter =
     "signal"`; the controller grants other prompts in their place)."""
+    agent_events: dict[str, NonNegInt] = {}
+    """A rollout replica serving outside agents: what its endpoint saw, as ``taken`` (episodes handed out),
+    ``abandoned`` (episodes no request came for in time), ``template_mismatch`` (turns whose conversation the
+    chat template would render otherwise than the recorded tokens), ``refused`` (requests answered with an
+    error), ``refused_key`` (requests without the run's key), ``failed_turns`` and ``exits`` (agent copies
+    it started that exited)."""
 
     @property
     def progress(self) -> int:

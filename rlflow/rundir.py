@@ -347,6 +347,16 @@ class Summary(Record):
     ZeroMQ; a checksum that differs fails the run)."""
 
 
+class AgentsInfo(Record):
+    """Where outside agents take episodes (agents.json, owner-only; a run with `[agents]`, see
+    docs/agents.md): each rollout replica's endpoint, and the key every request carries."""
+
+    urls: dict[str, str]
+    """Each rollout replica's endpoint (``http://HOST:PORT``), by replica name."""
+    api_key: str
+    """The run's key (``Authorization: Bearer KEY``; the `openai` package's ``api_key``)."""
+
+
 class JoinInfo(Record):
     """What a replica the user starts needs to join the run (join.json, owner-only;
     `rlflow join` prints it as environment variables, see SPEC.md, *Start-up parameters*)."""
@@ -413,6 +423,11 @@ class RunDir:
     @property
     def status(self) -> pathlib.Path:
         return self.path / "status.json"
+
+    @property
+    def agents(self) -> pathlib.Path:
+        """Where outside agents take episodes (`AgentsInfo`, owner-only)."""
+        return self.path / "agents.json"
 
     @property
     def join(self) -> pathlib.Path:
@@ -518,6 +533,9 @@ class RunDir:
 
     def read_controller(self) -> ControllerInfo | None:
         return read_json(self.controller, ControllerInfo)
+
+    def read_agents(self) -> AgentsInfo | None:
+        return read_json(self.agents, AgentsInfo)
 
     def read_join(self) -> JoinInfo | None:
         return read_json(self.join, JoinInfo)

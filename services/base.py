@@ -229,21 +229,26 @@ _COUNTS = {f.name: isinstance(f.type, msgspec.inspect.IntType) for f in msgspec.
 
 def typed_counters(counts: Counter[str], rejected: Counter[str] | None = None) -> Counters:
     """A service's counts by name as the wire's `Counters` (``reward.<function>.<status>``
-    counts go to `reward_calls`, ``env.<call>.<status>`` ones to `env_calls`). A name
+    counts go to `reward_calls`, ``env.<call>.<status>`` ones to `env_calls`, ``agents.<event>`` ones to
+    `agent_events`). A name
     `Counters` does not have is a bug: it raises."""
     plain: dict[str, Any] = {}
     calls: dict[str, int] = {}
     env_calls: dict[str, int] = {}
+    agents: dict[str, int] = {}
     for key, value in counts.items():
         if key.startswith("reward."):
             calls[key.removeprefix("reward.")] = int(value)
         elif key.startswith("env."):
             env_calls[key.removeprefix("env.")] = int(value)
+        elif key.startswith("agents."):
+            agents[key.removeprefix("agents.")] = int(value)
         elif key in _COUNTS:
             plain[key] = int(value) if _COUNTS[key] else float(value)
         else:
             raise KeyError(f"{key!r} is not a field of rlflow.protocol.Counters")
-    return Counters(**plain, rejected=dict(rejected or {}), reward_calls=calls, env_calls=env_calls)
+    return Counters(**plain, rejected=dict(rejected or {}), reward_calls=calls, env_calls=env_calls,
+                    agent_events=agents)
 
 
 def cpu_ranges(cpus: list[int]) -> str:

@@ -295,11 +295,13 @@ def engine_dead(exc: BaseException) -> bool:
     return isinstance(exc, EngineDeadError)
 
 
-def tool_parser(name: str, tokenizer: Any, tools: list[dict[str, Any]]) -> Callable[[str], tuple[list[Any], bool]]:
+def tool_parser(name: str, tokenizer: Any, tools: list[dict[str, Any]]
+                ) -> Callable[[str], tuple[list[Any], bool, str | None]]:
     """vLLM's tool-call parser `name` (e.g. "hermes") over `tokenizer`, as a function
     of a model turn's text -> (its tool calls, each with ``name``, ``arguments`` (JSON
-    text) and ``id``; whether the turn holds the parser's start marker). vLLM's
-    parsers take an OpenAI request beside the text; rlflow has none to give but the tools."""
+    text) and ``id``; whether the turn holds the parser's start marker; the turn's text
+    outside its calls, where it has calls). vLLM's parsers take an OpenAI request beside
+    the text; rlflow has none to give but the tools."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.tool_parsers import ToolParserManager
 
@@ -307,10 +309,10 @@ def tool_parser(name: str, tokenizer: Any, tools: list[dict[str, Any]]) -> Calla
     request = ChatCompletionRequest(messages=[], model="rlflow", tools=tools or None)
     marker = getattr(parser, "tool_call_start_token", None)
 
-    def parse(text: str) -> tuple[list[Any], bool]:
+    def parse(text: str) -> tuple[list[Any], bool, str | None]:
         found = parser.extract_tool_calls(text, request)
         calls = [(call.function.name, call.function.arguments, call.id or "") for call in found.tool_calls]
-        return (calls if found.tools_called else []), bool(marker) and marker in text
+        return (calls if found.tools_called else []), bool(marker) and marker in text, found.content
 
     return parse
 

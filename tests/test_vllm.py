@@ -383,3 +383,172 @@ max_tokens = 200
                 hint = tokenizer.decode(r.token_ids[r.loss_mask == 0].tolist())
                 assert hint.startswith("57+68=7+8=15,")
         nursery.cancel_scope.cancel()
+
+
+#: A chat template in the arith alphabet (each message's text, then the end of a turn).
+ARITH_CHAT = "{% for m in messages %}{{ m['content'] }}<eos>{% endfor %}{% if add_generation_prompt %}={% endif %}"
+
+#: An agent that takes an episode, plays one turn, and waits to be killed.
+STUCK_AGENT = """
+import httpx, openai, sys, time
+url, key = sys.argv[1], sys.argv[2]
+episode = httpx.post(url + "/rlflow/episodes", json={"wait_s": 30}, headers={"Authorization": "Bearer " + key}).json()
+llm = openai.OpenAI(base_url=episode["base_url"], api_key=key, max_retries=0)
+llm.completions.create(model="policy", prompt=episode["prompt"], max_tokens=4)
+print("played", flush=True)
+time.sleep(600)
+"""
+
+
+async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tied_model):
+    """Outside agents on the real `openai` client against a vLLM replica's endpoint: every token of an
+    episode's sample at loss mask 1 is a token the endpoint returned (with its log-probability), each
+    turn was generated over exactly the recorded tokens before it, a weight update between two turns
+    labels the second turn with the new version, chat completions (streamed, with tools) and
+    completions share one group, a wrong key is refused, and a killed agent's group is abandoned."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import openai
+
+    from rlflow import config as C
+    from rlflow.env.render import EpisodeText
+    from rlflow.protocol import PromptGroup
+    from rlflow.services import compat
+    from rlflow.services.base import standalone_context
+    from rlflow.services.rollout.agents import AgentEndpoint
+    from rlflow.services.rollout.vllm_engine import VllmEngine
+
+    backend, _ = engine
+    config = C.load(text=f"""
+[pools.p]
+[roles.rollout]
+pool = "p"
+model = "{tied_model}"
+engine = {{ kind = "vllm", max_tokens = 24, kv_cache_bytes = 67108864 }}
+[roles.reward]
+pool = "p"
+engine = {{ kind = "env" }}
+[roles.trainer]
+pool = "p"
+[agents]
+max_turns = 3
+max_tokens = 200
+idle_timeout_s = 2.0
+api_key = "right-key"
+""")
+    ctx = standalone_context(config, "rollout")
+    vllm = VllmEngine(config.roles.rollout.engine, ctx, backend)
+    tokenizer = load_tokenizer(tied_model)
+    tokenizer.chat_template = ARITH_CHAT
+
+    class Task:
+        def row(self, group_id):
+            return {"a": 57, "b": 68}
+
+        def decode(self, ids):
+            return tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    endpoint = AgentEndpoint(vllm, Task(), config.agents, text=EpisodeText(tokenizer), turn_tokens=24,
+                             make_parser=lambda tools: compat.tool_parser("hermes", tokenizer, tools),
+                             counters=ctx.counters, api_key="right-key", rank=0, replicas=1, takes_reward=True)
+    url = endpoint.bind()
+    key = {"Authorization": "Bearer right-key"}
+    newer = hf_model(tied_model, seed=11)
+
+    def take() -> dict:
+        return httpx.post(f"{url}/rlflow/episodes", json={"wait_s": 10}, headers=key).json()
+
+    async def call(fn, *args, **kwargs):
+        return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
+
+    with trio.fail_after(180):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(vllm.run)
+            await nursery.start(endpoint.run)
+            prompt = tokenizer.encode("57+68=", add_special_tokens=False)
+            endpoint.submit(PromptGroup(group_id=0, prompt_ids=prompt, n=2, reference="125"), time.time())
+
+            with pytest.raises(openai.AuthenticationError):
+                await call(openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list)
+
+            # Completions, two turns with a weight update between them.
+            episode = await call(take)
+            llm = openai.OpenAI(base_url=episode["base_url"], api_key="right-key", max_retries=0)
+            extra = {"return_token_ids": True}
+            first = await call(llm.completions.create, model="policy", prompt=episode["prompt"], max_tokens=12,
+                               logprobs=1, extra_body=extra)
+            assert first.choices[0].model_extra["token_ids"]
+            await push(engine, newer, version=100)
+            hint = "57+68=7+8=15,"
+            second = await call(llm.completions.create, model="policy", prompt=episode["prompt"] + first.choices[0].text
+                                + hint, max_tokens=12, logprobs=1, extra_body=extra)
+            ended = await call(httpx.post, f"{url}/rlflow/episodes/{episode['id']}/end", json={"reward": 0.5},
+                               headers=key)
+            assert ended.status_code == 200, ended.text
+
+            # Chat, streamed, with a tool's result between the turns.
+            chat = await call(take)
+            llm = openai.OpenAI(base_url=chat["base_url"], api_key="right-key", max_retries=0)
+            tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+                "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+            messages = [{"role": "user", "content": "57+68"}]
+            reply = await call(llm.chat.completions.create, model="policy", messages=messages, tools=tools,
+                               max_tokens=10, logprobs=True, extra_body=extra)
+            messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                         {"role": "tool", "content": "125", "tool_call_id": "call_0"}]
+
+            def streamed():
+                stream = llm.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=10,
+                                                     stream=True, logprobs=True, extra_body=extra)
+                return list(stream)
+
+            chunks = await call(streamed)
+            last = chunks[-1].choices[0]
+            assert last.finish_reason in ("stop", "length")
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(
+                last.model_extra["token_ids"], skip_special_tokens=True)
+            ended = await call(httpx.post, f"{url}/rlflow/episodes/{chat['id']}/end", json={"reward": 0.0},
+                               headers=key)
+            assert ended.status_code == 200, ended.text
+            [(group, (played, chatted))] = await endpoint.finished.receive()
+
+            # A killed agent: its group is dropped, and its episode is gone.
+            endpoint.submit(PromptGroup(group_id=1, prompt_ids=prompt, n=1, reference="125"), time.time())
+            agent = subprocess.Popen([sys.executable, "-c", STUCK_AGENT, url, "right-key"], stdout=subprocess.PIPE,
+                                     text=True)
+            try:
+                assert await call(agent.stdout.readline) == "played\n"
+                agent.kill()
+                agent.wait()
+                group_id, why = await endpoint.abandoned.receive()
+                assert group_id == 1 and "agents.idle_timeout_s" in why
+            finally:
+                agent.kill()
+                agent.wait()
+                agent.stdout.close()
+            nursery.cancel_scope.cancel()
+
+    turns = [first.choices[0], second.choices[0]]
+    sample = list(group.prompt_ids) + played.token_ids.tolist()
+    own = np.flatnonzero(played.loss_mask)
+    # Every trained token is one the engine returned, with the log-probability it sampled it at.
+    assert [sample[len(group.prompt_ids) + i] for i in own] == sum((t.model_extra["token_ids"] for t in turns), [])
+    np.testing.assert_allclose(played.logprobs[own], sum((t.logprobs.token_logprobs for t in turns), []), atol=1e-6)
+    # The second turn was generated over the recorded tokens: the first turn's and the hint's.
+    second_at = len(group.prompt_ids) + own[len(turns[0].model_extra["token_ids"])]
+    assert tokenizer.decode(sample[second_at - len(tokenizer.encode(hint, add_special_tokens=False)):second_at]) \
+        == hint
+    # The update between the turns: the first turn's tokens are older, the second's the new version.
+    versions = played.versions[own]
+    cut = len(turns[0].model_extra["token_ids"])
+    assert (versions[:cut] < 100).all() and (versions[cut:] == 100).all()
+    # The chat episode: its sample is the first prompt the template rendered, then its turns.
+    chat_sample = list(group.prompt_ids) + chatted.token_ids.tolist()
+    assert chat_sample[:len(reply.model_extra["prompt_token_ids"])] == reply.model_extra["prompt_token_ids"]
+    mine = np.flatnonzero(chatted.loss_mask)
+    assert [chat_sample[len(group.prompt_ids) + i] for i in mine] == \
+        reply.choices[0].model_extra["token_ids"] + last.model_extra["token_ids"]
+    assert ctx.counters["agents.abandoned"] == 1 and ctx.counters["agents.refused_key"] == 1

@@ -98,9 +98,13 @@ def _check_env(config: Config) -> None:
     """An env role that can run: tools of distinct names, in line only with the simulated rollout, a reward
     that reads it."""
     env, reward = config.roles.env, config.roles.reward
+    if config.agents is not None:
+        _check_agents(config)
+        return
     if env is None:
         if isinstance(reward.engine, EnvReward):
-            raise ConfigError("roles.reward.engine.kind", "env", "the environment's reward needs [roles.env]")
+            raise ConfigError("roles.reward.engine.kind", "env", "the environment's reward needs [roles.env] "
+                                                                 "(or [agents], whose agents give it)")
         return
     try:
         check_tools(env.tools)
@@ -115,6 +119,22 @@ def _check_env(config: Config) -> None:
     if reward.inline:
         raise ConfigError("roles.reward.inline", True, "episodes (a run with [roles.env]) are scored by the reward "
                                                        "role")
+
+
+def _check_agents(config: Config) -> None:
+    """Outside agents play the episodes: not beside an environment, scored by the reward role, with
+    the staleness bound checked when an episode starts."""
+    agents = config.agents
+    if config.roles.env is not None:
+        raise ConfigError("agents", "[agents]", "the episodes are played either by outside agents ([agents]) or by "
+                                                "the env role ([roles.env]), not both: leave one out")
+    if config.roles.reward.inline:
+        raise ConfigError("roles.reward.inline", True, "episodes (a run with [agents]) are scored by the reward role")
+    if config.run.staleness_check == "strict":
+        raise ConfigError("run.staleness_check", "strict", "an agent's tool calls cannot be played again, so its "
+                                                           "episodes are bounded when they start: use 'admission'")
+    if agents.command and not agents.command[0]:
+        raise ConfigError("agents.command", agents.command, "names no program")
 
 
 def _check_ranks(config: Config, name: str) -> None:

@@ -364,7 +364,8 @@ class Lora(Table):
 
 class EnvReward(Table, tag_field="kind", tag="env"):
     """The environment's own reward: the sum of its rewards over an episode's
-    turns, times `roles.env.reward_weight` (a run with `[roles.env]`). With
+    turns, times `roles.env.reward_weight` (a run with `[roles.env]`); or the
+    reward each outside agent gave its episode (a run with `[agents]`). With
     the `functions` engine instead, the functions' reward and this one add up."""
 
     concurrency: PosInt = 64
@@ -826,6 +827,43 @@ class EvalConfig(Table):
     """With reward functions: a held-out answer passes when its reward reaches this (the pass rate)."""
 
 
+class AgentsConfig(Table):
+    """Agents written against the OpenAI API play the rollout's episodes: each
+    rollout replica serves an OpenAI-compatible endpoint (``/v1/chat/completions``,
+    ``/v1/completions``, streaming too) from its engine, hands out one episode per
+    sample of each group it is granted, and records every turn token for token
+    (docs/agents.md). An agent takes an episode, talks to the episode's base URL
+    with any OpenAI client, and ends it, with its reward or for the reward role to
+    score. An episode with no request for `idle_timeout_s` is abandoned: its group
+    is dropped (reason ``abandoned``) and the run goes on."""
+
+    command: list[str] = []
+    """The agent program rlflow starts (e.g. ["python", "examples/openai_agent.py"]); empty: the user
+    starts agents, pointed at the URLs and key in the run directory's agents.json. Each copy gets
+    RLFLOW_AGENTS_URL (its replica's endpoint) and OPENAI_API_KEY; one that exits is started again."""
+    copies: PosInt = 1
+    """Copies of `command`, spread over the rollout replicas (on each replica's node)."""
+    host: str = "127.0.0.1"
+    """Address the endpoints bind on (loopback: only this machine's agents; "0.0.0.0": any)."""
+    port: NonNegInt = 0
+    """Port of rollout replica 0's endpoint, replica r's is port + r (0: any free port)."""
+    api_key: str = ""
+    """The key a request must carry (``Authorization: Bearer KEY``); empty: a key made for the run,
+    written to the run directory's agents.json."""
+    idle_timeout_s: PosFloat = 120.0
+    """An episode handed out that has no request for this long is abandoned: its group is dropped."""
+    max_turns: PosInt = 8
+    """Model turns of an episode at most; a request past them is refused (the episode is cut off)."""
+    max_tokens: PosInt = 1024
+    """Tokens of an episode after its prompt at most (model turns and what the agent adds between
+    them); a turn is cut at the room left, a request with none left is refused."""
+    turn_tokens: NonNegInt = 0
+    """Tokens of one model turn at most (0: the rollout engine's `max_tokens`); a request's own
+    `max_tokens` may ask for fewer."""
+    tool_parser: str = "hermes"
+    """vLLM's tool-call parser that reads tool calls out of a turn, for requests that give `tools`."""
+
+
 class WandbConfig(Table):
     """Weights & Biases: each step's scalars (those TensorBoard gets) logged to a W&B run, and the resolved
     config as the run's config (the optional extra `rlflow[wandb]`)."""
@@ -879,6 +917,9 @@ class Config(Table):
     """Held-out evaluation (tasks that have a held-out set)."""
     metrics: MetricsConfig = MetricsConfig()
     """Experiment trackers the metrics also go to (Weights & Biases, trackio)."""
+    agents: AgentsConfig | None = None
+    """Outside agents play the episodes over an OpenAI-compatible endpoint (leave out: the rollout
+    generates, or `[roles.env]` plays the episodes)."""
 
     @property
     def policy_path(self) -> str:

@@ -49,7 +49,9 @@ from rlflow.protocol import (
     Expired, Heartbeat, Hello, ProtocolError, Ready, SchemaVersionMismatch, Shutdown, Stage,
     StepDone, WeightsGroup, WeightsLoaded, WeightsReady, Welcome,
 )
-from rlflow.rundir import CONTROLLER_STATE, ControllerInfo, RunDir, Status, Summary, append_jsonl, read_json, write_json
+from rlflow.rundir import (
+    CONTROLLER_STATE, AgentsInfo, ControllerInfo, RunDir, Status, Summary, append_jsonl, read_json, write_json,
+)
 
 log = logging.getLogger("rlflow.controller")
 
@@ -115,6 +117,8 @@ class Controller:
         self.config, self.run_dir, self.run_id, self.launcher = config, RunDir(run_dir), run_id, launcher
         #: The run's secret (every hello and `rlflow down` show it) and CURVE keys (None: loopback).
         self.on_status, self.secret, self.curve = on_status, secret, curve
+        #: Where each rollout replica serves outside agents (a run with `[agents]`).
+        self._agent_urls: dict[str, str] = {}
         run, cluster = config.run, config.cluster
         self.roster = Roster({(name, rank) for name, role in config.role_items() for rank in range(role.replicas)},
                              {(name, rank) for name, role in config.role_items() for rank in range(role.replicas)
@@ -321,6 +325,8 @@ class Controller:
         if isinstance(replica, Refusal):
             return self.door.refuse(identity, replica)
         self.stats.forget(replica.role, replica.rank)  # a new incarnation counts afresh
+        if "agents" in msg.endpoints:
+            self._agents_at(replica.name, msg.endpoints["agents"])
         for problem in msg.problems:
             self._warn(f"{replica.name}: {problem}")
         if self.roster.complete:
@@ -328,6 +334,14 @@ class Controller:
         self.outboxes.open(replica)
         if self._welcomed:  # a new incarnation: welcomed at once
             self.outboxes.post(replica, welcome(self, replica))
+
+    def _agents_at(self, name: str, url: str) -> None:
+        """A rollout replica serves outside agents at `url`: agents.json says so (with the run's key)."""
+        self._agent_urls[name] = url
+        write_json(self.run_dir.agents, AgentsInfo(urls=dict(self._agent_urls), api_key=self.config.agents.api_key),
+                   private=True)
+        log.info("[controller] %s serves agents at %s (its episodes: POST %s/rlflow/episodes; the key: %s)", name,
+                 url, url, self.run_dir.agents)
 
     def _on_ready(self, replica: Replica, msg: Ready) -> None:
         replica.state, replica.version = State.READY, msg.version

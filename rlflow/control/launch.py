@@ -143,6 +143,9 @@ def run(
     folder = RunDir(run_dir)
     folder.path.mkdir(parents=True, exist_ok=True)
     folder.config.write_text(to_toml(config))
+    if config.agents is not None and not config.agents.api_key:  # made for this run, kept in agents.json alone
+        config = msgspec.structs.replace(config, agents=msgspec.structs.replace(
+            config.agents, api_key=secrets.token_urlsafe(24)))
     run_id = run_id or new_run_id(folder.path)
     started_ray = not placement.ray.is_initialized()
     with _marked(run_id):  # a local Ray started for the run is the run's: `rlflow down` finds it by the mark

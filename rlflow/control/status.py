@@ -32,12 +32,15 @@ def add_counters(counts: Iterable[Counters]) -> Counters:
     rejected: collections.Counter[str] = collections.Counter()
     calls: collections.Counter[str] = collections.Counter()
     env_calls: collections.Counter[str] = collections.Counter()
+    agents: collections.Counter[str] = collections.Counter()
     for c in counts:
         plain.update({k: v for k, v in msgspec.structs.asdict(c).items() if not isinstance(v, dict)})
         rejected.update(c.rejected)
         calls.update(c.reward_calls)
         env_calls.update(c.env_calls)
-    return Counters(**plain, rejected=dict(rejected), reward_calls=dict(calls), env_calls=dict(env_calls))
+        agents.update(c.agent_events)
+    return Counters(**plain, rejected=dict(rejected), reward_calls=dict(calls), env_calls=dict(env_calls),
+                    agent_events=dict(agents))
 
 
 def add_loads(loads: Iterable[EngineLoad | None]) -> EngineLoad | None:

@@ -51,8 +51,9 @@ class ByteTokenizer:
 
 
 #: Makes a tool-call parser from the tools' schemas: a function of a model turn's text ->
-#: ((name, arguments as JSON text, id) of each call; whether the turn holds the parser's start marker).
-ParserMaker = Callable[[list[dict[str, Any]]], Callable[[str], tuple[list[tuple[str, str, str]], bool]]]
+#: ((name, arguments as JSON text, id) of each call; whether the turn holds the parser's start marker;
+#: the turn's text outside its calls).
+ParserMaker = Callable[[list[dict[str, Any]]], Callable[[str], tuple[list[tuple[str, str, str]], bool, str | None]]]
 
 
 class EpisodeText:
@@ -69,14 +70,18 @@ class EpisodeText:
         """The tokens of an episode's prompt: the reset's observation."""
         if not reply.messages:
             return self.encode(reply.text)
-        return self.encode(self._render(_dicts(reply.messages), reply.tools, generation=True))
+        return self.encode(self.render(_dicts(reply.messages), _schemas(reply.tools), generation=True))
 
     def observation(self, reply: EnvReply, tools: list[str]) -> list[int]:
         """The tokens of a step's observation, as they follow the model's turn."""
         if not reply.messages:
             return self.encode(reply.text)
-        before = self._render(_BEFORE, tools, generation=False)
-        after = self._render(_BEFORE + _dicts(reply.messages), tools, generation=True)
+        return self.following(_dicts(reply.messages), _schemas(tools))
+
+    def following(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
+        """The tokens of chat messages that follow the model's turn, and the next generation prompt."""
+        before = self.render(_BEFORE, tools, generation=False)
+        after = self.render(_BEFORE + messages, tools, generation=True)
         if not after.startswith(before):
             raise RenderError("the chat template renders a conversation differently once an observation follows "
                               "it, so the observation's tokens cannot be told apart; return text instead")
@@ -106,17 +111,21 @@ class EpisodeText:
                 raise RenderError("the model's turns cannot be read for tool calls here: no tool-call parser")
             self._parse = self.make_parser([json.loads(t) for t in tools])
         text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
-        found, marked = self._parse(text)
+        found, marked, _ = self._parse(text)
         if not found and marked:
             return [], f"the {self.parser_name} parser found no well-formed tool call in the turn"
         return [ToolCall(name=name, arguments=arguments, id=call_id) for name, arguments, call_id in found], ""
 
-    def _render(self, messages: list[dict[str, str]], tools: list[str], *, generation: bool) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *, generation: bool) -> str:
+        """The chat template's text of `messages` (with the generation prompt, if `generation`)."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise RenderError("the environment answered with chat messages, but the tokenizer has no chat template: "
-                              "return text instead")
-        return self.tokenizer.apply_chat_template(messages, tools=[json.loads(t) for t in tools] or None,
-                                                  add_generation_prompt=generation, tokenize=False)
+            raise RenderError("chat messages came, but the tokenizer has no chat template: give text instead")
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=generation,
+                                                  tokenize=False)
+
+
+def _schemas(tools: list[str]) -> list[dict[str, Any]]:
+    return [json.loads(t) for t in tools]
 
 
 def _dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:

@@ -39,8 +39,10 @@ class RewardService(StageService):
         self.engine = spec.config.roles.reward.engine
         self.task = self.load_task()
         env = spec.config.roles.env
+        # The episodes' own rewards: the environment's (weighted), or those outside agents gave.
+        weight = env.reward_weight if env is not None else 1.0 if spec.config.agents is not None else None
         self.scorer = Scorer(self.engine, self.task, self.counters, (spec.config.run.seed, spec.rank, 11),
-                             env_weight=env.reward_weight if env is not None else None)
+                             env_weight=weight)
         # Enough whole batches in flight to keep `concurrency` samples busy
         # while a batch waits for its slowest sample (a long tail of latency).
         self.max_batches = 2 * max(1, self.engine.concurrency // spec.config.run.samples_per_prompt) + 1

@@ -107,6 +107,10 @@ class EpisodeRunner:
             task_status.started()
             await trio.sleep_forever()
 
+    def follow(self, addresses: list[str]) -> None:
+        """The env replicas now (the controller's `Peers`)."""
+        self.env.follow(addresses)
+
     def submit(self, group: PromptGroup, issued_at: float) -> None:
         self.groups += 1
         self._nursery.start_soon(self._group, group, issued_at)

@@ -14,6 +14,9 @@ With an environment (`[roles.env]`) each group is `n` multi-turn episodes
 instead (`episodes.EpisodeRunner`): the env role is asked for every step,
 over the env channel, while the engine serves other episodes; a group whose
 env replica is lost mid-episode is given back (`Expired`), to be granted again.
+With outside agents (`[agents]`) each group is `n` episodes that agents play
+over the replica's OpenAI-compatible endpoint (`agents.AgentEndpoint`); a
+group an agent abandons is dropped (`Dropped`, reason ``abandoned``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from rlflow.protocol import (
     Ack,
     ErrorReport,
     Credits,
+    Dropped,
     EvalDone,
     Evaluate,
     Expired,
@@ -48,6 +52,7 @@ from rlflow.protocol import (
 )
 from rlflow.services.base import Control, EngineContext, Service, follow, shm_settings
 from rlflow.services.rollout.engine import Finished, RolloutEngine
+from rlflow.services.rollout.agents import ABANDONED, AgentEndpoint
 from rlflow.services.rollout.episodes import EpisodeRunner
 from rlflow.tasks.core import Task
 
@@ -65,8 +70,8 @@ class RolloutService(Service):
         self._update = trio.Event()
         #: Held while the held-out set is evaluated: weights wait, so that an evaluation reads one version.
         self._evaluating = trio.Lock()
-        #: Multi-turn episodes, in a run with an environment.
-        self.episodes: EpisodeRunner | None = None
+        #: Multi-turn episodes, in a run with an environment or outside agents.
+        self.episodes: EpisodeRunner | AgentEndpoint | None = None
         self.task: Task | None = None
         #: Whether a replica it streams to asked for text (`Hello.text`): then every batch it sends carries it.
         self.text = False
@@ -99,7 +104,9 @@ class RolloutService(Service):
             started = time.monotonic()
             await engine.start()
             self.say("%s started in %.1f s", type(engine).__name__, time.monotonic() - started)
-            welcome = await control.hello(endpoints={}, **engine.hello_fields())
+            agents = self._agents(engine, task)
+            welcome = await control.hello(endpoints={"agents": agents.bind()} if agents else {},
+                                          **engine.hello_fields())
             await engine.set_version(welcome.version)  # above 0 when resuming
             self.version = welcome.version
             await engine.join_weights(welcome.weights, welcome.layout, welcome.adapter)
@@ -119,7 +126,11 @@ class RolloutService(Service):
                 trio.open_nursery() as nursery,
             ):
                 await nursery.start(engine.run)
-                episodes = self.episodes = await self._episodes(engine, task, welcome, stack, nursery)
+                if agents is not None:
+                    await nursery.start(agents.run)
+                    self.say("agents: serving %s", agents.url)
+                    nursery.start_soon(self.drop_abandoned, agents, control)
+                episodes = self.episodes = agents or await self._episodes(engine, task, welcome, stack, nursery)
                 work = episodes or engine
                 nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
                 nursery.start_soon(self.send_finished, out, control, (episodes or engine).finished)
@@ -134,7 +145,7 @@ class RolloutService(Service):
                             peers = follow(out, peers, msg.peers.get("out", []), msg.shm_peers)
                             self._want_text(peers, msg.text_peers)
                             if episodes is not None:
-                                episodes.env.follow(msg.peers.get("env", []))
+                                episodes.follow(msg.peers.get("env", []))
                         case Credits(group_ids=ids, min_versions=mins):
                             now = time.time()
                             for group_id, min_version in zip(ids, mins, strict=True):
@@ -203,7 +214,38 @@ class RolloutService(Service):
         await nursery.start(runner.run)
         return runner
 
-    async def give_back(self, episodes: EpisodeRunner, control: Control) -> None:
+    def _agents(self, engine: RolloutEngine, task: Task) -> AgentEndpoint | None:
+        """The endpoint outside agents play the episodes through (a run with `[agents]`; else None)."""
+        cfg = self.config.agents
+        if cfg is None:
+            return None
+        if not cfg.api_key:
+            raise RuntimeError("agents.api_key is empty: the launcher makes one for the run; a replica started "
+                               "by hand needs the run's config as the launcher wrote it")
+        from rlflow.config import EnvReward
+        from rlflow.env.render import EpisodeText
+
+        tokenizer = getattr(task, "tokenizer", None)
+
+        def make_parser(tools):  # vLLM's, only once a turn is to be read for tool calls
+            from rlflow.services import compat
+
+            return compat.tool_parser(cfg.tool_parser, tokenizer, tools)
+
+        return AgentEndpoint(engine, task, cfg, text=EpisodeText(tokenizer), make_parser=make_parser,
+                             turn_tokens=getattr(self.config.roles.rollout.engine, "max_tokens", cfg.max_tokens),
+                             counters=self.counters, api_key=cfg.api_key, rank=self.spec.rank,
+                             replicas=self.spec.replicas,
+                             takes_reward=isinstance(self.config.roles.reward.engine, EnvReward),
+                             import_dir=self.config.run.import_dir, log=self.log)
+
+    async def drop_abandoned(self, agents: AgentEndpoint, control: Control) -> None:
+        """Tell the controller of each group an agent abandoned: it is dropped for good."""
+        async for group_id, why in agents.abandoned:
+            self.log.warning("[%s] group %d dropped: %s", self.spec.name, group_id, why)
+            await control.send(Dropped(group_ids=[group_id], reason=ABANDONED))
+
+    async def give_back(self, episodes: EpisodeRunner | AgentEndpoint, control: Control) -> None:
         """Tell the controller of each group whose env replica was lost with it: it is granted again."""
         async for group_id, why in episodes.lost:
             lost = [(group_id, why)]
