@@ -320,7 +320,9 @@ class AgentEndpoint:
                 versions=np.asarray(path.versions, np.int32), finish_reason=episode.cut,
                 stamps=_stamps(episode.group.issued_at if episode.group else time.time(), path.started),
                 loss_mask=np.asarray(path.mask, np.uint8),
-                env_rewards=np.asarray([] if reward is None else [reward], np.float32))
+                # One entry a turn (as an environment's), the agent's reward at its last: solved by turn k
+                # when it ended then with a reward above 0.
+                env_rewards=np.asarray([0.0] * (episode.turns - 1) + [reward or 0.0], np.float32))
         self.counters["episodes"] += 1
         self._end(episode, result)
         return http.HttpResponse.of(200, {"id": episode_id, "ended": True})
