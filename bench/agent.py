@@ -157,7 +157,7 @@ def measure(work: pathlib.Path, name: str, window: Window, **fields) -> Window:
     replicas = fields["replicas"]
     inline = fields.pop("inline", False)
     pools = POOLS + ("" if inline else ENV_POOL.format(replicas=replicas, env_cpus=0.25 if replicas > 1 else 0.5))
-    staleness = "max_staleness = 4" if fields["mode"] == "async" else ""
+    staleness = f"max_staleness = {fields.pop('max_staleness', 4)}" if fields["mode"] == "async" else ""
     text = pools + BASE.format(env_pool="" if inline else 'pool = "tools"', inline=str(inline).lower(),
                                staleness=staleness, **fields)
     config = C.load(text=text)

@@ -539,6 +539,7 @@ api_key = "right-key"
     np.testing.assert_allclose(played.logprobs[own], sum((t.logprobs.token_logprobs for t in turns), []), atol=1e-6)
     # The second turn was generated over the recorded tokens: the first turn's and the hint's.
     second_at = len(group.prompt_ids) + own[len(turns[0].model_extra["token_ids"])]
+    assert turns[1].model_extra["prompt_token_ids"] == sample[:second_at]
     assert tokenizer.decode(sample[second_at - len(tokenizer.encode(hint, add_special_tokens=False)):second_at]) \
         == hint
     # The update between the turns: the first turn's tokens are older, the second's the new version.

@@ -147,6 +147,11 @@ class AgentEndpoint:
             task_status.started()
             await trio.sleep_forever()
 
+    @property
+    def sessions(self) -> int:
+        """Episodes agents hold now: taken, not yet ended."""
+        return sum(e.last != math.inf for e in self.episodes.values())
+
     def follow(self, addresses: list[str]) -> None:
         """Nothing to follow: the agents come to the endpoint."""
 
@@ -433,8 +438,9 @@ class AgentEndpoint:
         usage = {"prompt_tokens": prompt_len, "completion_tokens": len(ids), "total_tokens": prompt_len + len(ids)}
         logprobs = {"tokens": [self.text.decode([t]) for t in ids], "token_logprobs": out.logprobs.tolist(),
                     "top_logprobs": [None] * len(ids), "text_offset": []} if request.logprobs is not None else None
+        held = episode.first + episode.path.ids[:prompt_len - len(episode.first)]
         choice = {"index": 0, "text": said, "logprobs": logprobs, "finish_reason": finish,
-                  **({"token_ids": ids} if request.return_token_ids else {})}
+                  **({"prompt_token_ids": held, "token_ids": ids} if request.return_token_ids else {})}
         reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                  "model": request.model or "policy", "choices": [choice]}
         if not request.stream:

@@ -175,6 +175,8 @@ class RolloutService(Service):
         out = self.engine.queues() if self.engine is not None else {}
         if self.episodes is not None:
             out["episode_groups"] = self.episodes.groups
+        if isinstance(self.episodes, AgentEndpoint):
+            out["agent_sessions"] = self.episodes.sessions
         return out
 
     async def _episodes(self, engine: RolloutEngine, task: Task, welcome, stack: contextlib.AsyncExitStack,

@@ -1,0 +1,320 @@
+"""Outside agents over the OpenAI-compatible endpoint against the native env
+path, on the same simulated task and engine.
+
+The task is bench/agent.py's: episodes of 1 to 8 turns (uniform), each turn
+followed by a tool call that takes a lognormal time (median 0.5 s, sigma
+1.25, cut at 30 s), observations of 16 characters, on a simulated rollout of
+64 slots (a turn of 50 tokens takes ~1 s) and a simulated trainer, 8 steps of
+staleness (72 groups of 8 episodes granted at once), rlflow
+itself on a local Ray (controller, transport, services). Natively the env
+role plays it (`rlflow.env.sim:SimEnv`); through the endpoint, agent programs
+on the `openai` package (this file with ``--play``: no rlflow import) that
+the rollout starts play the same episodes over HTTP: a completion a turn, the
+tool's wait, the observation appended to the prompt, and the episode ended
+with its reward.
+
+* http_vs_native: episodes finished per second through the endpoint over
+  the same natively (between two trainer steps, after the pipeline filled);
+* token_exact: the share of the tokens of the samples the rollout sends on
+  that are identical to what the engine generated over and sampled (each
+  episode's last turn, as the engine returned it to its agent with
+  ``return_token_ids``: its prompt tokens and its own), measured with the
+  endpoint and an agent program in this process's event loop;
+* sessions: agent sessions (episodes taken, not yet ended) held at once,
+  at most, while measured;
+* slot_occupancy: the share of the engine's slot time in use meanwhile.
+
+Targets: http_vs_native >= 0.8, token_exact = 1.0, sessions >= 256,
+slot_occupancy >= 0.9. Ends with
+
+    RESULT openai_agent http_vs_native=H token_exact=E sessions=C slot_occupancy=O
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve()
+
+#: The endpoint run: bench/agent.py's pools and engines, the episodes played by agents.
+AGENTS = """
+[pools.generate]
+cpus_per_bundle = 0.5
+[pools.score]
+cpus_per_bundle = 0.25
+[pools.train]
+cpus_per_bundle = 0.25
+
+[roles.rollout]
+pool = "generate"
+[roles.rollout.engine]
+kind = "sim"
+slots = 64
+step_s = 0.02
+response_len = {{ kind = "lognormal", median = 50, sigma = 0.5, min = 1, max = 512 }}
+
+[agents]
+command = {command}
+copies = {copies}
+max_turns = 8
+max_tokens = 8192
+idle_timeout_s = 120.0
+
+[roles.reward]
+pool = "score"
+[roles.reward.engine]
+kind = "env"
+
+[roles.trainer]
+pool = "train"
+[roles.trainer.engine]
+kind = "sim"
+s_per_token = 1e-7
+weights_bytes = 65536
+
+[cluster]
+heartbeat_s = 0.25
+progress_timeout_s = 600
+
+[eval]
+before = false
+after = false
+every_steps = 0
+
+[run]
+mode = "async"
+max_staleness = 8
+batch_size = 8
+samples_per_prompt = 8
+steps = 100000
+"""
+
+
+# -- the agent program (``--play``): the openai package and the standard library ------------------------
+
+
+def play(sessions: int, record: str) -> None:
+    """Play episodes as SimEnv would have them played, `sessions` at once, until killed; with `record`,
+    write each episode's last turn as the engine returned it (JSON lines)."""
+    import asyncio
+    import random
+
+    import httpx
+    import openai
+
+    url, key = os.environ["RLFLOW_AGENTS_URL"], os.environ["OPENAI_API_KEY"]
+    out = open(record, "a") if record else None  # noqa: SIM115 (open for the program's life)
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=2 * sessions, max_keepalive_connections=2 * sessions)
+        async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=600,
+                                     limits=limits) as hand_out:
+            llm = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=600,
+                                     http_client=openai.DefaultAsyncHttpxClient(limits=limits))
+
+            async def session(seed: int) -> None:
+                rng = random.Random(seed)
+                while True:
+                    taken = await hand_out.post("/rlflow/episodes", json={"wait_s": 30})
+                    if taken.status_code != 200:
+                        continue
+                    episode = taken.json()
+                    model = llm.with_options(base_url=episode["base_url"])
+                    prompt, turns, spans = "p" * 32, rng.randint(1, 8), []
+                    for turn in range(1, turns + 1):
+                        done = await model.completions.create(model="policy", prompt=prompt, max_tokens=512,
+                                                              extra_body={"return_token_ids": bool(out)})
+                        if out:  # where the engine's own tokens of this turn lie in the episode
+                            extra = done.choices[0].model_extra
+                            spans.append((len(extra["prompt_token_ids"]), len(extra["token_ids"])))
+                        await asyncio.sleep(min(30.0, 0.5 * math.exp(1.25 * rng.gauss(0, 1))))  # the tool
+                        prompt += done.choices[0].text + "o" * 16
+                    if out:
+                        extra = done.choices[0].model_extra
+                        out.write(json.dumps({"id": episode["id"], "tokens": extra["prompt_token_ids"] +
+                                              extra["token_ids"], "own": spans}) + "\n")
+                        out.flush()
+                    await hand_out.post(f"/rlflow/episodes/{episode['id']}/end",
+                                        json={"reward": float(rng.random() < 0.5)})
+
+            await asyncio.gather(*(session(seed) for seed in range(sessions)))
+
+    asyncio.run(main())
+
+
+# -- the bench --------------------------------------------------------------------------------------------
+
+
+def endpoint_run(work: pathlib.Path, window: float, copies: int, sessions: int):
+    """The endpoint's window (bench/agent.py's `Window`), and the most sessions held meanwhile."""
+    sys.path.insert(0, str(HERE.parent))
+    import agent as native  # bench/agent.py
+
+    from rlflow import config as C
+    from rlflow.control.launch import run
+
+    class Sessions(native.Window):
+        most = 0
+
+        def observe(self, status) -> bool:
+            rollout = status.roles.get("rollout")
+            if rollout is not None and self.start is not None:
+                self.most = max(self.most, rollout.queues.get("agent_sessions", 0))
+            return super().observe(status)
+
+    command = json.dumps([sys.executable, str(HERE), "--play", "--sessions", str(sessions)])
+    config = C.load(text=AGENTS.format(command=command, copies=copies))
+    measured = Sessions(3, window, True)
+    run_dir = work / "endpoint"
+
+    import threading
+
+    stopping = threading.Event()
+
+    def on_status(status) -> None:
+        if measured.observe(status) and not stopping.is_set():
+            stopping.set()
+            threading.Thread(target=native._stop, args=(run_dir,), daemon=True).start()
+
+    native._wait_for_cpus()
+    started = time.monotonic()
+    summary = run(config, run_dir, on_status=on_status)
+    if measured.end is None:
+        raise RuntimeError(f"endpoint: the run ended ({summary.state}: {summary.error}) before its window did")
+    print(f"endpoint: {measured.episodes_per_s:.2f} episodes/s over {measured.end[0] - measured.start[0]:.0f} s "
+          f"(steps {measured.start[1]}-{measured.end[1]}), slot occupancy {measured.occupancy:.2f}, "
+          f"{measured.most} sessions at most; run {time.monotonic() - started:.0f} s", flush=True)
+    return measured
+
+
+def native_run(work: pathlib.Path, window: float):
+    sys.path.insert(0, str(HERE.parent))
+    import agent as native  # bench/agent.py
+
+    return native.measure(work, "native", native.Window(3, window, True), mode="async", step_s=0.02, replicas=1,
+                          workers=2, concurrency=512, max_staleness=8)
+
+
+def exactness(work: pathlib.Path, groups: int, sessions: int) -> tuple[float, int, int]:
+    """(share of identical tokens, tokens compared, episodes) over `groups` groups of 8 episodes played
+    through an endpoint in this process (the simulated engine) by one agent program that records what
+    the engine returned."""
+    import subprocess
+
+    import numpy as np
+    import trio
+
+    from rlflow import config as C
+    from rlflow.env.render import EpisodeText
+    from rlflow.protocol import PromptGroup
+    from rlflow.services.base import standalone_context
+    from rlflow.services.rollout.agents import AgentEndpoint
+    from rlflow.services.rollout.sim import SimEngine
+
+    config = C.load(text=AGENTS.format(command="[]", copies=1).replace("step_s = 0.02", "step_s = 0.002"))
+    ctx = standalone_context(config, "rollout")
+    record = work / "turns.jsonl"
+
+    class Task:
+        def row(self, group_id):
+            return {}
+
+        def decode(self, ids):
+            return ""
+
+    async def main() -> list:
+        engine = SimEngine(config.roles.rollout.engine, ctx)
+        endpoint = AgentEndpoint(engine, Task(), config.agents, text=EpisodeText(None), make_parser=None,
+                                 turn_tokens=512, counters=ctx.counters, api_key="bench", rank=0, replicas=1,
+                                 takes_reward=True)
+        url = endpoint.bind()
+        finished = []
+        env = {**os.environ, "RLFLOW_AGENTS_URL": url, "OPENAI_API_KEY": "bench"}
+        agent = subprocess.Popen([sys.executable, str(HERE), "--play", "--sessions", str(sessions), "--record",
+                                  str(record)], env=env)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(engine.run)
+                await nursery.start(endpoint.run)
+                for g in range(groups):
+                    endpoint.submit(PromptGroup(group_id=g, prompt_ids=[], n=8), time.time())
+                with trio.fail_after(600):
+                    while len(finished) < groups:
+                        finished += await endpoint.finished.receive()
+                nursery.cancel_scope.cancel()
+        finally:
+            agent.kill()
+            agent.wait()
+        return finished
+
+    finished = trio.run(main)
+    engine_saw = {}
+    for line in record.read_text().splitlines():
+        turn = json.loads(line)
+        group_id, index, _ = turn["id"].split("-")
+        engine_saw[(int(group_id), int(index))] = turn
+    same = total = episodes = 0
+    for group, responses in finished:
+        for index, response in enumerate(responses):
+            # The sample: its tokens, and which are the engine's own (trained on).
+            tokens = list(group.prompt_ids) + response.token_ids.tolist()
+            own = np.concatenate([np.zeros(len(group.prompt_ids), np.uint8), response.loss_mask])
+            # What the engine generated over and sampled: the last turn's tokens, each turn's own.
+            saw = engine_saw[(group.group_id, index)]
+            expected = np.zeros(len(saw["tokens"]), np.uint8)
+            for start, length in saw["own"]:
+                expected[start:start + length] = 1
+            total += max(len(tokens), len(saw["tokens"]))
+            same += sum(a == b and m == e for a, b, m, e in zip(tokens, saw["tokens"], own, expected))
+            episodes += 1
+    return same / max(total, 1), total, episodes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--play", action="store_true", help="be the agent program (the rollout starts it so)")
+    parser.add_argument("--sessions", type=int, default=80, help="with --play: episodes played at once")
+    parser.add_argument("--record", default="", help="with --play: write each episode's last turn here")
+    parser.add_argument("--window", type=float, default=60.0, help="seconds measured per run (at least)")
+    parser.add_argument("--quick", action="store_true", help="windows of 20 s (the edit loop)")
+    args = parser.parse_args()
+    if args.play:
+        return play(args.sessions, args.record)
+    if args.quick:
+        args.window = 20.0
+
+    from rlflow import config as C
+    from rlflow.control import placement
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="rlflow-openai-agent-"))
+    exact, tokens, episodes = exactness(work, groups=32, sessions=64)
+    print(f"token exactness: {exact:.4f} of {tokens} tokens of {episodes} episodes", flush=True)
+    placement.start_ray(C.ClusterConfig())
+    try:
+        # 4 agent programs of 144 sessions: as many episodes as the run's credits let it play at once
+        # (72 groups of 8: a step's 8, and 8 steps' more).
+        endpoint = endpoint_run(work, args.window, copies=4, sessions=144)
+        native = native_run(work, args.window)
+    finally:
+        placement.stop_ray()
+    result = {
+        "http_vs_native": endpoint.episodes_per_s / native.episodes_per_s,
+        "token_exact": exact,
+        "sessions": endpoint.most,
+        "slot_occupancy": endpoint.occupancy,
+    }
+    (work / "result.json").write_text(json.dumps(result, indent=1))
+    print(f"results in {work}")
+    print(f"RESULT openai_agent http_vs_native={result['http_vs_native']:.2f} token_exact={exact:.4f} "
+          f"sessions={result['sessions']} slot_occupancy={result['slot_occupancy']:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
