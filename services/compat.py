@@ -317,6 +317,16 @@ def tool_parser(name: str, tokenizer: Any, tools: list[dict[str, Any]]
     return parse
 
 
+def openai_requests() -> tuple[type, type, type]:
+    """vLLM's models of an OpenAI chat request and completion request (pydantic: their checks are
+    vLLM's server's), and the error its own checks of a request raise besides pydantic's."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.exceptions import VLLMClientError
+
+    return ChatCompletionRequest, CompletionRequest, VLLMClientError
+
+
 def tool_parser_names() -> list[str]:
     """The tool-call parsers vLLM has."""
     from vllm.tool_parsers import ToolParserManager
@@ -360,6 +370,8 @@ _VLLM_INTERNALS = (
     ("vllm.tool_parsers", "ToolParserManager.get_tool_parser"),
     ("vllm.tool_parsers", "ToolParserManager.list_registered"),
     ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
+    ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
+    ("vllm.exceptions", "VLLMClientError"),
 )
 _TORCH_INTERNALS = (
     ("torch.distributed", "ProcessGroupGloo._Options"),

@@ -56,3 +56,78 @@ def test_agent_configs_that_cannot_run_get_one_clear_line(tmp_path, overrides, k
     with pytest.raises(ConfigError) as caught:
         agent_run(tmp_path, *overrides)
     assert caught.value.key == key and says in str(caught.value)
+
+
+async def test_requests_the_endpoint_cannot_serve_get_an_error_that_names_what_is_wrong():
+    """Over real HTTP, on the simulated engine: each bad request is answered with its status and a message
+    that names the problem, and the episodes go on."""
+    import functools
+    import time
+
+    import httpx
+
+    from rlflow.env.render import EpisodeText
+    from rlflow.protocol import PromptGroup
+    from rlflow.services.base import standalone_context
+    from rlflow.services.rollout.agents import AgentEndpoint
+    from rlflow.services.rollout.sim import SimEngine
+
+    config = agent_run(pathlib.Path("/nonexistent"), "agents.command=[]", "agents.max_turns=1",
+                       "roles.rollout.engine.step_s=0.001")
+    ctx = standalone_context(config, "rollout")
+
+    class Task:
+        def row(self, group_id):
+            return {"n": group_id}
+
+        def decode(self, ids):
+            return "p"
+
+    async def post(path: str, body=None, *, content: bytes | None = None, key: str = "k3y") -> httpx.Response:
+        call = functools.partial(httpx.post, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30,
+                                 **({"content": content} if content is not None else {"json": body}))
+        return await trio.to_thread.run_sync(call)
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            engine = SimEngine(config.roles.rollout.engine, ctx)
+            endpoint = AgentEndpoint(engine, Task(), config.agents, text=EpisodeText(None), make_parser=None,
+                                     turn_tokens=8, counters=ctx.counters, api_key="k3y", rank=0, replicas=1,
+                                     takes_reward=True)
+            url = endpoint.bind()
+            await nursery.start(engine.run)
+            await nursery.start(endpoint.run)
+            assert (await post("/rlflow/episodes", {"wait_s": 0})).status_code == 204  # none yet
+            endpoint.submit(PromptGroup(group_id=5, prompt_ids=[1, 2], n=1), time.time())
+            wrong = await post("/rlflow/episodes", {"wait_s": 1}, key="nope")
+            assert wrong.status_code == 401 and "Authorization: Bearer" in wrong.json()["error"]["message"]
+            assert "wait_s" in (await post("/rlflow/episodes", {"wait_s": "soon"})).json()["error"]["message"]
+            episode = (await post("/rlflow/episodes", {"wait_s": 1})).json()
+            assert episode["row"] == {"n": 5} and episode["base_url"].endswith(f"/episodes/{episode['id']}/v1")
+            turn = f"/episodes/{episode['id']}/v1/completions"
+            cases = [
+                (await post(turn, content=b"{not json"), 400, "not JSON"),
+                (await post(turn, [1, 2]), 400, "not an object"),
+                (await post(turn, {"model": "policy", "prompt": "p", "n": 2}), 400, "n must be 1"),
+                (await post(turn, {"model": "policy"}), 400, "prompt"),
+                (await post("/v1/completions", {"model": "policy", "prompt": "p"}), 400, "no episode named"),
+                (await post("/episodes/9-9-ffff/v1/completions", {"model": "policy", "prompt": "p"}), 410,
+                 "no episode '9-9-ffff'"),
+                (await post("/v1/chat/completions", {"model": "policy", "messages": [{"role": "user", "content": "p"}],
+                                                     "user": episode["id"]}), 400, "no chat template"),
+                (await post("/v1/embeddings", {}), 404, "no such route"),
+            ]
+            for answer, status, says in cases:
+                assert answer.status_code == status and says in answer.json()["error"]["message"], answer.text
+            done = await post("/v1/completions", {"model": "policy", "prompt": "p", "user": episode["id"],
+                                                  "max_tokens": 4})
+            assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] <= 4
+            over = await post(turn, {"model": "policy", "prompt": "p" + done.json()["choices"][0]["text"] + "o"})
+            assert over.status_code == 400 and "agents.max_turns" in over.json()["error"]["message"]
+            no_reward = await post(f"/rlflow/episodes/{episode['id']}/end", {})
+            assert no_reward.status_code == 400 and "reward" in no_reward.json()["error"]["message"]
+            assert (await post(f"/rlflow/episodes/{episode['id']}/end", {"reward": 1.0})).status_code == 200
+            [(group, [response])] = await endpoint.finished.receive()
+            assert group.group_id == 5 and response.finish_reason.name == "TURNS"
+            assert (await post(f"/rlflow/episodes/{episode['id']}/end", {"reward": 1.0})).status_code == 410
+            nursery.cancel_scope.cancel()

@@ -13,7 +13,10 @@ OpenAI client can talk to (docs/agents.md has the whole contract):
 * ``POST /rlflow/episodes/{id}/end`` with ``{"reward": r}`` (or no reward,
   where the reward role scores the episode): the episode is over.
 
-Every request carries the run's key (``Authorization: Bearer KEY``).
+Every request carries the run's key (``Authorization: Bearer KEY``). A
+request's body is checked by vLLM's own request models (`compat.openai_requests`),
+its tool calls read by vLLM's parsers, its chat by the model's template; the
+answers have the OpenAI API's shapes (and vLLM's ``token_ids`` fields).
 
 Token-exact trajectories: an episode is one sample, one token sequence,
 recorded as the engine made it and never re-tokenized. Its first request's
@@ -59,6 +62,7 @@ import trio
 
 from rlflow.env.render import EpisodeText, RenderError
 from rlflow.protocol import FinishReason, PromptGroup, Response
+from rlflow.services import compat
 from rlflow.services.rollout import http
 from rlflow.services.rollout.episodes import _failed, _stamps, _Trajectory, episode_metrics
 
@@ -174,7 +178,7 @@ class AgentEndpoint:
         """One episode of each held-out (row, reference), handed out first, at `temperature`; the
         agents' rewards make the metrics (`episodes.episode_metrics`); one abandoned counts unsolved."""
         played = []
-        prompts = self.task.heldout_prompts()
+        prompts = self.task.heldout_prompts() if hasattr(self.task, "heldout_prompts") else [[]] * len(rows)
         for i, (row, reference) in enumerate(rows):
             episode = _Episode(id=f"eval-{i}-{secrets.token_hex(4)}", index=0, row=_plain(row), reference=reference,
                                prompt=self.task.decode(np.asarray(prompts[i], np.int64)), group=None,
@@ -281,7 +285,9 @@ class AgentEndpoint:
         raise _Refused(404, f"POST {path}: no such route (see docs/agents.md)")
 
     async def _take(self, request: http.HttpRequest) -> http.HttpResponse:
-        wait = float((_body(request) or {}).get("wait_s", 30.0))
+        wait = _body(request).get("wait_s", 30.0)
+        if not isinstance(wait, (int, float)) or not math.isfinite(wait):
+            raise _Refused(400, f"wait_s {wait!r}: expected a number of seconds")
         with trio.move_on_after(max(0.0, min(wait, 300.0))):
             while not self._queue:
                 await self._queued.wait()
@@ -347,9 +353,7 @@ class AgentEndpoint:
     # -- turns --------------------------------------------------------------------------------------
 
     async def _chat(self, body: dict[str, Any], episode_id: str) -> http.HttpResponse | http.Streamed:
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        request = _validated(ChatCompletionRequest, body)
+        request = _validated(compat.openai_requests()[0], body)
         episode = self._episode(episode_id or request.user or "")
         messages = [_message(m) for m in request.messages]
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
@@ -407,9 +411,7 @@ class AgentEndpoint:
         return http.Streamed(_sse(events))
 
     async def _complete(self, body: dict[str, Any], episode_id: str) -> http.HttpResponse | http.Streamed:
-        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-
-        request = _validated(CompletionRequest, body)
+        request = _validated(compat.openai_requests()[1], body)
         episode = self._episode(episode_id or request.user or "")
         if (request.n or 1) != 1:
             raise _Refused(400, "n must be 1: an episode is one sequence")
@@ -553,6 +555,8 @@ def _message(m: Any) -> dict[str, Any]:
 def _validated(model: Any, body: Any) -> Any:
     import pydantic
 
+    client_error = compat.openai_requests()[2]
+
     if not isinstance(body, dict):
         raise _Refused(400, "the request body is not a JSON object")
     try:
@@ -561,13 +565,19 @@ def _validated(model: Any, body: Any) -> Any:
         first = exc.errors()[0]
         where = ".".join(str(x) for x in first.get("loc", ()))
         raise _Refused(400, f"{where}: {first.get('msg', 'invalid')}" if where else str(first.get("msg"))) from None
+    except (ValueError, client_error) as exc:  # vLLM's own checks of a request
+        raise _Refused(400, str(exc)) from None
 
 
-def _body(request: http.HttpRequest) -> Any:
+def _body(request: http.HttpRequest) -> dict[str, Any]:
+    """The request's JSON object (empty: no body)."""
     try:
-        return request.json() or {}
+        body = request.json() or {}
     except ValueError as exc:
         raise _Refused(400, f"the request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise _Refused(400, f"the request body is a JSON {type(body).__name__}, not an object")
+    return body
 
 
 def _error(status: int, message: str, kind: str) -> http.HttpResponse:
