@@ -131,3 +131,15 @@ async def test_requests_the_endpoint_cannot_serve_get_an_error_that_names_what_i
             assert group.group_id == 5 and response.finish_reason.name == "TURNS"
             assert (await post(f"/rlflow/episodes/{episode['id']}/end", {"reward": 1.0})).status_code == 410
             nursery.cancel_scope.cancel()
+
+
+def test_check_finds_the_agent_program_or_names_what_is_missing(tmp_path):
+    from rlflow.tools.check import CheckError, check
+
+    said = []
+    check(agent_run(tmp_path), say=said.append)
+    assert any(line.startswith("agents: 2 copies of") for line in said)
+    with pytest.raises(CheckError, match=r"agents.command: no file 'nowhere/agent.py'"):
+        check(agent_run(tmp_path, 'agents.command=["python", "nowhere/agent.py"]'), say=said.append)
+    with pytest.raises(CheckError, match=r"agents.command: no program 'no-such-agent'"):
+        check(agent_run(tmp_path, 'agents.command=["no-such-agent"]'), say=said.append)

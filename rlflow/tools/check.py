@@ -16,6 +16,8 @@ of each turn. Its last line is
     RESULT check rows=N skipped=N reference_reward_mean=X failures=N
 
 (with ``episodes=N episode_reward_mean=X`` after it, with an environment).
+With outside agents (`[agents]`) that rlflow starts, it checks that their
+program and the files its command names are there.
 
 A bad config, data that cannot be used (the message names the file, the
 row and the field) or a reward function that cannot be loaded is an error
@@ -75,6 +77,8 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
             figures = trio.run(_play_scripted, config, task, tokenizer, say)
         except PoolError as exc:
             raise CheckError(f"environment: {exc}") from None
+    if config.agents is not None:
+        _check_agents(config, say)
     reward = config.roles.reward.engine
     if not isinstance(reward, FunctionsReward) or not task.scored_by_functions:
         say("the reward is the task's own verifier or the environment's: no reward functions to check")
@@ -106,6 +110,28 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
     else:
         say("the rows have no reference answers to score (task.answer)")
     return {"rows": loaded, "skipped": skipped, "reference_reward_mean": mean, "failures": failures, **figures}
+
+
+def _check_agents(config: Config, say: Callable[[str], None]) -> None:
+    """The agent program the rollout is to start is there: its executable, and the files its arguments
+    name (those ending in .py), from where the run starts it."""
+    import os
+    import shutil
+
+    agents = config.agents
+    if not agents.command:
+        say("agents: none started by rlflow; start yours against the endpoints in the run's agents.json")
+        return
+    where = config.run.import_dir or os.getcwd()
+    program = agents.command[0]
+    if program not in ("python", "python3") and shutil.which(program, path=os.environ.get("PATH")) is None \
+            and not os.path.isfile(os.path.join(where, program)):
+        raise CheckError(f"config error: agents.command: no program {program!r} on PATH or in {where}")
+    for arg in agents.command[1:]:
+        if arg.endswith(".py") and not os.path.isfile(os.path.join(where, arg)):
+            raise CheckError(f"config error: agents.command: no file {arg!r} in {where}")
+    say(f"agents: {agents.copies} copies of {' '.join(agents.command)}, spread over "
+        f"{config.roles.rollout.replicas} rollout replica(s)")
 
 
 #: Episodes `check` plays with the environment's scripted turns.
