@@ -374,7 +374,7 @@ class AgentEndpoint:
         episode.seen = len(messages) + 1
         ids = out.token_ids.tolist()
         content, calls = self.text.decode(ids), []
-        if tools and self.cfg.tool_parser:
+        if tools and self.cfg.tool_parser and self.make_parser is not None:
             parse = self._parser(tools)
             found, _, rest = parse(self.text.tokenizer.decode(ids, skip_special_tokens=False))
             if found:
