@@ -510,6 +510,12 @@ api_key = "right-key"
             assert last.finish_reason in ("stop", "length")
             assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(
                 last.model_extra["token_ids"], skip_special_tokens=True)
+            # A turn asked for with no new message: the template's generation prompt goes before it.
+            messages.append({"role": "assistant", "content": tokenizer.decode(last.model_extra["token_ids"],
+                                                                              skip_special_tokens=True)})
+            third = await call(llm.chat.completions.create, model="policy", messages=messages, max_tokens=4,
+                               extra_body=extra)
+            assert third.model_extra["prompt_token_ids"][-1] == tokenizer.convert_tokens_to_ids("=")
             ended = await call(httpx.post, f"{url}/rlflow/episodes/{chat['id']}/end", json={"reward": 0.0},
                                headers=key)
             assert ended.status_code == 200, ended.text
@@ -551,5 +557,6 @@ api_key = "right-key"
     assert chat_sample[:len(reply.model_extra["prompt_token_ids"])] == reply.model_extra["prompt_token_ids"]
     mine = np.flatnonzero(chatted.loss_mask)
     assert [chat_sample[len(group.prompt_ids) + i] for i in mine] == \
-        reply.choices[0].model_extra["token_ids"] + last.model_extra["token_ids"]
+        reply.choices[0].model_extra["token_ids"] + last.model_extra["token_ids"] + third.choices[0].model_extra[
+            "token_ids"]
     assert ctx.counters["agents.abandoned"] == 1 and ctx.counters["agents.refused_key"] == 1

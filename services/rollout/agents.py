@@ -365,7 +365,8 @@ class AgentEndpoint:
                 if len(messages) < episode.seen:
                     raise _Refused(400, f"episode {episode.id} holds {episode.seen} messages; this request has "
                                         f"{len(messages)}: send the whole conversation, each turn's reply included")
-                added = self.text.following(messages[episode.seen:], tools) if len(messages) > episode.seen else []
+                # (no new message: the template's next generation prompt alone)
+                added = self.text.following(messages[episode.seen:], tools)
                 if whole != episode.first + episode.path.ids + added:
                     self.counters["agents.template_mismatch"] += 1
         except RenderError as exc:
