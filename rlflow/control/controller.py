@@ -36,7 +36,7 @@ from rlflow.control.record import resume as resume_record
 from rlflow.control.metrics import Sink, open_sinks
 from rlflow.control.outbox import INBOX, Door, Outboxes, farewell, take
 from rlflow.control.replicas import (
-    STATEFUL_ROLES, GiveUp, Policy, Refusal, Replica, Roster, State, Supervisor, probes_disagree,
+    STATEFUL_ROLES, GiveUp, Policy, Refusal, Replica, Roster, State, Supervisor, probes_disagree, reported,
 )
 from rlflow.control.rounds import Weights
 from rlflow.control.stats import RunStats, process_cpu
@@ -50,7 +50,7 @@ from rlflow.protocol import (
     StepDone, WeightsGroup, WeightsLoaded, WeightsReady, Welcome,
 )
 from rlflow.rundir import (
-    CONTROLLER_STATE, AgentsInfo, ControllerInfo, RunDir, Status, Summary, append_jsonl, read_json, write_json,
+    CONTROLLER_STATE, ControllerInfo, RunDir, Status, Summary, append_jsonl, read_json, write_json,
 )
 
 log = logging.getLogger("rlflow.controller")
@@ -117,8 +117,6 @@ class Controller:
         self.config, self.run_dir, self.run_id, self.launcher = config, RunDir(run_dir), run_id, launcher
         #: The run's secret (every hello and `rlflow down` show it) and CURVE keys (None: loopback).
         self.on_status, self.secret, self.curve = on_status, secret, curve
-        #: Where each rollout replica serves outside agents (a run with `[agents]`).
-        self._agent_urls: dict[str, str] = {}
         run, cluster = config.run, config.cluster
         self.roster = Roster({(name, rank) for name, role in config.role_items() for rank in range(role.replicas)},
                              {(name, rank) for name, role in config.role_items() for rank in range(role.replicas)
@@ -302,13 +300,10 @@ class Controller:
                 append_jsonl(self.run_dir.evals, self.stats.eval_done(msg, self.ledger.steps_done))
                 self.outboxes.order(self.weights.release(receivers), self.roster)
                 self._changed.set()
-            case ErrorReport(fatal=fatal, kind=kind, message=message):
-                if fatal and replica.role in STATEFUL_ROLES:
-                    self.error = f"{replica.name} failed: {kind}: {message}"
-                    raise RunFailed(self.error)
-                if fatal:  # it is exiting: its death, when the launcher sees it, restarts it
-                    replica.fatal = f"{kind}: {message}"[:500]
-                log.warning("[controller] %s failed: %s: %s", replica.name, kind, message)
+            case ErrorReport(kind=kind):
+                if (failed := reported(replica, msg)) is not None:
+                    self.error = failed
+                    raise RunFailed(failed)
                 if kind == WEIGHT_GROUP_BROKEN:
                     self.outboxes.order(self.weights.broken(receivers), self.roster)
             case Bye():
@@ -325,8 +320,10 @@ class Controller:
         if isinstance(replica, Refusal):
             return self.door.refuse(identity, replica)
         self.stats.forget(replica.role, replica.rank)  # a new incarnation counts afresh
-        if "agents" in msg.endpoints:
-            self._agents_at(replica.name, msg.endpoints["agents"])
+        if "agents" in msg.endpoints:  # agents.json names where each rollout replica serves agents now
+            write_json(self.run_dir.agents, build.agents_info(self.roster, self.config.agents.api_key), private=True)
+            log.info("[controller] %s serves agents at %s (the key: %s)", replica.name, msg.endpoints["agents"],
+                     self.run_dir.agents)
         for problem in msg.problems:
             self._warn(f"{replica.name}: {problem}")
         if self.roster.complete:
@@ -334,14 +331,6 @@ class Controller:
         self.outboxes.open(replica)
         if self._welcomed:  # a new incarnation: welcomed at once
             self.outboxes.post(replica, welcome(self, replica))
-
-    def _agents_at(self, name: str, url: str) -> None:
-        """A rollout replica serves outside agents at `url`: agents.json says so (with the run's key)."""
-        self._agent_urls[name] = url
-        write_json(self.run_dir.agents, AgentsInfo(urls=dict(self._agent_urls), api_key=self.config.agents.api_key),
-                   private=True)
-        log.info("[controller] %s serves agents at %s (its episodes: POST %s/rlflow/episodes; the key: %s)", name,
-                 url, url, self.run_dir.agents)
 
     def _on_ready(self, replica: Replica, msg: Ready) -> None:
         replica.state, replica.version = State.READY, msg.version

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import random
 import secrets
@@ -30,8 +31,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlflow.protocol import UNAUTHENTICATED, UNEXPECTED_HELLO, WRONG_VERSION, Hello
+from rlflow.protocol import UNAUTHENTICATED, UNEXPECTED_HELLO, WRONG_VERSION, ErrorReport, Hello
 from rlflow.roles import STATEFUL
+
+log = logging.getLogger("rlflow.controller")
 
 
 class State(enum.Enum):
@@ -322,6 +325,18 @@ STATEFUL_ROLES = STATEFUL
 
 #: Replicas of one role whose probe log-probabilities (`Hello.probe`) differ by more (nats) do not run together.
 PROBE_TOLERANCE = 1e-4
+
+
+def reported(replica: Replica, msg: ErrorReport) -> str | None:
+    """A replica's `ErrorReport`, logged: the error that stops the run (a stateful role's fatal one),
+    else None. A fatal one is kept (`Replica.fatal`): the replica is exiting, and its death, when the
+    launcher sees it, restarts it."""
+    if msg.fatal and replica.role in STATEFUL_ROLES:
+        return f"{replica.name} failed: {msg.kind}: {msg.message}"
+    if msg.fatal:
+        replica.fatal = f"{msg.kind}: {msg.message}"[:500]
+    log.warning("[controller] %s failed: %s: %s", replica.name, msg.kind, msg.message)
+    return None
 
 
 def probes_disagree(replicas: Iterable[Replica]) -> str | None:

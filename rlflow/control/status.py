@@ -19,7 +19,9 @@ from rlflow.control.replicas import Replica, State
 from rlflow.control.stats import process_cpu
 from rlflow.protocol import Counters, EngineLoad, Heartbeat
 from rlflow.roles import VERSIONED
-from rlflow.rundir import ControllerStats, GroupCounts, JoinInfo, Placed, RoleStatus, Shares, Status, Summary, named
+from rlflow.rundir import (
+    AgentsInfo, ControllerStats, GroupCounts, JoinInfo, Placed, RoleStatus, Shares, Status, Summary, named,
+)
 
 #: Roles that hold versioned weights (and so can be behind the trainer): the
 #: policy's, and a role's own (its version counts its steps as the policy's does).
@@ -55,6 +57,14 @@ def add_loads(loads: Iterable[EngineLoad | None]) -> EngineLoad | None:
         kv_cache_usage=max(x.kv_cache_usage for x in loads),
         preemptions=sum(x.preemptions for x in loads),
     )
+
+
+def agents_info(replicas: Iterable[Replica], api_key: str) -> AgentsInfo:
+    """Where outside agents take episodes now: the endpoint each registered rollout replica's hello
+    named, and the run's key (agents.json)."""
+    return AgentsInfo(urls={r.name: r.hello.endpoints["agents"] for r in replicas
+                            if r.role == "rollout" and r.registered and "agents" in r.hello.endpoints},
+                      api_key=api_key)
 
 
 def placed(replica: Replica, now: float) -> Placed:
