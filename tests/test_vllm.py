@@ -464,6 +464,12 @@ api_key = "right-key"
     async def call(fn, *args, **kwargs):
         return await trio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))
 
+    clients = []
+
+    def client(base_url: str, api_key: str) -> openai.OpenAI:
+        clients.append(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0))
+        return clients[-1]
+
     with trio.fail_after(180):
         async with trio.open_nursery() as nursery:
             await nursery.start(vllm.run)
@@ -472,11 +478,11 @@ api_key = "right-key"
             endpoint.submit(PromptGroup(group_id=0, prompt_ids=prompt, n=2, reference="125"), time.time())
 
             with pytest.raises(openai.AuthenticationError):
-                await call(openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list)
+                await call(client(f"{url}/v1", "wrong").models.list)
 
             # Completions, two turns with a weight update between them.
             episode = await call(take)
-            llm = openai.OpenAI(base_url=episode["base_url"], api_key="right-key", max_retries=0)
+            llm = client(episode["base_url"], "right-key")
             extra = {"return_token_ids": True}
             first = await call(llm.completions.create, model="policy", prompt=episode["prompt"], max_tokens=12,
                                logprobs=1, extra_body=extra)
@@ -491,7 +497,7 @@ api_key = "right-key"
 
             # Chat, streamed, with a tool's result between the turns.
             chat = await call(take)
-            llm = openai.OpenAI(base_url=chat["base_url"], api_key="right-key", max_retries=0)
+            llm = client(chat["base_url"], "right-key")
             tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
                 "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
             messages = [{"role": "user", "content": "57+68"}]
@@ -537,6 +543,8 @@ api_key = "right-key"
                 agent.stdout.close()
             nursery.cancel_scope.cancel()
 
+    for each in clients:
+        each.close()
     turns = [first.choices[0], second.choices[0]]
     sample = list(group.prompt_ids) + played.token_ids.tolist()
     own = np.flatnonzero(played.loss_mask)

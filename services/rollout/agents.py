@@ -64,7 +64,7 @@ from rlflow.env.render import EpisodeText, RenderError
 from rlflow.protocol import FinishReason, PromptGroup, Response
 from rlflow.services import compat
 from rlflow.services.rollout import http
-from rlflow.services.rollout.episodes import _failed, _stamps, _Trajectory, episode_metrics
+from rlflow.services.rollout.episodes import Trajectory, episode_metrics, failed, stamps
 
 #: Reason of a group dropped because an agent never ended one of its episodes.
 ABANDONED = "abandoned"
@@ -99,7 +99,7 @@ class _Episode:
     group: _Group | None  # None: a held-out episode
     temperature: float | None = None
     first: list[int] | None = None  # the first request's prompt tokens
-    path: _Trajectory = field(default_factory=_Trajectory)
+    path: Trajectory = field(default_factory=Trajectory)
     seen: int = 0  # chat: messages the episode holds (the agent's and its turns)
     text: str = ""  # completions: the prompt and turns as text
     turns: int = 0
@@ -125,7 +125,6 @@ class AgentEndpoint:
         self.import_dir, self.log = import_dir, log
         self._send, self.finished = trio.open_memory_channel(math.inf)
         self._abandoned_send, self.abandoned = trio.open_memory_channel(math.inf)
-        self._lost_send, self.lost = trio.open_memory_channel(0)  # an endpoint loses no replica of its own
         self.episodes: dict[str, _Episode] = {}
         self._queue: collections.deque[_Episode] = collections.deque()
         self._queued = trio.Event()
@@ -143,7 +142,7 @@ class AgentEndpoint:
         return self.url
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with self._send, self._abandoned_send, self._lost_send, trio.open_nursery() as nursery:
+        async with self._send, self._abandoned_send, trio.open_nursery() as nursery:
             await nursery.start(http.serve, self.handle, self._sock)
             nursery.start_soon(self._reap)
             for copy in range(self.rank, self.cfg.copies if self.cfg.command else 0, self.replicas):
@@ -208,7 +207,7 @@ class AgentEndpoint:
                        f"(agents.idle_timeout_s)")
                 self.counters["agents.abandoned"] += 1
                 if episode.group is None:
-                    self._end(episode, _failed(time.time(), ABANDONED, why, episode.path))
+                    self._end(episode, failed(time.time(), ABANDONED, why, episode.path))
                     continue
                 held = episode.group
                 held.dead = True
@@ -323,13 +322,13 @@ class AgentEndpoint:
         if reward is None and (self.takes_reward or episode.group is None):
             raise _Refused(400, "this episode is scored by its agent: end it with {\"reward\": <number>}")
         if episode.turns == 0:
-            result = _failed(time.time(), "agent_no_turn", f"episode {episode_id} ended before any turn")
+            result = failed(time.time(), "agent_no_turn", f"episode {episode_id} ended before any turn")
         else:
             path = episode.path
             result = Response(
                 token_ids=np.asarray(path.ids, np.int32), logprobs=np.asarray(path.logprobs, np.float32),
                 versions=np.asarray(path.versions, np.int32), finish_reason=episode.cut,
-                stamps=_stamps(episode.group.issued_at if episode.group else time.time(), path.started),
+                stamps=stamps(episode.group.issued_at if episode.group else time.time(), path.started),
                 loss_mask=np.asarray(path.mask, np.uint8),
                 # One entry a turn (as an environment's), the agent's reward at its last: solved by turn k
                 # when it ended then with a reward above 0.
@@ -371,7 +370,7 @@ class AgentEndpoint:
                     self.counters["agents.template_mismatch"] += 1
         except RenderError as exc:
             raise _Refused(400, str(exc)) from None
-        out = await self._turn(episode, added, body.get("max_completion_tokens") or body.get("max_tokens"))
+        prompt_ids, out = await self._turn(episode, added, body.get("max_completion_tokens") or body.get("max_tokens"))
         episode.seen = len(messages) + 1
         ids = out.token_ids.tolist()
         content, calls = self.text.decode(ids), []
@@ -383,9 +382,7 @@ class AgentEndpoint:
                           "function": {"name": name, "arguments": arguments}} for name, arguments, call_id in found]
                 content = rest or None
         finish = "tool_calls" if calls else _FINISH.get(out.finish_reason, "stop")
-        prompt_ids = episode.first + episode.path.ids[:len(episode.path.ids) - len(ids)]
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids),
-                 "total_tokens": len(prompt_ids) + len(ids)}
+        usage = _usage(prompt_ids, ids)
         logprobs = {"content": [{"token": self.text.decode([t]), "logprob": float(lp), "top_logprobs": []}
                                 for t, lp in zip(ids, out.logprobs.tolist())]} if request.logprobs else None
         tokens = request.return_token_ids
@@ -432,18 +429,16 @@ class AgentEndpoint:
             added = prompt[_common(held_ids, prompt):]
         else:
             raise _Refused(400, "prompt: one text, or one list of token ids")
-        out = await self._turn(episode, added, request.max_tokens)
+        prompt_ids, out = await self._turn(episode, added, request.max_tokens)
         ids = out.token_ids.tolist()
         said = self.text.decode(ids)
         episode.text = (prompt if isinstance(prompt, str) else self.text.decode(prompt)) + said
         finish = _FINISH.get(out.finish_reason, "stop")
-        prompt_len = len(episode.first) + len(episode.path.ids) - len(ids)
-        usage = {"prompt_tokens": prompt_len, "completion_tokens": len(ids), "total_tokens": prompt_len + len(ids)}
+        usage = _usage(prompt_ids, ids)
         logprobs = {"tokens": [self.text.decode([t]) for t in ids], "token_logprobs": out.logprobs.tolist(),
                     "top_logprobs": [None] * len(ids), "text_offset": []} if request.logprobs is not None else None
-        held = episode.first + episode.path.ids[:prompt_len - len(episode.first)]
         choice = {"index": 0, "text": said, "logprobs": logprobs, "finish_reason": finish,
-                  **({"prompt_token_ids": held, "token_ids": ids} if request.return_token_ids else {})}
+                  **({"prompt_token_ids": prompt_ids, "token_ids": ids} if request.return_token_ids else {})}
         reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                  "model": request.model or "policy", "choices": [choice]}
         if not request.stream:
@@ -453,8 +448,9 @@ class AgentEndpoint:
             events.append({**reply, "choices": [], "usage": usage})
         return http.Streamed(_sse(events))
 
-    async def _turn(self, episode: _Episode, added: list[int], asked: int | None) -> Response:
-        """Generate one turn of `episode` after the tokens `added` (the agent's since its last turn)."""
+    async def _turn(self, episode: _Episode, added: list[int], asked: int | None) -> tuple[list[int], Response]:
+        """Generate one turn of `episode` after the tokens `added` (the agent's since its last turn);
+        the tokens it was generated over, and the turn."""
         if episode.turns >= self.cfg.max_turns:
             episode.cut = FinishReason.TURNS
             raise _Refused(400, f"episode {episode.id} has had its {self.cfg.max_turns} turns (agents.max_turns): "
@@ -469,11 +465,11 @@ class AgentEndpoint:
             raise _Refused(400, f"episode {episode.id} has no tokens left (agents.max_tokens = "
                                 f"{self.cfg.max_tokens}): end it", "episode_over")
         cap = min(self.turn_tokens, room, asked or self.turn_tokens)
+        prompt = first + episode.path.ids + added
         episode.busy = True
         try:
             held = episode.group.group.min_version if episode.group is not None else 0
-            out = await self.engine.generate(first + episode.path.ids + added, max_tokens=cap, min_version=held,
-                                             temperature=episode.temperature)
+            out = await self.engine.generate(prompt, max_tokens=cap, min_version=held, temperature=episode.temperature)
         finally:
             episode.busy = False
             episode.last = trio.current_time()
@@ -491,7 +487,7 @@ class AgentEndpoint:
         if out.finish_reason == FinishReason.LENGTH:
             episode.cut = FinishReason.LENGTH
         self.counters["episode_turns"] += 1
-        return out
+        return prompt, out
 
     def _parser(self, tools: list[dict[str, Any]]) -> Any:
         key = json.dumps(tools, sort_keys=True)
@@ -521,6 +517,10 @@ def _assemble(held: _Group, version: int) -> tuple[PromptGroup, list[Response]]:
                 versions=np.concatenate([np.full(len(rest), start, np.int32), result.versions]),
                 loss_mask=np.concatenate([np.zeros(len(rest), np.uint8), result.loss_mask]))
     return msgspec.structs.replace(held.group, prompt_ids=list(shared)), responses
+
+
+def _usage(prompt_ids: list[int], ids: list[int]) -> dict[str, int]:
+    return {"prompt_tokens": len(prompt_ids), "completion_tokens": len(ids), "total_tokens": len(prompt_ids) + len(ids)}
 
 
 def _common(a: Sequence[Any], b: Sequence[Any]) -> int:

@@ -57,7 +57,7 @@ class _Doomed(Exception):
 
 
 @dataclass
-class _Trajectory:
+class Trajectory:
     """One episode's tokens so far, and what it earned."""
 
     ids: list[int] = field(default_factory=list)
@@ -139,11 +139,11 @@ class EpisodeRunner:
         reset = await self.env.request(lambda rid: EnvReset(request_id=rid, group_id=group.group_id, row=row,
                                                             reference=group.reference))
         if reset.error:
-            return group, [_failed(issued_at, f"env_{reset.error_kind}", reset.error)] * group.n
+            return group, [failed(issued_at, f"env_{reset.error_kind}", reset.error)] * group.n
         try:
             prompt = self.text.first(reset)
         except RenderError as exc:
-            return group, [_failed(issued_at, "env_render", str(exc))] * group.n
+            return group, [failed(issued_at, "env_render", str(exc))] * group.n
         group = msgspec.structs.replace(group, prompt_ids=prompt)
         responses: list[Response | None] = [None] * group.n
         problems: list[BaseException] = []
@@ -166,7 +166,7 @@ class EpisodeRunner:
 
     async def _episode(self, group: PromptGroup, index: int, row: dict[str, Any], reset: EnvReply,
                        issued_at: float, temperature: float | None) -> Response:
-        cfg, path = self.cfg, _Trajectory()
+        cfg, path = self.cfg, Trajectory()
         state, finish = reset.state, FinishReason.STOP
         turn = 0
         while True:
@@ -183,7 +183,7 @@ class EpisodeRunner:
             out = await self.engine.generate(list(group.prompt_ids) + path.ids, max_tokens=min(self.turn_tokens, room),
                                              min_version=group.min_version, temperature=temperature)
             if out.error is not None:
-                return _failed(issued_at, out.failure_kind, out.error, path)
+                return failed(issued_at, out.failure_kind, out.error, path)
             path.add(out, model=True)
             said = self.text.decode(out.token_ids.tolist())
             if out.finish_reason != FinishReason.STOP:
@@ -196,7 +196,7 @@ class EpisodeRunner:
                 unparsed=unparsed, state=state, row=row, reference=group.reference, turns=path.turns))
             path.turns.append(said)
             if reply.error:
-                return _failed(issued_at, f"env_{reply.error_kind}", reply.error, path)
+                return failed(issued_at, f"env_{reply.error_kind}", reply.error, path)
             path.rewards.append(reply.reward)
             state = reply.state
             if reply.done:
@@ -207,7 +207,7 @@ class EpisodeRunner:
             try:
                 seen = self.text.observation(reply, reset.tools)
             except RenderError as exc:
-                return _failed(issued_at, "env_render", str(exc), path)
+                return failed(issued_at, "env_render", str(exc), path)
             if len(path.ids) + len(seen) >= cfg.max_tokens:
                 finish = FinishReason.LENGTH
                 break
@@ -219,7 +219,7 @@ class EpisodeRunner:
             logprobs=np.asarray(path.logprobs, np.float32),
             versions=np.asarray(path.versions, np.int32),
             finish_reason=finish,
-            stamps=_stamps(issued_at, path.started),
+            stamps=stamps(issued_at, path.started),
             loss_mask=np.asarray(path.mask, np.uint8),
             env_rewards=np.asarray(path.rewards, np.float32),
         )
@@ -258,7 +258,7 @@ def episode_metrics(played: Sequence[Response], max_turns: int) -> dict[str, flo
     return out
 
 
-def _stamps(issued_at: float, started: float) -> np.ndarray:
+def stamps(issued_at: float, started: float) -> np.ndarray:
     stamps = np.full(N_STAGES, np.nan)
     stamps[Stage.ISSUED] = issued_at
     stamps[Stage.ROLLOUT_START] = started
@@ -266,10 +266,10 @@ def _stamps(issued_at: float, started: float) -> np.ndarray:
     return stamps
 
 
-def _failed(issued_at: float, kind: str, why: str, path: _Trajectory | None = None) -> Response:
+def failed(issued_at: float, kind: str, why: str, path: Trajectory | None = None) -> Response:
     """A failed episode (its tokens are not to be used: none are kept)."""
     empty = np.zeros(0, np.int32)
     return Response(token_ids=empty, logprobs=np.zeros(0, np.float32), versions=empty,
                     finish_reason=FinishReason.ERROR,
-                    stamps=_stamps(issued_at, path.started if path is not None else math.nan),
+                    stamps=stamps(issued_at, path.started if path is not None else math.nan),
                     error=why[:500], failure_kind=kind, loss_mask=np.zeros(0, np.uint8))

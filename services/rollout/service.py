@@ -134,7 +134,7 @@ class RolloutService(Service):
                 work = episodes or engine
                 nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
                 nursery.start_soon(self.send_finished, out, control, (episodes or engine).finished)
-                if episodes is not None:
+                if isinstance(episodes, EpisodeRunner):
                     nursery.start_soon(self.give_back, episodes, control)
                 nursery.start_soon(self.apply_updates, control)
                 await control.ready(engine.version)
@@ -247,7 +247,7 @@ class RolloutService(Service):
             self.log.warning("[%s] group %d dropped: %s", self.spec.name, group_id, why)
             await control.send(Dropped(group_ids=[group_id], reason=ABANDONED))
 
-    async def give_back(self, episodes: EpisodeRunner | AgentEndpoint, control: Control) -> None:
+    async def give_back(self, episodes: EpisodeRunner, control: Control) -> None:
         """Tell the controller of each group whose env replica was lost with it: it is granted again."""
         async for group_id, why in episodes.lost:
             lost = [(group_id, why)]
