@@ -152,15 +152,18 @@ class Window:
         return (self.end[3] - self.start[3]) / ((self.end[0] - self.start[0]) * 64)
 
 
-def measure(work: pathlib.Path, name: str, window: Window, **fields) -> Window:
-    """Run one configuration until `window` is over; the window."""
+def config_of(*, inline: bool = False, max_staleness: int = 4, **fields) -> C.Config:
+    """The run of one configuration (`fields`: BASE's)."""
     replicas = fields["replicas"]
-    inline = fields.pop("inline", False)
     pools = POOLS + ("" if inline else ENV_POOL.format(replicas=replicas, env_cpus=0.25 if replicas > 1 else 0.5))
-    staleness = f"max_staleness = {fields.pop('max_staleness', 4)}" if fields["mode"] == "async" else ""
-    text = pools + BASE.format(env_pool="" if inline else 'pool = "tools"', inline=str(inline).lower(),
-                               staleness=staleness, **fields)
-    config = C.load(text=text)
+    staleness = f"max_staleness = {max_staleness}" if fields["mode"] == "async" else ""
+    return C.load(text=pools + BASE.format(env_pool="" if inline else 'pool = "tools"', inline=str(inline).lower(),
+                                           staleness=staleness, **fields))
+
+
+def measure(work: pathlib.Path, name: str, window: Window, config: C.Config | None = None, **fields) -> Window:
+    """Run one configuration (`config`, else `config_of(**fields)`) until `window` is over; the window."""
+    config = config or config_of(**fields)
     run_dir = work / name
     stopping = threading.Event()
 

@@ -43,58 +43,29 @@ import time
 
 HERE = pathlib.Path(__file__).resolve()
 
-#: The endpoint run: bench/agent.py's pools and engines, the episodes played by agents.
-AGENTS = """
-[pools.generate]
-cpus_per_bundle = 0.5
-[pools.score]
-cpus_per_bundle = 0.25
-[pools.train]
-cpus_per_bundle = 0.25
+#: bench/agent.py's settings for both runs: 72 groups of 8 episodes granted at once.
+NATIVE = dict(mode="async", step_s=0.02, replicas=1, workers=2, concurrency=512, max_staleness=8)
 
-[roles.rollout]
-pool = "generate"
-[roles.rollout.engine]
-kind = "sim"
-slots = 64
-step_s = 0.02
-response_len = {{ kind = "lognormal", median = 50, sigma = 0.5, min = 1, max = 512 }}
 
-[agents]
-command = {command}
-copies = {copies}
-max_turns = 8
-max_tokens = 8192
-idle_timeout_s = 120.0
+def native_bench():
+    """bench/agent.py (imported here: the agent program this file also is imports nothing of rlflow's)."""
+    sys.path.insert(0, str(HERE.parent))
+    import agent
 
-[roles.reward]
-pool = "score"
-[roles.reward.engine]
-kind = "env"
+    return agent
 
-[roles.trainer]
-pool = "train"
-[roles.trainer.engine]
-kind = "sim"
-s_per_token = 1e-7
-weights_bytes = 65536
 
-[cluster]
-heartbeat_s = 0.25
-progress_timeout_s = 600
+def agents_config(command: list[str], copies: int, step_s: float = NATIVE["step_s"]):
+    """bench/agent.py's run with its episodes played by outside agents instead of its env role."""
+    import msgspec
 
-[eval]
-before = false
-after = false
-every_steps = 0
+    from rlflow import config as C
 
-[run]
-mode = "async"
-max_staleness = 8
-batch_size = 8
-samples_per_prompt = 8
-steps = 100000
-"""
+    config = native_bench().config_of(**{**NATIVE, "step_s": step_s})
+    return msgspec.structs.replace(
+        config, pools={name: pool for name, pool in config.pools.items() if name != "tools"},
+        roles=msgspec.structs.replace(config.roles, env=None),
+        agents=C.AgentsConfig(command=command, copies=copies, max_turns=8, max_tokens=8192, idle_timeout_s=120.0))
 
 
 # -- the agent program (``--play``): the openai package and the standard library ------------------------
@@ -154,11 +125,9 @@ def play(sessions: int, record: str) -> None:
 
 def endpoint_run(work: pathlib.Path, window: float, copies: int, sessions: int):
     """The endpoint's window (bench/agent.py's `Window`), and the most sessions held meanwhile."""
-    sys.path.insert(0, str(HERE.parent))
-    import agent as native  # bench/agent.py
-
-    from rlflow import config as C
     from rlflow.control.launch import run
+
+    native = native_bench()
 
     class Sessions(native.Window):
         most = 0
@@ -169,8 +138,7 @@ def endpoint_run(work: pathlib.Path, window: float, copies: int, sessions: int):
                 self.most = max(self.most, rollout.queues.get("agent_sessions", 0))
             return super().observe(status)
 
-    command = json.dumps([sys.executable, str(HERE), "--play", "--sessions", str(sessions)])
-    config = C.load(text=AGENTS.format(command=command, copies=copies))
+    config = agents_config([sys.executable, str(HERE), "--play", "--sessions", str(sessions)], copies)
     measured = Sessions(3, window, True)
     run_dir = work / "endpoint"
 
@@ -195,11 +163,8 @@ def endpoint_run(work: pathlib.Path, window: float, copies: int, sessions: int):
 
 
 def native_run(work: pathlib.Path, window: float):
-    sys.path.insert(0, str(HERE.parent))
-    import agent as native  # bench/agent.py
-
-    return native.measure(work, "native", native.Window(3, window, True), mode="async", step_s=0.02, replicas=1,
-                          workers=2, concurrency=512, max_staleness=8)
+    native = native_bench()
+    return native.measure(work, "native", native.Window(3, window, True), **NATIVE)
 
 
 def exactness(work: pathlib.Path, groups: int, sessions: int) -> tuple[float, int, int]:
@@ -211,14 +176,13 @@ def exactness(work: pathlib.Path, groups: int, sessions: int) -> tuple[float, in
     import numpy as np
     import trio
 
-    from rlflow import config as C
     from rlflow.env.render import EpisodeText
     from rlflow.protocol import PromptGroup
     from rlflow.services.base import standalone_context
     from rlflow.services.rollout.agents import AgentEndpoint
     from rlflow.services.rollout.sim import SimEngine
 
-    config = C.load(text=AGENTS.format(command="[]", copies=1).replace("step_s = 0.02", "step_s = 0.002"))
+    config = agents_config([], 1, step_s=0.002)
     ctx = standalone_context(config, "rollout")
     record = work / "turns.jsonl"
 
