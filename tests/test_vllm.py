@@ -109,6 +109,16 @@ def sampled(output) -> list[tuple[list[int], np.ndarray, list]]:
     return out
 
 
+def test_on_cpu_the_model_worker_runs_inside_the_engine_core(engine):
+    """One process beside the rollout's, not two: vLLM's engine core holds the model worker (no
+    `VLLM::Worker` process, no shared-memory queue between them), and the setting that chose it is
+    not left in the rollout's environment for anything else it starts."""
+    names = [p.name() for p in psutil.Process().children(recursive=True)]
+    assert names.count("VLLM::EngineCore") == 1, names
+    assert not [n for n in names if "Worker" in n], names
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+
+
 @pytest.mark.parametrize("bucket_bytes", [0, 16 << 10], ids=["whole", "pieces"])
 async def test_log_probabilities_after_an_update_match_a_hf_forward_of_the_new_weights(engine, tied_model,
                                                                                        bucket_bytes):
