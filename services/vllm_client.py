@@ -56,7 +56,8 @@ CPU_EXIT_GRACE_S = 1.0
 #: 30 s (one import of vLLM fewer) and generated 4.4k tokens/s against 3.3k
 #: (no shared-memory queue between the two) on a 2-core AMD EPYC. The engine
 #: core is still a process of its own: AsyncLLM always starts one.
-SINGLE_PROCESS_WORKER = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+#: Set to "0" for the one call that makes the config, unless set already.
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 
 
 class AsyncioBridge:
@@ -205,6 +206,7 @@ class VllmBackend:
 
     def start_blocking(self) -> None:
         """Start vLLM (its engine core is a process of its own); blocks."""
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if hasattr(os, "sched_getaffinity") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -217,22 +219,19 @@ class VllmBackend:
 
         self.bridge = AsyncioBridge()
         args = self.engine_args()
-        from vllm.platforms import current_platform
-
         worker_inside = current_platform.is_cpu() and self.cfg.tensor_parallel_size == 1 and \
-            "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+            MULTIPROCESSING_ENV not in os.environ
 
         async def create():
             # Without vLLM's own loggers: its scheduler statistics reach the
             # heartbeats through this one alone.
             if worker_inside:
-                os.environ.update(SINGLE_PROCESS_WORKER)  # read while the config is made, here alone
+                os.environ[MULTIPROCESSING_ENV] = "0"  # read while the config is made, here alone
             try:
                 return AsyncLLM.from_engine_args(args, stat_loggers=[compat.load_logger(self.scheduler)])
             finally:
                 if worker_inside:
-                    for name in SINGLE_PROCESS_WORKER:
-                        os.environ.pop(name, None)
+                    os.environ.pop(MULTIPROCESSING_ENV, None)
 
         self.llm = asyncio.run_coroutine_threadsafe(create(), self.bridge.loop).result()
 

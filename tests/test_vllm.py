@@ -117,7 +117,7 @@ def test_on_cpu_the_model_worker_runs_inside_the_engine_core(engine):
     assert cores, "no engine core process"  # this engine's; another module's shared engine may run too
     beside = [p.name() for core in cores for p in core.children(recursive=True)]
     assert not [name for name in beside if "Worker" in name], beside
-    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ  # vLLM's own name for it
 
 
 @pytest.mark.parametrize("bucket_bytes", [0, 16 << 10], ids=["whole", "pieces"])
