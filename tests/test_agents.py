@@ -58,10 +58,12 @@ def test_agent_configs_that_cannot_run_get_one_clear_line(tmp_path, overrides, k
     assert caught.value.key == key and says in str(caught.value)
 
 
-async def test_requests_the_endpoint_cannot_serve_get_an_error_that_names_what_is_wrong():
+async def test_requests_the_endpoint_cannot_serve_get_an_error_that_names_what_is_wrong(monkeypatch):
     """Over real HTTP, on the simulated engine: each bad request is answered with its status and a message
-    that names the problem, and the episodes go on."""
+    that names the problem, and the episodes go on. vLLM's request models are first loaded off the loop's
+    thread, before the endpoint serves (a heavy import that would stop the replica's heartbeats)."""
     import functools
+    import threading
     import time
 
     import httpx
@@ -70,7 +72,12 @@ async def test_requests_the_endpoint_cannot_serve_get_an_error_that_names_what_i
     from rlflow.protocol import PromptGroup
     from rlflow.services.base import standalone_context
     from rlflow.services.rollout.agents import AgentEndpoint
+    from rlflow.services import compat
     from rlflow.services.rollout.sim import SimEngine
+
+    loaded_in = []
+    requests = compat.openai_requests
+    monkeypatch.setattr(compat, "openai_requests", lambda: loaded_in.append(threading.current_thread()) or requests())
 
     config = agent_run(pathlib.Path("/nonexistent"), "agents.command=[]", "agents.max_turns=1",
                        "roles.rollout.engine.step_s=0.001")
@@ -97,6 +104,7 @@ async def test_requests_the_endpoint_cannot_serve_get_an_error_that_names_what_i
             url = endpoint.bind()
             await nursery.start(engine.run)
             await nursery.start(endpoint.run)
+            assert loaded_in and loaded_in[0] is not threading.main_thread()
             assert (await post("/rlflow/episodes", {"wait_s": 0})).status_code == 204  # none yet
             endpoint.submit(PromptGroup(group_id=5, prompt_ids=[1, 2], n=1), time.time())
             wrong = await post("/rlflow/episodes", {"wait_s": 1}, key="nope")

@@ -381,18 +381,28 @@ def test_observations_are_rendered_once_after_the_model_turn_with_the_template_g
 
 
 @pytest.mark.slow  # imports vLLM (tens of seconds here)
-def test_tool_calls_are_read_by_vllms_parser_and_a_broken_one_is_said_unparsed():
+async def test_tool_calls_are_read_by_vllms_parser_and_a_broken_one_is_said_unparsed():
+    """The parser is made once, off the loop's thread (vLLM's parsers are a heavy import)."""
+    import threading
+
     from rlflow.services import compat
 
     tokenizer = chat_tokenizer()
-    text = EpisodeText(tokenizer, lambda tools: compat.tool_parser("hermes", tokenizer, tools), "hermes")
+    made_in = []
+
+    def make(tools):
+        made_in.append(threading.current_thread())
+        return compat.tool_parser("hermes", tokenizer, tools)
+
+    text = EpisodeText(tokenizer, make, "hermes")
     turn = 'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
-    calls, unparsed = text.calls(tokenizer.encode(turn, add_special_tokens=False), [])
+    calls, unparsed = await text.calls(tokenizer.encode(turn, add_special_tokens=False), [])
     assert unparsed == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 2, "b": 3})]
     broken = '<tool_call>\n{"name": "add", "arguments": {"a": 2</tool_call><|im_end|>'
-    calls, unparsed = text.calls(tokenizer.encode(broken, add_special_tokens=False), [])
+    calls, unparsed = await text.calls(tokenizer.encode(broken, add_special_tokens=False), [])
     assert calls == [] and "no well-formed tool call" in unparsed
-    assert text.calls(tokenizer.encode("just text<|im_end|>", add_special_tokens=False), []) == ([], "")
+    assert await text.calls(tokenizer.encode("just text<|im_end|>", add_special_tokens=False), []) == ([], "")
+    assert len(made_in) == 1 and made_in[0] is not threading.main_thread()
 
 
 # -- what the reward and the trainer make of episodes ------------------------------------------------------

@@ -25,6 +25,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import trio
+
 from rlflow.protocol import ChatMessage, EnvReply, ToolCall
 
 #: The fixed conversation an observation is rendered after.
@@ -64,6 +66,7 @@ class EpisodeText:
         self.tokenizer = tokenizer or ByteTokenizer()
         self.make_parser, self.parser_name = make_parser, parser_name
         self._parse = None
+        self._making = trio.Lock()
         self._glue: str | None = None
 
     def first(self, reply: EnvReply) -> list[int]:
@@ -103,13 +106,15 @@ class EpisodeText:
         """A model turn as the environment reads it (special tokens left out)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def calls(self, ids: list[int], tools: list[str]) -> tuple[list[ToolCall], str]:
+    async def calls(self, ids: list[int], tools: list[str]) -> tuple[list[ToolCall], str]:
         """The tool calls of a model turn, and why they could not be parsed (empty: they could,
-        or there are none)."""
-        if self._parse is None:
-            if self.make_parser is None:
-                raise RenderError("the model's turns cannot be read for tool calls here: no tool-call parser")
-            self._parse = self.make_parser([json.loads(t) for t in tools])
+        or there are none). The parser is made on the first call, in a thread: vLLM's parsers are a
+        heavy import, and the caller's loop goes on meanwhile."""
+        async with self._making:
+            if self._parse is None:
+                if self.make_parser is None:
+                    raise RenderError("the model's turns cannot be read for tool calls here: no tool-call parser")
+                self._parse = await trio.to_thread.run_sync(self.make_parser, [json.loads(t) for t in tools])
         text = self.tokenizer.decode(list(ids), skip_special_tokens=False)
         found, marked, _ = self._parse(text)
         if not found and marked:

@@ -142,6 +142,9 @@ class AgentEndpoint:
         return self.url
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        # vLLM's request models are a heavy import (13 s on a 2-core CPU, a minute from a cold disk): made in
+        # a thread before the first request, so that the replica's loop (its heartbeats) goes on meanwhile
+        await trio.to_thread.run_sync(compat.openai_requests)
         async with self._send, self._abandoned_send, trio.open_nursery() as nursery:
             await nursery.start(http.serve, self.handle, self._sock)
             nursery.start_soon(self._reap)
@@ -375,7 +378,7 @@ class AgentEndpoint:
         ids = out.token_ids.tolist()
         content, calls = self.text.decode(ids), []
         if tools and self.cfg.tool_parser and self.make_parser is not None:
-            parse = self._parser(tools)
+            parse = await self._parser(tools)
             found, _, rest = parse(self.text.tokenizer.decode(ids, skip_special_tokens=False))
             if found:
                 calls = [{"id": call_id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
@@ -489,12 +492,13 @@ class AgentEndpoint:
         self.counters["episode_turns"] += 1
         return prompt, out
 
-    def _parser(self, tools: list[dict[str, Any]]) -> Any:
+    async def _parser(self, tools: list[dict[str, Any]]) -> Any:
         key = json.dumps(tools, sort_keys=True)
         if key not in self._parsers:
+            made = await trio.to_thread.run_sync(self.make_parser, tools)  # vLLM's parsers: a heavy first import
             if len(self._parsers) > 64:
                 self._parsers.clear()
-            self._parsers[key] = self.make_parser(tools)
+            self._parsers[key] = made
         return self._parsers[key]
 
 

@@ -190,7 +190,7 @@ class EpisodeRunner:
                 finish = FinishReason.LENGTH
                 path.turns.append(said)
                 break
-            calls, unparsed = self.text.calls(out.token_ids.tolist(), reset.tools) if reset.tools else ([], "")
+            calls, unparsed = await self.text.calls(out.token_ids.tolist(), reset.tools) if reset.tools else ([], "")
             reply = await self.env.request(lambda rid: EnvStep(
                 request_id=rid, group_id=group.group_id, index=index, turn=turn, text=said, calls=calls,
                 unparsed=unparsed, state=state, row=row, reference=group.reference, turns=path.turns))
