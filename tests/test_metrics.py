@@ -154,3 +154,37 @@ def test_metrics_tables_are_checked_like_the_rest():
     with pytest.raises(C.ConfigError,
                        match=r"metrics.wandb.mode = 'cloud': expected one of 'auto', 'offline', 'online'"):
         C.load(text=BASE, overrides=['metrics.wandb={project = "x", mode = "cloud"}'])
+
+
+def test_trackers_write_off_the_controllers_loop_in_order_and_one_that_fails_is_let_go(caplog):
+    """`write` returns while a tracker still waits on its disk; `close` waits for every row, in order;
+    a tracker that raises is logged and dropped, and the others go on."""
+    import threading
+
+    from rlflow.control.metrics import Background
+
+    release, got = threading.Event(), []
+
+    class Slow:
+        def write(self, row):
+            release.wait(30)
+            got.append(row.step)
+
+        def close(self):
+            got.append("closed")
+
+    class Broken:
+        def write(self, row):
+            raise OSError("disk full")
+
+        def close(self):
+            raise AssertionError("a sink let go of is not closed")
+
+    sinks = Background([Broken(), Slow()])
+    for row in rows():
+        sinks.write(row)  # returns at once: the slow sink still waits
+    assert got == []
+    release.set()
+    sinks.close()
+    assert got == [0, 1, 2, "closed"]
+    assert "Broken failed at step 0: no more metrics go to it" in caplog.text

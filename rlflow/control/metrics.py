@@ -3,6 +3,12 @@ TensorBoard event files too when the `tensorboard` extra is installed, and
 the experiment trackers the config names (`[metrics]`: Weights & Biases,
 trackio), each given the same scalars as TensorBoard.
 
+JSON lines are written on the controller's loop (the run's record, read as
+soon as a step is done); the others on a thread of their own (`Background`),
+so that the loop never waits on a tracker's disk or network: TensorBoard's
+writer waits for its file, and a step every few milliseconds left the
+controller blocked there most of its time.
+
 Each session of a run writes a TensorBoard event file of its own, which
 starts by saying where the session starts (TensorBoard's `SessionLog.START`
 at its first step, what a writer's ``purge_step`` writes): TensorBoard's
@@ -19,6 +25,8 @@ import logging
 import math
 import os
 import pathlib
+import queue
+import threading
 import time
 from typing import Any, Protocol
 
@@ -89,10 +97,47 @@ class TensorBoardSink:
         now = time.time()
         for key, value in scalars(row).items():
             self._writer.add_event(self._event(wall_time=now, step=row.step, summary=self._scalar(key, value)))
+
+    def flush(self) -> None:
+        """Onto the disk: what TensorBoard's server reads."""
         self._writer.flush()
 
     def close(self) -> None:
         self._writer.close()
+
+
+class Background:
+    """Sinks written on a thread of their own, in order: `write` only queues the row. The thread
+    writes what is queued and, once it has caught up, flushes (`flush`, where a sink has one). A sink
+    that fails is logged once and written to no more; the run goes on. `close` waits for the rows
+    queued, then closes each sink."""
+
+    def __init__(self, sinks: list[Sink]):
+        self.sinks = list(sinks)
+        self._rows: queue.SimpleQueue[StepRow | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="rlflow-metrics", daemon=True)
+        self._thread.start()
+
+    def write(self, row: StepRow) -> None:
+        self._rows.put(row)
+
+    def _run(self) -> None:
+        while (row := self._rows.get()) is not None:
+            for sink in list(self.sinks):
+                try:
+                    sink.write(row)
+                    if self._rows.empty() and hasattr(sink, "flush"):
+                        sink.flush()
+                except Exception:
+                    log.exception("[controller] %s failed at step %d: no more metrics go to it",
+                                  type(sink).__name__, row.step)
+                    self.sinks.remove(sink)
+
+    def close(self) -> None:
+        self._rows.put(None)
+        self._thread.join()
+        for sink in self.sinks:
+            sink.close()
 
 
 class WandbSink:
@@ -177,14 +222,14 @@ def open_sinks(run_dir: RunDir, config: Config | None = None, first_step: int = 
     """JSON lines, TensorBoard where it is installed, and the trackers `config`
     names (`first_step`: where this session starts; TensorBoard forgets what
     earlier sessions wrote from there on)."""
-    sinks: list[Sink] = [JsonlSink(run_dir)]
+    others: list[Sink] = []
     try:
-        sinks.append(TensorBoardSink(run_dir, first_step))
+        others.append(TensorBoardSink(run_dir, first_step))
     except ImportError:
         log.info("tensorboard is not installed: metrics go to metrics.jsonl only")
     if config is not None:
         for name, sink in TRACKERS.items():
             table = getattr(config.metrics, name)
             if table is not None:
-                sinks.append(sink(run_dir, table, msgspec.to_builtins(config)))
-    return sinks
+                others.append(sink(run_dir, table, msgspec.to_builtins(config)))
+    return [JsonlSink(run_dir), *([Background(others)] if others else [])]
