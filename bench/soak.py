@@ -1,4 +1,4 @@
-"""Soak: three million samples through the simulated pipeline; does any process grow?
+"""Soak: does any process grow with a run's length? A wide run and a long narrow one.
 
 Runs rlflow itself (controller, transport, every service on Ray, real
 messages) with the simulated engines tuned for throughput (short responses,
@@ -10,18 +10,21 @@ allocator and queues fill over its first few hundred steps) grows early and
 then stays flat. So the growth that counts is over the second half of the
 run, from the reading at 50% to the one at 100%: the target is at most 2%
 for every process. The warm-up, from 1% to 50%, is reported on its own line.
-Writes bench/results/soak.json.
 
-`--steps N` runs a long narrow run instead: N small steps (4 groups of 4
-samples each), where what a process keeps per step, not per sample, would
-show (writes bench/results/soak-steps.json).
+Two runs, one after the other: the wide one (`--samples`, three million by
+default, 1,024 samples a step), where what a process keeps per sample would
+show; and the long narrow one (`--steps`, 30,000 by default, 16 samples a
+step), where what it keeps per step would. Writes bench/results/soak.json.
 
     RESULT soak samples=N rss_growth_max=G controller_bytes_per_step=K
 
-G: the largest second-half growth; K: the controller process's growth over
-the second half in bytes per step (its resident memory: the controller's
-state with whatever else this process holds). The warm-up's largest
-growth is printed on the line before.
+N: the wide run's samples; G: the largest second-half growth of any process
+in either run; K: the controller process's growth over the narrow run's
+second half in bytes per step (its resident memory: the controller's state
+with whatever else this process holds), where steps, not samples, are what
+the run is made of. The wide run's own figure (the same growth over its far
+fewer steps) is printed on a line before, with each run's warm-up. `--samples
+0` or `--steps 0` leaves a run out (K is then the wide run's).
 """
 
 from __future__ import annotations
@@ -152,47 +155,35 @@ def growth(before: dict, after: dict) -> dict[str, float]:
     return {name: after["rss"][name] / rss - 1 for name, rss in before["rss"].items() if name in after["rss"]}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--samples", type=int, default=3_000_000, help="samples to train on (default three million)")
-    parser.add_argument("--steps", type=int, default=0,
-                        help="a long narrow run of this many small steps instead (16 samples each)")
-    parser.add_argument("--trace-memory", action="store_true",
-                        help="trace this process's Python allocations (slower): where it grew over the second half")
-    parser.add_argument("--run-dir", type=pathlib.Path, default=None,
-                        help="keep the run here (default: a temporary one)")
-    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
-    args = parser.parse_args()
-
-    batch, spp = (NARROW_BATCH, NARROW_SAMPLES_PER_PROMPT) if args.steps else (BATCH, SAMPLES_PER_PROMPT)
-    steps = max(100, args.steps or math.ceil(args.samples / (batch * spp)))
+def soak(batch: int, spp: int, steps: int, trace: bool) -> dict | None:
+    """One run of `steps` steps of `batch` groups of `spp` samples; its readings and growth (None: it failed)."""
     tail = max(5, math.ceil(steps * TAIL_SHARE))
     config = C.load(text=CONFIG.format(batch=batch, spp=spp, steps=steps + tail))
-    readings = Readings(steps, args.trace_memory)
-    if args.trace_memory:
+    readings = Readings(steps, trace)
+    if trace:
         tracemalloc.start(4)
     with tempfile.TemporaryDirectory(prefix="rlflow-soak-") as tmp:
-        run_dir = args.run_dir or pathlib.Path(tmp) / "run"
         started = time.monotonic()
-        summary = run(config, run_dir, on_status=readings)
+        summary = run(config, pathlib.Path(tmp) / "run", on_status=readings)
         wall = time.monotonic() - started
+    if trace:
+        tracemalloc.stop()
     if summary.state != "stopped":
         print(f"the run {summary.state}: {summary.error}", file=sys.stderr)
-        return 1
+        return None
     first, half, last = readings.at(MARKS[0]), readings.at(0.5), readings.at(1.0)
     if None in (first, half, last) or first is half or half is last:
         print("too few readings: the run was too short to read memory at 1%, 50% and 100%", file=sys.stderr)
-        return 1
+        return None
     warmup, second = growth(first, half), growth(half, last)
     print(f"{'process':12s} {'RSS at 1%':>10s} {'at 50%':>8s} {'at 100%':>9s} {'warm-up':>8s} {'2nd half':>9s}")
     for name in sorted(second):
         print(f"{name:12s} {first['rss'][name] / 2**20:8.1f} M {half['rss'][name] / 2**20:6.1f} M "
               f"{last['rss'][name] / 2**20:7.1f} M {warmup[name]:+8.2%} {second[name]:+9.2%}")
     worst, warm = max(second.values()), max(warmup.values())
-    samples = last["samples"]
     print(f"warm-up, steps {first['step']}-{half['step']} (1% to 50% of the run): largest growth {warm:+.2%} "
           f"({max(warmup, key=warmup.get)})")
-    print(f"{samples:,d} samples in {wall:.0f} s ({summary.samples / wall:.0f} samples/s over the whole run); "
+    print(f"{last['samples']:,d} samples in {wall:.0f} s ({summary.samples / wall:.0f} samples/s over the whole run); "
           f"largest growth over the second half, steps {half['step']}-{last['step']}: {worst:+.2%} "
           f"({max(second, key=second.get)}; target at most {TARGET:.0%})")
     if len(readings.snapshots) == 2:
@@ -202,14 +193,50 @@ def main() -> int:
         for diff in grown[:8]:
             print(f"  {diff.size_diff:+,d} B in {diff.count_diff:+d} blocks at "
                   + " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in diff.traceback[:4]))
-    controller_step = (last["rss"]["controller"] - half["rss"]["controller"]) / max(1, last["step"] - half["step"])
+    controller = last["rss"]["controller"] - half["rss"]["controller"]
+    per_step = controller / max(1, last["step"] - half["step"])
+    print(f"the controller's process over the second half: {controller / 2**10:+,.0f} KiB, "
+          f"{per_step:,.0f} bytes a step")
+    return {"samples": last["samples"], "steps": steps, "samples_per_step": batch * spp, "wall_s": wall,
+            "growth": second, "warmup_growth": warmup, "rss_growth_max": worst, "warmup_growth_max": warm,
+            "controller_bytes": controller, "controller_bytes_per_step": per_step, "readings": readings.rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=3_000_000,
+                        help="samples of the wide run, 1,024 a step (default three million; 0: no wide run)")
+    parser.add_argument("--steps", type=int, default=30_000,
+                        help="steps of the long narrow run, 16 samples each (default 30,000; 0: no narrow run)")
+    parser.add_argument("--trace-memory", action="store_true",
+                        help="trace this process's Python allocations (slower): where it grew over each second half")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    args = parser.parse_args()
+    if not args.samples and not args.steps:
+        parser.error("--samples 0 and --steps 0 leave nothing to run")
+
+    runs = {}
+    if args.samples:
+        print(f"[soak] the wide run: {args.samples:,d} samples, {BATCH * SAMPLES_PER_PROMPT:,d} a step", flush=True)
+        runs["wide"] = soak(BATCH, SAMPLES_PER_PROMPT, max(100, math.ceil(args.samples / (BATCH * SAMPLES_PER_PROMPT))),
+                            args.trace_memory)
+    if args.steps:
+        print(f"[soak] the narrow run: {args.steps:,d} steps of {NARROW_BATCH * NARROW_SAMPLES_PER_PROMPT} samples",
+              flush=True)
+        runs["narrow"] = soak(NARROW_BATCH, NARROW_SAMPLES_PER_PROMPT, max(100, args.steps), args.trace_memory)
+    if None in runs.values():
+        return 1
+    worst = max(r["rss_growth_max"] for r in runs.values())
+    samples = (runs.get("wide") or runs["narrow"])["samples"]
+    per_step = (runs.get("narrow") or runs["wide"])["controller_bytes_per_step"]
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"samples": samples, "steps": steps, "wall_s": wall, "growth": second, "warmup_growth": warmup,
-              "rss_growth_max": worst, "warmup_growth_max": warm, "controller_bytes_per_step": controller_step,
-              "target": TARGET, "readings": readings.rows}
-    (args.out / ("soak-steps.json" if args.steps else "soak.json")).write_text(json.dumps(result, indent=1))
-    print(f"warmup_growth_max={warm:.4f}")
-    print(f"RESULT soak samples={samples} rss_growth_max={worst:.4f} controller_bytes_per_step={controller_step:.0f}")
+    (args.out / "soak.json").write_text(json.dumps({"target": TARGET, **runs}, indent=1))
+    for name, r in runs.items():
+        print(f"{name}: {r['samples']:,d} samples in {r['steps']:,d} steps; largest second-half growth "
+              f"{r['rss_growth_max']:+.2%}, warm-up {r['warmup_growth_max']:+.2%}; the controller "
+              f"{r['controller_bytes'] / 2**10:+,.0f} KiB over the second half ({r['controller_bytes_per_step']:,.0f} "
+              "bytes a step)")
+    print(f"RESULT soak samples={samples} rss_growth_max={worst:.4f} controller_bytes_per_step={per_step:.0f}")
     return 0
 
 
