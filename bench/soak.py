@@ -128,17 +128,19 @@ class Readings:
         fraction = 0.0
         while self.marks and status.step >= self.marks[0][1]:  # a late status passes several: the last counts
             fraction = self.marks.pop(0)[0]
-        rss = {"controller": psutil.Process(os.getpid()).memory_info().rss}
-        for role, info in status.roles.items():
-            for placed in info.placed:
-                try:
-                    rss[f"{role}-{placed.rank}"] = psutil.Process(placed.pid).memory_info().rss
-                except psutil.NoSuchProcess:
-                    pass
+        pids = {"controller": os.getpid()}
+        pids.update((f"{role}-{placed.rank}", placed.pid)
+                    for role, info in status.roles.items() for placed in info.placed)
+        rss, anon = {}, {}
+        for name, pid in pids.items():
+            try:
+                rss[name], anon[name] = psutil.Process(pid).memory_info().rss, anonymous(pid)
+            except (psutil.NoSuchProcess, OSError):
+                pass
         if self.trace and fraction in (0.5, 1.0):
             self.snapshots[fraction] = tracemalloc.take_snapshot()
         row = {"fraction": fraction, "step": status.step, "samples": status.samples,
-               "elapsed_s": time.monotonic() - self.started, "rss": rss, "queue_peaks": dict(self.peaks)}
+               "elapsed_s": time.monotonic() - self.started, "rss": rss, "anon": anon, "queue_peaks": dict(self.peaks)}
         self.rows.append(row)
         shown = "  ".join(f"{name} {value / 2**20:.0f}" for name, value in sorted(rss.items()))
         deepest = " ".join(f"{k}={v}" for k, v in sorted(self.peaks.items()) if k.startswith("rollout."))
@@ -148,6 +150,16 @@ class Readings:
     def at(self, fraction: float) -> dict | None:
         """The first reading at `fraction` of the run or later."""
         return next((row for row in self.rows if row["fraction"] >= fraction - 1e-9), None)
+
+
+def anonymous(pid: int) -> int:
+    """The part of a process's RSS that is its own memory (heap, stacks, anonymous maps: `RssAnon`), not pages
+    of files it maps (its code and libraries, which the kernel reads in and drops as they are used)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no RssAnon in /proc/{pid}/status")
 
 
 def growth(before: dict, after: dict) -> dict[str, float]:
@@ -194,9 +206,11 @@ def soak(batch: int, spp: int, steps: int, trace: bool) -> dict | None:
             print(f"  {diff.size_diff:+,d} B in {diff.count_diff:+d} blocks at "
                   + " <- ".join(f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in diff.traceback[:4]))
     controller = last["rss"]["controller"] - half["rss"]["controller"]
+    own = last["anon"]["controller"] - half["anon"]["controller"]
     per_step = controller / max(1, last["step"] - half["step"])
     print(f"the controller's process over the second half: {controller / 2**10:+,.0f} KiB, "
-          f"{per_step:,.0f} bytes a step")
+          f"{per_step:,.0f} bytes a step ({own / 2**10:+,.0f} KiB of it anonymous, "
+          f"{(controller - own) / 2**10:+,.0f} KiB pages of files)")
     return {"samples": last["samples"], "steps": steps, "samples_per_step": batch * spp, "wall_s": wall,
             "growth": second, "warmup_growth": warmup, "rss_growth_max": worst, "warmup_growth_max": warm,
             "controller_bytes": controller, "controller_bytes_per_step": per_step, "readings": readings.rows}

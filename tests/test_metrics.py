@@ -188,3 +188,34 @@ def test_trackers_write_off_the_controllers_loop_in_order_and_one_that_fails_is_
     sinks.close()
     assert got == [0, 1, 2, "closed"]
     assert "Broken failed at step 0: no more metrics go to it" in caplog.text
+
+
+def test_a_tracker_that_falls_behind_leaves_steps_out_instead_of_growing_the_queue(caplog):
+    """At most `backlog` rows wait for the thread: past that a step is left out of the trackers, counted
+    and logged, and the ones queued are still written in order."""
+    import threading
+
+    from rlflow.control.metrics import Background
+
+    busy, release, got = threading.Event(), threading.Event(), []
+
+    class Slow:
+        def write(self, row):
+            busy.set()
+            release.wait(30)
+            got.append(row.step)
+
+        def close(self):
+            pass
+
+    first, *others = [StepRow(step=s, version=s + 1, time_s=float(s), samples=1, tokens=1) for s in range(5)]
+    sinks = Background([Slow()], backlog=2)
+    sinks.write(first)
+    assert busy.wait(30)  # the thread holds step 0: the queue is empty
+    for row in others:
+        sinks.write(row)
+    assert sinks.skipped == 2
+    release.set()
+    sinks.close()
+    assert got == [0, 1, 2]
+    assert "Slow: 2 steps behind the run; step 3 and 1 in all left out of them" in caplog.text
