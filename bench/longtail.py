@@ -100,6 +100,9 @@ weights_bytes = 1048576
 
 [cluster]
 heartbeat_s = 0.25
+# --scale starts 82 processes on a machine of two cores: the last of them said hello
+# more than 300 s after the first (2026-12-05, an AMD EPYC).
+handshake_timeout_s = 1200
 
 [run]
 mode = "{mode}"
