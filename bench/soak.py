@@ -4,8 +4,8 @@ Runs rlflow itself (controller, transport, every service on Ray, real
 messages) with the simulated engines tuned for throughput (short responses,
 a fast decode step, a small weight payload, no scoring latency), and reads
 the resident memory (RSS) of each service's process and of the controller's
-(this process) at 1% of the run and at every tenth. A process that leaks
-grows at the same pace all run long; one that warms up (the rollout's
+(the process that runs it) at 1% of the run and at every tenth. A process
+that leaks grows at the same pace all run long; one that warms up (the rollout's
 allocator and queues fill over its first few hundred steps) grows early and
 then stays flat. So the growth that counts is over the second half of the
 run, from the reading at 50% to the one at 100%: the target is at most 2%
@@ -14,14 +14,17 @@ for every process. The warm-up, from 1% to 50%, is reported on its own line.
 Two runs, one after the other: the wide one (`--samples`, three million by
 default, 1,024 samples a step), where what a process keeps per sample would
 show; and the long narrow one (`--steps`, 30,000 by default, 16 samples a
-step), where what it keeps per step would. Writes bench/results/soak.json.
+step), where what it keeps per step would. Each runs in a process of its own
+(the controller's, as each `rlflow up` has one: run in one process after the
+wide one, the narrow run's controller grew 24 bytes a step, against 4 on its
+own). Writes bench/results/soak.json.
 
     RESULT soak samples=N rss_growth_max=G controller_bytes_per_step=K
 
 N: the wide run's samples; G: the largest second-half growth of any process
 in either run; K: the controller process's growth over the narrow run's
 second half in bytes per step (its resident memory: the controller's state
-with whatever else this process holds), where steps, not samples, are what
+with whatever else its process holds), where steps, not samples, are what
 the run is made of. The wide run's own figure (the same growth over its far
 fewer steps) is printed on a line before, with each run's warm-up. `--samples
 0` or `--steps 0` leaves a run out (K is then the wide run's).
@@ -34,6 +37,7 @@ import json
 import math
 import os
 import pathlib
+import subprocess
 import sys
 import tempfile
 import time
@@ -216,6 +220,21 @@ def soak(batch: int, spp: int, steps: int, trace: bool) -> dict | None:
             "controller_bytes": controller, "controller_bytes_per_step": per_step, "readings": readings.rows}
 
 
+def run_one(name: str, samples: int, steps: int, trace: bool, out: pathlib.Path) -> int:
+    """The wide or the narrow run, in this process; its results into `out`/NAME.json."""
+    if name == "wide":
+        print(f"[soak] the wide run: {samples:,d} samples, {BATCH * SAMPLES_PER_PROMPT:,d} a step", flush=True)
+        result = soak(BATCH, SAMPLES_PER_PROMPT, max(100, math.ceil(samples / (BATCH * SAMPLES_PER_PROMPT))), trace)
+    else:
+        print(f"[soak] the narrow run: {steps:,d} steps of {NARROW_BATCH * NARROW_SAMPLES_PER_PROMPT} samples",
+              flush=True)
+        result = soak(NARROW_BATCH, NARROW_SAMPLES_PER_PROMPT, max(100, steps), trace)
+    if result is None:
+        return 1
+    (out / f"{name}.json").write_text(json.dumps(result))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=3_000_000,
@@ -223,21 +242,26 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30_000,
                         help="steps of the long narrow run, 16 samples each (default 30,000; 0: no narrow run)")
     parser.add_argument("--trace-memory", action="store_true",
-                        help="trace this process's Python allocations (slower): where it grew over each second half")
+                        help="trace the controller process's Python allocations (slower): where they grew over "
+                             "each second half")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS)
+    parser.add_argument("--only", choices=("wide", "narrow"), help=argparse.SUPPRESS)  # one run, in a child
     args = parser.parse_args()
     if not args.samples and not args.steps:
         parser.error("--samples 0 and --steps 0 leave nothing to run")
 
+    if args.only:
+        return run_one(args.only, args.samples, args.steps, args.trace_memory, args.out)
     runs = {}
-    if args.samples:
-        print(f"[soak] the wide run: {args.samples:,d} samples, {BATCH * SAMPLES_PER_PROMPT:,d} a step", flush=True)
-        runs["wide"] = soak(BATCH, SAMPLES_PER_PROMPT, max(100, math.ceil(args.samples / (BATCH * SAMPLES_PER_PROMPT))),
-                            args.trace_memory)
-    if args.steps:
-        print(f"[soak] the narrow run: {args.steps:,d} steps of {NARROW_BATCH * NARROW_SAMPLES_PER_PROMPT} samples",
-              flush=True)
-        runs["narrow"] = soak(NARROW_BATCH, NARROW_SAMPLES_PER_PROMPT, max(100, args.steps), args.trace_memory)
+    with tempfile.TemporaryDirectory(prefix="rlflow-soak-runs-") as tmp:
+        for name in ("wide", "narrow"):
+            if (args.samples if name == "wide" else args.steps):
+                # Each run in a process of its own, as each `rlflow up` is: the controller's memory is one run's.
+                child = [sys.executable, __file__, "--only", name, "--samples", str(args.samples),
+                         "--steps", str(args.steps), "--out", tmp, *(["--trace-memory"] if args.trace_memory else [])]
+                subprocess.run(child, check=False)
+                done = pathlib.Path(tmp) / f"{name}.json"
+                runs[name] = json.loads(done.read_text()) if done.exists() else None
     if None in runs.values():
         return 1
     worst = max(r["rss_growth_max"] for r in runs.values())
