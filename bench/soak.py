@@ -138,9 +138,11 @@ class Readings:
         rss, anon = {}, {}
         for name, pid in pids.items():
             try:
-                rss[name], anon[name] = psutil.Process(pid).memory_info().rss, anonymous(pid)
-            except (psutil.NoSuchProcess, OSError):
-                pass
+                memory = psutil.Process(pid).memory_info()
+            except psutil.NoSuchProcess:
+                continue
+            # Its own memory (heap, stacks: RssAnon), not pages of the files it maps (RssFile + RssShmem).
+            rss[name], anon[name] = memory.rss, memory.rss - memory.shared
         if self.trace and fraction in (0.5, 1.0):
             self.snapshots[fraction] = tracemalloc.take_snapshot()
         row = {"fraction": fraction, "step": status.step, "samples": status.samples,
@@ -154,16 +156,6 @@ class Readings:
     def at(self, fraction: float) -> dict | None:
         """The first reading at `fraction` of the run or later."""
         return next((row for row in self.rows if row["fraction"] >= fraction - 1e-9), None)
-
-
-def anonymous(pid: int) -> int:
-    """The part of a process's RSS that is its own memory (heap, stacks, anonymous maps: `RssAnon`), not pages
-    of files it maps (its code and libraries, which the kernel reads in and drops as they are used)."""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"no RssAnon in /proc/{pid}/status")
 
 
 def growth(before: dict, after: dict) -> dict[str, float]:
