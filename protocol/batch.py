@@ -175,7 +175,8 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
     """One batch with the rows of all `batches`, in order.
 
     Optional per-token and per-sample columns (rewards, teacher log-probs,
-    reward details, the critic's columns) are kept only if every batch has them.
+    reward details, the critic's columns) are kept only if every batch has them
+    (batches of one `layout` lose nothing).
     """
     if len(batches) == 1:
         return batches[0]
@@ -227,6 +228,18 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
         **{name: opt(name) for name in _CRITIC_COLUMNS},
         **_joined_text(batches, "response_text"),
         **_joined_text(batches, "prompt_text"),
+    )
+
+
+def layout(batch: SampleBatch) -> tuple:
+    """What `concat` keeps only where every batch has it alike: which of the optional columns a batch
+    has, with their shapes past the first axis (the top-k's k), its reward details' names and shapes,
+    and its text columns. Batches of one layout are joined whole."""
+    return (
+        tuple(None if (col := getattr(batch, name)) is None else col.shape[1:] for name in _OPTIONAL_COLUMNS),
+        tuple(sorted((key, col.shape[1:]) for key, col in batch.reward_details.items())),
+        batch.response_text is None,
+        batch.prompt_text is None,
     )
 
 
@@ -373,6 +386,9 @@ _TOKEN_COLUMNS = (
 _ROW_COLUMNS = ("sample_index", "finish_reason", "stamps", "rewards", "env_rewards", "critic_versions")
 #: The columns the critic fills in (kept by `concat` only if every batch has them).
 _CRITIC_COLUMNS = ("values", "returns", "token_advantages", "critic_versions")
+#: The columns `concat` keeps only if every batch has them, of one shape past the first axis.
+_OPTIONAL_COLUMNS = ("rewards", "teacher_logprobs", "ref_logprobs", "teacher_topk_ids", "teacher_topk_logprobs",
+                     "advantages", *_CRITIC_COLUMNS)
 
 
 def _array(t: Tensor | None) -> np.ndarray | None:

@@ -11,6 +11,7 @@ that a dying service is an error at the controller rather than a silence.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -44,6 +45,8 @@ from rlflow.protocol import (
     SampleBatch,
     Shutdown,
     Welcome,
+    concat,
+    layout,
 )
 from rlflow import timeline
 from rlflow.rundir import RunDir
@@ -441,6 +444,12 @@ class Service:
         raise NotImplementedError
 
 
+#: Batches a stage has done at most that go on as one message (those of one `layout`, joined): those
+#: already done when it sends. At 16,384 slots the rollout sends each group as it finishes and the
+#: trainer read, checked and acknowledged one message a group.
+JOIN_AT_MOST = 64
+
+
 class StageService(Service):
     """A service in the middle of the stream: pull a batch, work on it, push it on.
 
@@ -448,8 +457,10 @@ class StageService(Service):
     work on a batch), and, for a role that keeps what passes and trains on it,
     `sent` (a batch went on), `idle` (work of its own while no
     batch waits: a training step) and `finish` (at shutdown, what it owes).
-    Up to `max_batches` batches are worked on at once. Batches come in and go
-    on over shared memory between services of one machine (`cluster.shm`).
+    Up to `max_batches` batches are worked on at once; those done while the
+    one before them went on go on together, as one batch (`JOIN_AT_MOST`).
+    Batches come in and go on over shared memory between services of one
+    machine (`cluster.shm`).
     Its clock reads busy while any batch or work of its own is under way,
     blocked while finished batches wait for downstream and nothing is being
     worked on, starved otherwise. A role of several ranks whose ranks above 0
@@ -628,14 +639,23 @@ class StageService(Service):
 
                 async def send() -> None:
                     async for result in done_recv:
-                        await out.send(result)
-                        self._waiting_out -= 1
-                        self.counters["groups"] += len(result.groups)
-                        self.counters["samples"] += result.n_samples
-                        self.counters["bytes_out"] = out.bytes_sent
-                        self.counters["bytes_shared"] = out.bytes_shared
-                        self._retime()
-                        await self.sent(result)
+                        results = [result]
+                        while len(results) < JOIN_AT_MOST:  # and those done by now: one message
+                            try:
+                                results.append(done_recv.receive_nowait())
+                            except trio.WouldBlock:
+                                break
+                        for _, run in itertools.groupby(results, key=layout):
+                            run = list(run)
+                            batch = concat(run)
+                            await out.send(batch)
+                            self._waiting_out -= len(run)
+                            self.counters["groups"] += len(batch.groups)
+                            self.counters["samples"] += batch.n_samples
+                            self.counters["bytes_out"] = out.bytes_sent
+                            self.counters["bytes_shared"] = out.bytes_shared
+                            self._retime()
+                            await self.sent(batch)
 
                 nursery.start_soon(send)
                 nursery.start_soon(receive)

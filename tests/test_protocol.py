@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import pathlib
 
@@ -11,7 +12,7 @@ import pytest
 from golden import examples, load
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from strategies import hostile, messages, spliced, tensors
+from strategies import hostile, messages, sample_batches, spliced, tensors
 
 import rlflow.protocol as P
 from rlflow.protocol import (
@@ -147,6 +148,22 @@ def test_concat_keeps_rows_columns_and_failures():
     assert both.rewards.tolist() == [1.0, 0.0, 1.0, 0.0]
     assert both.response_offsets.tolist() == [0, 3, 4, 7, 8]
     assert list(both.reward_details) == ["correct"]
+
+
+@given(st.lists(sample_batches(), min_size=1, max_size=3))
+@settings(suppress_health_check=[HealthCheck.too_slow])
+def test_batches_of_one_layout_lose_no_column_when_joined(batches):
+    """What a stage joins before sending on (each run of one `layout`) keeps every column and row:
+    here each batch with itself, and the runs of one layout among those drawn."""
+    for run in [[b, b] for b in batches] + [list(r) for _, r in itertools.groupby(batches, key=P.layout)]:
+        joined = P.concat(run)
+        P.validate(joined)
+        assert P.layout(joined) == P.layout(run[0])
+        assert joined.group_ids == [g for b in run for g in b.group_ids]
+        assert joined.response_ids.tolist() == [t for b in run for t in b.response_ids.tolist()]
+        assert len(joined.failures) == sum(len(b.failures) for b in run)
+    no_rewards = msgspec.structs.replace(examples()["SampleBatch"], rewards=None)
+    assert P.layout(no_rewards) != P.layout(examples()["SampleBatch"])  # concat would drop the rewards
 
 
 def test_a_batch_whose_columns_disagree_cannot_be_made_or_received():

@@ -23,6 +23,7 @@ from rlflow import config as C
 from rlflow.data import transport
 from rlflow.protocol import (
     SCHEMA_VERSION,
+    Ack,
     Bye,
     EvalDone,
     Evaluate,
@@ -333,15 +334,64 @@ async def test_a_stage_service_registers_works_on_batches_and_accounts_its_time(
                     started = time.monotonic()
                     for _ in range(4):
                         await upstream.send(batch)
-                    for _ in range(4):
-                        assert (await downstream.recv()).group_ids == batch.group_ids
+                    got = []  # four batches, some of them joined into one (those done together)
+                    while sum(len(b.groups) for b in got) < 4 * len(batch.groups):
+                        got.append(await downstream.recv())
                     elapsed = time.monotonic() - started
+                    assert all(set(b.group_ids) == set(batch.group_ids) for b in got)
                 await router.send(identity, Shutdown(reason="done"))
                 while not isinstance((await router.recv())[1], Bye):
                     pass
     assert elapsed >= 2 * Slow.seconds  # two at a time, four batches
     totals = service.clock.totals()
     assert totals["busy"] >= 2 * Slow.seconds and service.counters["samples"] == 4 * batch.n_samples
+
+
+class Held(StageService):
+    """Works on up to four batches at once, each until `release` is set."""
+
+    max_batches = 4
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.release = trio.Event()
+
+    async def process(self, batch: SampleBatch) -> SampleBatch:
+        await self.release.wait()
+        return batch
+
+
+async def test_batches_a_stage_has_done_by_the_time_it_sends_go_on_as_one():
+    """Three batches done at once go on as one message (fewer messages downstream and to the
+    controller, the same groups); one done on its own afterwards goes on as it is."""
+    groups = split(batch_of(4, 2))
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:0") as router,
+        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
+    ):
+        service = Held(spec(sim_config(), "reward", transport.bound_address(router)))
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.run)
+                identity, hello = await router.recv()
+                await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
+                                                    peers={"out": [transport.bound_address(downstream)]}))
+                assert isinstance((await router.recv())[1], Ready)
+                async with transport.open_push(connect=hello.endpoints["in"]) as upstream:
+                    for g in groups[:3]:
+                        await upstream.send(g)
+                    while service.queues()["working"] < 3:
+                        await trio.sleep(0.01)
+                    service.release.set()
+                    joined = await downstream.recv()
+                    await upstream.send(groups[3])
+                    alone = await downstream.recv()
+                await router.send(identity, Shutdown(reason="done"))
+                while not isinstance((await router.recv())[1], Bye):
+                    pass
+    assert sorted(joined.group_ids) == [0, 1, 2] and joined.n_samples == 6
+    assert alone.group_ids == [3]
+    assert service.counters["groups"] == 4 and service.counters["samples"] == 8
 
 
 class Passes(Slow):
@@ -669,6 +719,34 @@ async def test_the_trainer_takes_groups_off_the_stream_while_a_step_trains(monke
                 await router.send(identity, Shutdown(reason="done"))
                 await next_of(Bye)
     assert service.counters["duplicates"] == 1 and service.counters["samples"] == 8
+
+
+async def test_the_trainer_acknowledges_the_groups_already_waiting_in_one_message():
+    """Groups that wait in the trainer's socket when it reads are acknowledged to the controller
+    together: one `Ack`, not one a message (a message to the controller per group at wide scale)."""
+    config = sim_config("run.batch_size=32", "run.steps=1", "roles.trainer.engine.weights_bytes=4096")
+    groups = split(batch_of(10, 2))
+    async with transport.open_router(bind="tcp://127.0.0.1:0") as router:
+        service = trainer_service.TrainerService(spec(config, "trainer", transport.bound_address(router)))
+        acks = []
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.run)
+                identity, hello = await router.recv()
+                async with transport.open_push(connect=hello.endpoints["in"]) as upstream:
+                    for g in groups:  # before the welcome: the trainer reads nothing yet
+                        await upstream.send(g)
+                    await trio.sleep(1.0)  # into the trainer's socket
+                    await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t",
+                                                        heartbeat_s=0.05, weights=hello.weights))
+                    while sum(len(a.group_ids) for a in acks) < len(groups):
+                        msg = (await router.recv())[1]
+                        if isinstance(msg, Ack) and msg.stage == Stage.TRAINER_RECEIVED:
+                            acks.append(msg)
+                await router.send(identity, Shutdown(reason="done"))
+                while not isinstance((await router.recv())[1], Bye):
+                    pass
+    assert [sorted(a.group_ids) for a in acks] == [list(range(10))]
 
 
 # -- reward functions in the reward service ---------------------------------------------------

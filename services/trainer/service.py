@@ -30,6 +30,7 @@ import contextlib
 import json
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import trio
@@ -60,6 +61,11 @@ from rlflow.services.trainer.engine import TrainerEngine, make_engine
 from rlflow.algo.staleness import too_stale
 from rlflow.algo.values import critic_stats
 from rlflow.data import transport
+
+#: Messages in, at most, whose groups one `Ack` acknowledges: those already waiting when one is read.
+#: (One `Ack` a message was a message to the controller per group at 16,384 slots, where the reward
+#: role sends each group on as it is scored.)
+ACK_EVERY = 64
 
 
 class TrainerService(Service):
@@ -293,7 +299,7 @@ class TrainerService(Service):
     async def receive(self, inbox: transport.Pull, control: Control) -> None:
         """Add every group to the buffer as it arrives."""
         async for msg in inbox:
-            await self._accept(msg, control)
+            await self._accept_all(inbox, control, first=msg)
             self._arrived.set()
 
     async def collect(self, inbox: transport.Pull, control: Control, want: int) -> list[SampleBatch]:
@@ -306,8 +312,8 @@ class TrainerService(Service):
         across a step).
         """
         while True:
-            while (msg := inbox.recv_nowait()) is not None:  # what `receive` has not got to yet
-                await self._accept(msg, control)
+            while await self._accept_all(inbox, control):  # what `receive` has not got to yet
+                pass
             await self._drop_stale(control)
             if len(self.buffer) >= want:
                 break
@@ -342,11 +348,26 @@ class TrainerService(Service):
             self.counters["stale_groups"] += len(expired)
             await control.send(Expired(group_ids=[g.groups[0].group_id for g in expired], reason="stale"))
 
-    async def _accept(self, msg, control: Control) -> None:
-        """Add the groups of one message to the buffer (checked, deduplicated)."""
+    async def _accept_all(self, inbox: transport.Pull, control: Control, first: Any = None) -> int:
+        """Accept `first` (if given) and the messages already waiting in `inbox`, up to `ACK_EVERY` in
+        all, and acknowledge their groups to the controller in one `Ack`; how many messages it took."""
+        received: list[int] = []
+        taken = 0
+        if first is not None:
+            received += await self._accept(first, control)
+            taken += 1
+        while taken < ACK_EVERY and (msg := inbox.recv_nowait()) is not None:
+            received += await self._accept(msg, control)
+            taken += 1
+        if received:
+            await control.send(Ack(stage=Stage.TRAINER_RECEIVED, group_ids=received))
+        return taken
+
+    async def _accept(self, msg, control: Control) -> list[int]:
+        """Add the groups of one message to the buffer (checked, deduplicated); the groups added."""
         msg = self.checked_batch(msg)
         if msg is None:
-            return
+            return []
         failed_groups: list[int] = []
         errors: list[str] = []
         received: list[int] = []
@@ -381,8 +402,7 @@ class TrainerService(Service):
         if no_signal:
             self.counters["no_signal_groups"] += len(no_signal)
             await control.send(Dropped(group_ids=no_signal, reason=NO_SIGNAL))
-        if received:
-            await control.send(Ack(stage=Stage.TRAINER_RECEIVED, group_ids=received))
+        return received
 
 
 def has_signal(group: SampleBatch) -> bool:
