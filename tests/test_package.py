@@ -99,3 +99,20 @@ def test_the_protocol_depends_on_nothing_of_the_project():
     loaded = set(out.split())
     assert "rlflow.protocol.tensors" in loaded
     assert loaded == {"rlflow"} | {m for m in loaded if m.startswith("rlflow.protocol")}, loaded
+
+
+def test_a_simulated_run_loads_neither_torch_nor_vllm():
+    """The services of a simulated run, with their simulated engines, load neither torch nor vLLM:
+    a cluster of 80 simulated replicas on a few cores would spend minutes importing them."""
+    modules = ["rlflow.control.placement", "rlflow.services.rollout.service", "rlflow.services.rollout.sim",
+               "rlflow.services.reward.service", "rlflow.services.trainer.service", "rlflow.services.trainer.sim",
+               "rlflow.services.teacher.service", "rlflow.services.teacher.sim", "rlflow.services.critic.service",
+               "rlflow.services.critic.sim"]
+    out = run(
+        sys.executable,
+        "-c",
+        f"import sys; import {', '.join(modules)}; "
+        "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'transformers'))))",
+        cwd=ROOT,
+    )
+    assert out.split() == [], out

@@ -62,7 +62,6 @@ import trio
 
 from rlflow.env.render import EpisodeText, RenderError
 from rlflow.protocol import FinishReason, PromptGroup, Response
-from rlflow.services import compat
 from rlflow.services.rollout import http
 from rlflow.services.rollout.episodes import Trajectory, episode_metrics, failed, stamps
 
@@ -144,7 +143,7 @@ class AgentEndpoint:
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         # vLLM's request models are a heavy import (13 s on a 2-core CPU, a minute from a cold disk): made in
         # a thread before the first request, so that the replica's loop (its heartbeats) goes on meanwhile
-        await trio.to_thread.run_sync(compat.openai_requests)
+        await trio.to_thread.run_sync(_requests)
         async with self._send, self._abandoned_send, trio.open_nursery() as nursery:
             await nursery.start(http.serve, self.handle, self._sock)
             nursery.start_soon(self._reap)
@@ -355,7 +354,7 @@ class AgentEndpoint:
     # -- turns --------------------------------------------------------------------------------------
 
     async def _chat(self, body: dict[str, Any], episode_id: str) -> http.HttpResponse | http.Streamed:
-        request = _validated(compat.openai_requests()[0], body)
+        request = _validated(_requests()[0], body)
         episode = self._episode(episode_id or request.user or "")
         messages = [_message(m) for m in request.messages]
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
@@ -412,7 +411,7 @@ class AgentEndpoint:
         return http.Streamed(_sse(events))
 
     async def _complete(self, body: dict[str, Any], episode_id: str) -> http.HttpResponse | http.Streamed:
-        request = _validated(compat.openai_requests()[1], body)
+        request = _validated(_requests()[1], body)
         episode = self._episode(episode_id or request.user or "")
         if (request.n or 1) != 1:
             raise _Refused(400, "n must be 1: an episode is one sequence")
@@ -557,10 +556,18 @@ def _message(m: Any) -> dict[str, Any]:
     return m
 
 
+def _requests() -> tuple[Any, Any, Any]:
+    """vLLM's request models and its client error (`compat.openai_requests`): imported here, not with this
+    module, which every rollout replica loads (torch's import costs a simulated replica 3 s of CPU)."""
+    from rlflow.services import compat
+
+    return compat.openai_requests()
+
+
 def _validated(model: Any, body: Any) -> Any:
     import pydantic
 
-    client_error = compat.openai_requests()[2]
+    client_error = _requests()[2]
 
     if not isinstance(body, dict):
         raise _Refused(400, "the request body is not a JSON object")
