@@ -65,7 +65,7 @@ def test_room_is_shared_least_loaded_first_and_never_exceeded():
     ledger = GroupLedger(batch_size=8, max_staleness=2, steps=100)
     granted = ledger.grant({0: 4, 1: 8}, 0)
     assert len(granted[0]) == 4 and len(granted[1]) == 8
-    assert ledger.held_by(0) == 4 and ledger.held_by(1) == 8
+    assert ledger.holders() == {0: 4, 1: 8}
     ledger.generated(1, [g.group_id for g in granted[1][:2]])
     again = ledger.grant({0: 4, 1: 8}, 0)
     assert list(again) == [1] and len(again[1]) == 2
@@ -169,7 +169,7 @@ def test_the_ledger_keeps_its_promises_whatever_happens(batch, k, ops):
         if not ledger.dropped[NO_SIGNAL]:
             assert ledger.next_group <= ledger.limit + batch * (k - ledger.lead)  # a lead lowered since
         assert not trained & set(ledger.groups)
-        assert all(ledger.held_by(r) <= 3 for r in range(3))
+        assert all(ledger.holders()[r] <= 3 for r in range(3))
         assert all(g.strikes < ledger.max_grants for g in ledger.groups.values())
         assert set(ledger.dropped) <= {POISON, NO_SIGNAL}  # as poison, or by the trainer
         # Nothing lost: every group made is trained, still in the ledger, or dropped with its reason.

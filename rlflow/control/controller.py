@@ -422,9 +422,10 @@ class Controller:
                 last_failures = trio.current_time()
                 for failure in await trio.to_thread.run_sync(self.launcher.failures):
                     self._died(failure)
+            holders = self.ledger.holders()
             for replica in self.roster:  # starting: the handshake judges silence; the lost are restarted
                 if self.state in ("running", "evaluating") or (self.state == "starting" and replica.lost):
-                    self._supervise(replica)
+                    self._supervise(replica, holders)
             self.run_dir.append_ledger(self.ledger.drain())
             self._write_status()
             await trio.sleep(0.5)
@@ -438,10 +439,11 @@ class Controller:
         if failure.incarnation == replica.launched:
             self._lose(replica, failure.message)
 
-    def _supervise(self, replica: Replica) -> None:
+    def _supervise(self, replica: Replica, holders: collections.Counter[int]) -> None:
+        """Judge `replica` (`holders`: the ledger's, the groups each rollout replica is generating)."""
         beat = self.stats.last(replica.role, replica.rank)
         progress = None if replica.role == "trainer" or beat is None else beat.counters.progress
-        holds = self.ledger.held_by(replica.rank) > 0 if replica.role == "rollout" else \
+        holds = holders[replica.rank] > 0 if replica.role == "rollout" else \
             beat is not None and any(v > 0 for v in beat.queues.values())
         match self.supervisor.review(replica, progress, holds):
             case ("lose", why):
