@@ -30,6 +30,7 @@ import contextlib
 import json
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,6 @@ from rlflow.protocol import (
     WeightsReady,
     WeightsZmq,
     concat,
-    split,
     stamp,
     take,
 )
@@ -68,6 +68,23 @@ from rlflow.data import transport
 ACK_EVERY = 64
 
 
+@dataclass(slots=True)
+class Held:
+    """A group in the trainer's buffer: group `index` of `batch`, its rows `a` to `b` (the message it came
+    in, kept whole: a step's batch is cut from the messages, one `take` each, not made of a batch per
+    group, which at 16,384 slots cost the trainer more than the rest of its work on a group)."""
+
+    group_id: int
+    oldest: int | None
+    """The policy version of its oldest token (None: it has none)."""
+    seq: int
+    """Which message it came in (they count up)."""
+    batch: SampleBatch
+    index: int
+    a: int
+    b: int
+
+
 class TrainerService(Service):
     """Trains on what the stream brings, within the staleness bound."""
 
@@ -75,11 +92,10 @@ class TrainerService(Service):
         super().__init__(spec)
         self.step = 0
         self.acked = GroupIds()
-        self.buffer: list[SampleBatch] = []
+        self.buffer: list[Held] = []
         #: Ids of the groups in `buffer` or in the step being trained: one that arrives again meanwhile is a duplicate.
         self._held: set[int] = set()
-        #: Group id -> the policy version of its oldest token, for the groups held that have tokens.
-        self._first: dict[int, int] = {}
+        self._messages = 0
         self._arrived = trio.Event()
         self.engine: TrainerEngine | None = None
         self._nbytes = 0
@@ -170,7 +186,7 @@ class TrainerService(Service):
             waited, filtered = self.clock.totals()["starved"], self.counters["no_signal_groups"]
             while self.step < run.steps:
                 groups = await self.collect(inbox, control, run.batch_size)
-                batch = concat(groups)
+                batch = gather(groups)
                 versions = batch.versions.numpy()
                 # Versions behind the trainer's, per token (from the extremes: no array as long as the batch).
                 staleness = (self.version - versions.mean(), self.version - versions.min()) if versions.size \
@@ -302,8 +318,8 @@ class TrainerService(Service):
             await self._accept_all(inbox, control, first=msg)
             self._arrived.set()
 
-    async def collect(self, inbox: transport.Pull, control: Control, want: int) -> list[SampleBatch]:
-        """The next `want` groups fit to train on, oldest policy first.
+    async def collect(self, inbox: transport.Pull, control: Control, want: int) -> list[Held]:
+        """The next `want` groups fit to train on, oldest policy first (in the order they came).
 
         Everything already delivered is in the buffer, so that the groups
         closest to the staleness bound are trained on before they pass it.
@@ -322,17 +338,16 @@ class TrainerService(Service):
                 await self._arrived.wait()
         self.buffer.sort(key=self._oldest)
         taken, self.buffer = self.buffer[:want], self.buffer[want:]
+        taken.sort(key=lambda h: (h.seq, h.index))
         return taken
 
-    def _oldest(self, group: SampleBatch) -> int:
+    def _oldest(self, held: Held) -> int:
         """The policy version of a group's oldest token."""
-        return self._first.get(group.groups[0].group_id, self.version)
+        return self.version if held.oldest is None else held.oldest
 
     def _release(self, group_ids: list[int]) -> None:
         """These groups are no longer held (trained on, or dropped)."""
         self._held.difference_update(group_ids)
-        for group_id in group_ids:
-            self._first.pop(group_id, None)
 
     async def _drop_stale(self, control: Control) -> None:
         """Strict check: drop buffered groups past the bound, for reissue."""
@@ -343,10 +358,10 @@ class TrainerService(Service):
         for group in self.buffer:
             (expired if too_stale(self._oldest(group), self.version, k) else keep).append(group)
         self.buffer = keep
-        self._release([g.groups[0].group_id for g in expired])
+        self._release([h.group_id for h in expired])
         if expired:
             self.counters["stale_groups"] += len(expired)
-            await control.send(Expired(group_ids=[g.groups[0].group_id for g in expired], reason="stale"))
+            await control.send(Expired(group_ids=[h.group_id for h in expired], reason="stale"))
 
     async def _accept_all(self, inbox: transport.Pull, control: Control, first: Any = None) -> int:
         """Accept `first` (if given) and the messages already waiting in `inbox`, up to `ACK_EVERY` in
@@ -368,34 +383,44 @@ class TrainerService(Service):
         msg = self.checked_batch(msg)
         if msg is None:
             return []
+        msg = stamp(msg, Stage.TRAINER_RECEIVED, time.time())
+        self._messages += 1
+        columns = _columns(msg)
+        failed_rows = {f.index for f in msg.failures}
+        signal_filter = self.config.run.filter == "signal"
         failed_groups: list[int] = []
         errors: list[str] = []
         received: list[int] = []
         no_signal: list[int] = []
-        for group in split(stamp(msg, Stage.TRAINER_RECEIVED, time.time())):
-            group_id = group.groups[0].group_id
+        b = 0
+        for index, info in enumerate(msg.groups):
+            a, b = b, b + info.size
+            group_id = info.group_id
             if group_id in self.acked or group_id in self._held:
                 self.counters["duplicates"] += 1
                 continue
-            failed = {f.index for f in group.failures}
-            if failed:
+            held, (r_off, versions, rewards) = Held(group_id, None, self._messages, msg, index, a, b), columns
+            failed = [f for f in msg.failures if a <= f.index < b] if failed_rows else []
+            if failed:  # the group's other samples, as a batch of its own
                 self.counters["failed_samples"] += len(failed)
-                row = group.groups[0].meta.get("row")
-                why = (f"row {row}: " if row else "") + f"{group.failures[0].kind}: {group.failures[0].message}"
-                group = take(group, [i for i in range(group.n_samples) if i not in failed])
-            if group.n_samples == 0:
+                row = info.meta.get("row")
+                why = (f"row {row}: " if row else "") + f"{failed[0].kind}: {failed[0].message}"
+                alone = take(msg, [i for i in range(a, b) if i not in failed_rows])
+                held, (r_off, versions, rewards) = Held(group_id, None, self._messages, alone, 0, 0,
+                                                        alone.n_samples), _columns(alone)
+            if held.a == held.b:
                 failed_groups.append(group_id)
                 errors.append(why[:500] if failed else "no samples")
                 continue
-            if self.config.run.filter == "signal" and not has_signal(group):
+            if signal_filter and not _differ(rewards[held.a : held.b]):
                 no_signal.append(group_id)
                 # Dropped for good: a copy granted again after a loss is a duplicate too.
                 self.acked.add(group_id)
                 continue
-            self.buffer.append(group)
+            if r_off[held.b] > r_off[held.a]:
+                held.oldest = int(versions[r_off[held.a] : r_off[held.b]].min())
+            self.buffer.append(held)
             self._held.add(group_id)
-            if group.n_tokens:
-                self._first[group_id] = int(group.versions.numpy().min())
             received.append(group_id)
         if failed_groups:
             await control.send(Expired(group_ids=failed_groups, reason="every sample failed", errors=errors))
@@ -405,11 +430,42 @@ class TrainerService(Service):
         return received
 
 
+def _columns(batch: SampleBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A batch's response offsets, tokens' policy versions and rewards (none: an empty array)."""
+    rewards = batch.rewards.numpy() if batch.rewards is not None else np.zeros(0)
+    return batch.response_offsets.numpy(), batch.versions.numpy(), rewards
+
+
+def gather(held: list[Held]) -> SampleBatch:
+    """One batch of the `held` groups, in order: a `take` of each run of them that came in one message."""
+    parts, run = [], []
+    for h in held:
+        if run and h.batch is not run[0].batch:
+            parts.append(_rows_of(run))
+            run = []
+        run.append(h)
+    if run:
+        parts.append(_rows_of(run))
+    return concat(parts)
+
+
+def _rows_of(run: list[Held]) -> SampleBatch:
+    """The rows of `run` (groups of one batch, in its order) as a batch."""
+    batch = run[0].batch
+    if len(run) == len(batch.groups):
+        return batch
+    rows = np.concatenate([np.arange(h.a, h.b) for h in run]) if run else np.zeros(0, np.int64)
+    return take(batch, rows)
+
+
+def _differ(rewards: np.ndarray) -> bool:
+    return rewards.size > 1 and float(np.nanmax(rewards)) != float(np.nanmin(rewards))
+
+
 def has_signal(group: SampleBatch) -> bool:
     """Whether a group's rewards differ (group-relative advantages are all 0 where they do not;
     a single sample has no group to differ from)."""
-    rewards = group.rewards.numpy() if group.rewards is not None else np.zeros(0)
-    return rewards.size > 1 and float(np.nanmax(rewards)) != float(np.nanmin(rewards))
+    return _differ(group.rewards.numpy() if group.rewards is not None else np.zeros(0))
 
 
 def episode_stats(batch: SampleBatch) -> dict[str, float]:
