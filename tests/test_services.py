@@ -40,6 +40,7 @@ from rlflow.protocol import (
     WeightsLoaded,
     WeightsZmq,
     build_batch,
+    concat,
     samples,
     split,
 )
@@ -51,7 +52,8 @@ from rlflow.services.rollout.service import RolloutService
 from rlflow.services.rollout.sim import RequestQueue, SimBatcher, SimEngine
 from rlflow.services.teacher.service import TeacherService
 from rlflow.services.trainer import service as trainer_service
-from rlflow.services.trainer.service import GroupIds
+from rlflow.services.trainer.service import GroupIds, gather
+from rlflow.services.trainer.service import Held as HeldGroup
 from rlflow.services.trainer.sim import SimTrainerEngine
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -856,3 +858,24 @@ async def test_a_sample_a_function_cannot_score_drops_its_group_or_falls_back(tm
         assert scored.reward_details["flaky.failed"].tolist() == [1.0, 0.0, 0.0, 0.0]
     # The weight-0 function that hangs is killed every time and logged, never failing a sample.
     assert service.counters["reward.slow.timeout"] == 4
+
+
+def test_a_step_is_cut_from_the_messages_its_groups_came_in():
+    """`gather` makes the batch of held groups, some of several messages, some not all of one (and one
+    group a batch of its own), with the rows and columns a batch made group by group has."""
+    first, second = batch_of(4, 3), batch_of(3, 2, length=7)
+    second = msgspec.structs.replace(second, groups=[msgspec.structs.replace(g, group_id=10 + g.group_id)
+                                                     for g in second.groups])
+    alone = split(first)[3]
+
+    def held(batch: SampleBatch, seq: int, index: int) -> HeldGroup:
+        a = sum(g.size for g in batch.groups[:index])
+        return HeldGroup(batch.groups[index].group_id, None, seq, batch, index, a, a + batch.groups[index].size)
+
+    chosen = [held(first, 1, 0), held(first, 1, 2), held(second, 2, 0), held(second, 2, 1), held(second, 2, 2),
+              held(alone, 3, 0)]
+    batch = gather(chosen)
+    expected = concat([split(first)[0], split(first)[2], *split(second), alone])
+    assert batch.group_ids == [0, 2, 10, 11, 12, 3]
+    assert batch == expected
+    assert gather([held(second, 2, i) for i in range(3)]) is second  # a whole message, as it came
