@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlflow import config as C
-from rlflow.control.controller import Controller
+from rlflow.control.controller import Controller, heartbeat_s
 from rlflow.control.ledger import NO_SIGNAL, POISON, GroupLedger, GroupState, min_version
 from rlflow.control.rounds import WeightRounds
 from rlflow.control.stats import RunStats
@@ -978,3 +978,12 @@ async def test_a_prompt_that_fails_every_time_is_dropped_as_poison_and_the_run_g
     result = audit(tmp_path)
     assert (result.lost, result.duplicated, result.trained) == (0, 0, 24)
     assert result.reasons == {"poison": 1} and "group 5: granted 2 times" in text(result)
+
+
+def test_many_replicas_are_asked_for_fewer_heartbeats_each():
+    """The controller asks for `cluster.heartbeat_s`, but at most 100 heartbeats a second of all
+    replicas together, and always four within the timeout."""
+    cluster = C.load(SIM, ["cluster.heartbeat_s=0.25", "cluster.heartbeat_timeout_s=60"]).cluster
+    assert heartbeat_s(cluster, 4) == 0.25
+    assert heartbeat_s(cluster, 82) == pytest.approx(0.82)
+    assert heartbeat_s(cluster, 100_000) == 15.0

@@ -97,7 +97,8 @@ class ClusterConfig(Table):
     """How long the controller waits for every service to say hello and get ready, and for a restarted
     replica to come back (a restart still starting after this counts as a death)."""
     heartbeat_s: PosFloat = 0.5
-    """Seconds between service heartbeats."""
+    """Seconds between service heartbeats (longer in a run of more than 50 replicas: the controller asks
+    for at most 100 a second of them all)."""
     heartbeat_timeout_s: PosFloat = 60.0
     """A service silent for this long is presumed dead (restarted, but for the trainer and the critic, whose
     loss stops the run)."""
