@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -448,6 +449,11 @@ class Service:
 #: already done when it sends. At 16,384 slots the rollout sends each group as it finishes and the
 #: trainer read, checked and acknowledged one message a group.
 JOIN_AT_MOST = 64
+#: Seconds a stage leaves between two messages while batches keep coming (a batch done sooner after
+#: the last waits, and those done meanwhile join it); one after a pause goes at once. At 16,384 slots
+#: each reward replica scored a group every 90 ms and sent it alone: the trainer took 176 messages a
+#: second, and cutting a step's batch out of 8,192 of them cost it more than its training's own time.
+SEND_EVERY_S = 0.5
 
 
 class StageService(Service):
@@ -458,7 +464,9 @@ class StageService(Service):
     `sent` (a batch went on), `idle` (work of its own while no
     batch waits: a training step) and `finish` (at shutdown, what it owes).
     Up to `max_batches` batches are worked on at once; those done while the
-    one before them went on go on together, as one batch (`JOIN_AT_MOST`).
+    one before them went on go on together, as one batch (`JOIN_AT_MOST`),
+    and while batches keep coming it sends at most one message every
+    `SEND_EVERY_S` (the wait counts as busy).
     Batches come in and go on over shared memory between services of one
     machine (`cluster.shm`).
     Its clock reads busy while any batch or work of its own is under way,
@@ -477,6 +485,8 @@ class StageService(Service):
         super().__init__(spec)
         self._working = 0
         self._waiting_out = 0
+        #: Whether its sends wait out `SEND_EVERY_S` (counted busy).
+        self._pacing = False
         self._due = trio.Event()
         #: The control channel, once `main` runs (`process` may tell the controller things).
         self.control: Control | None = None
@@ -520,7 +530,7 @@ class StageService(Service):
         return {"working": self._working, "out": self._waiting_out}
 
     def _retime(self) -> None:
-        if self._working:
+        if self._working or self._pacing:
             self.clock.set("busy")
         elif self._waiting_out:
             self.clock.set("blocked")
@@ -638,7 +648,15 @@ class StageService(Service):
                         nursery.start_soon(work, batch)
 
                 async def send() -> None:
+                    last = -math.inf
                     async for result in done_recv:
+                        if (wait := last + SEND_EVERY_S - trio.current_time()) > 0:
+                            self._pacing = True  # busy, not blocked: nothing waits for downstream
+                            self._retime()
+                            await trio.sleep(wait)
+                            self._pacing = False
+                            self._retime()
+                        last = trio.current_time()
                         results = [result]
                         while len(results) < JOIN_AT_MOST:  # and those done by now: one message
                             try:

@@ -402,6 +402,36 @@ class Passes(Slow):
     seconds = 0.0
 
 
+async def test_a_stage_sends_at_most_a_message_every_half_second_while_batches_keep_coming():
+    """Eight groups that come 0.1 s apart go on in at most three messages (the first at once, the
+    others joined over `SEND_EVERY_S`), every group once."""
+    groups = split(batch_of(8, 2))
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:0") as router,
+        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
+    ):
+        service = Passes(spec(sim_config(), "reward", transport.bound_address(router)))
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.run)
+                identity, hello = await router.recv()
+                await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
+                                                    peers={"out": [transport.bound_address(downstream)]}))
+                assert isinstance((await router.recv())[1], Ready)
+                async with transport.open_push(connect=hello.endpoints["in"]) as upstream:
+                    for g in groups:
+                        await upstream.send(g)
+                        await trio.sleep(0.1)
+                    messages = []
+                    while sum(len(m.groups) for m in messages) < len(groups):
+                        messages.append(await downstream.recv())
+                await router.send(identity, Shutdown(reason="done"))
+                while not isinstance((await router.recv())[1], Bye):
+                    pass
+    assert sorted(g for m in messages for g in m.group_ids) == list(range(8))
+    assert messages[0].group_ids == [0] and len(messages) <= 3, [m.group_ids for m in messages]
+
+
 async def test_every_stage_runs_the_shared_loop_and_hands_its_batches_on_through_shared_memory():
     """Every role between the rollout and the trainer (the registry's) is a `StageService`, and a stage's hop
     to a replica on its machine carries its tensors in shared memory, not through the socket."""
