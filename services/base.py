@@ -449,11 +449,12 @@ class Service:
 #: already done when it sends. At 16,384 slots the rollout sends each group as it finishes and the
 #: trainer read, checked and acknowledged one message a group.
 JOIN_AT_MOST = 64
-#: Seconds a stage leaves between two messages while batches keep coming (a batch done sooner after
-#: the last waits, and those done meanwhile join it); one after a pause goes at once. At 16,384 slots
-#: each reward replica scored a group every 90 ms and sent it alone: the trainer took 176 messages a
-#: second, and cutting a step's batch out of 8,192 of them cost it more than its training's own time.
-SEND_EVERY_S = 0.5
+#: Messages a second, at most, that the replicas of a stage send on together while batches keep coming:
+#: a replica leaves `replicas / MESSAGES_PER_S` seconds between two (a batch done sooner waits, and
+#: those done meanwhile join it; one after a pause goes at once). At 16,384 slots each of 16 reward
+#: replicas scored a group every 90 ms and sent it alone: the trainer took 176 messages a second, and
+#: cutting a step's batch out of 8,192 of them took it 1.4-4.8 s a step. One replica waits 20 ms at most.
+MESSAGES_PER_S = 50
 
 
 class StageService(Service):
@@ -465,8 +466,8 @@ class StageService(Service):
     batch waits: a training step) and `finish` (at shutdown, what it owes).
     Up to `max_batches` batches are worked on at once; those done while the
     one before them went on go on together, as one batch (`JOIN_AT_MOST`),
-    and while batches keep coming it sends at most one message every
-    `SEND_EVERY_S` (the wait counts as busy).
+    and while batches keep coming its replicas send at most `MESSAGES_PER_S`
+    messages a second together (the wait counts as busy).
     Batches come in and go on over shared memory between services of one
     machine (`cluster.shm`).
     Its clock reads busy while any batch or work of its own is under way,
@@ -485,7 +486,7 @@ class StageService(Service):
         super().__init__(spec)
         self._working = 0
         self._waiting_out = 0
-        #: Whether its sends wait out `SEND_EVERY_S` (counted busy).
+        #: Whether its sends wait between two messages (`MESSAGES_PER_S`; counted busy).
         self._pacing = False
         self._due = trio.Event()
         #: The control channel, once `main` runs (`process` may tell the controller things).
@@ -648,9 +649,9 @@ class StageService(Service):
                         nursery.start_soon(work, batch)
 
                 async def send() -> None:
-                    last = -math.inf
+                    last, every = -math.inf, self.spec.replicas / MESSAGES_PER_S
                     async for result in done_recv:
-                        if (wait := last + SEND_EVERY_S - trio.current_time()) > 0:
+                        if (wait := last + every - trio.current_time()) > 0:
                             self._pacing = True  # busy, not blocked: nothing waits for downstream
                             self._retime()
                             await trio.sleep(wait)

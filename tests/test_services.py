@@ -402,15 +402,17 @@ class Passes(Slow):
     seconds = 0.0
 
 
-async def test_a_stage_sends_at_most_a_message_every_half_second_while_batches_keep_coming():
-    """Eight groups that come 0.1 s apart go on in at most three messages (the first at once, the
-    others joined over `SEND_EVERY_S`), every group once."""
+async def test_a_stage_of_many_replicas_sends_fewer_messages_while_batches_keep_coming():
+    """A replica of a stage of 25 (`MESSAGES_PER_S` = 50: a message every 0.5 s at most) sends eight
+    groups that come 0.1 s apart in at most three messages (the first at once, the others joined),
+    every group once."""
     groups = split(batch_of(8, 2))
     async with (
         transport.open_router(bind="tcp://127.0.0.1:0") as router,
         transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
     ):
-        service = Passes(spec(sim_config(), "reward", transport.bound_address(router)))
+        service = Passes(msgspec.structs.replace(spec(sim_config(), "reward", transport.bound_address(router)),
+                                                 replicas=25))
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(service.run)
