@@ -506,7 +506,9 @@ class Welcome(Message, tag=11):
     version: NonNegInt = 0
     """The current policy version."""
     heartbeat_s: float = 1.0
-    """Seconds between heartbeats."""
+    """Seconds between heartbeats: the run's `cluster.heartbeat_s`, or longer in a run of many replicas (the
+    controller asks for at most 100 heartbeats a second of all replicas together, and never for fewer than
+    four within `cluster.heartbeat_timeout_s`)."""
     weights: WeightTransfer | None = None
     """To a replica that loads weights: how to receive them (its rank in a collective group); to the
     trainer: the group it hosts (its world size)."""
