@@ -36,7 +36,8 @@ from rlflow.control.record import resume as resume_record
 from rlflow.control.metrics import Sink, open_sinks
 from rlflow.control.outbox import INBOX, Door, Outboxes, farewell, take
 from rlflow.control.replicas import (
-    STATEFUL_ROLES, GiveUp, Policy, Refusal, Replica, Roster, State, Supervisor, probes_disagree, reported,
+    STATEFUL_ROLES, GiveUp, Policy, Refusal, Replica, Roster, State, Supervisor, evidence, probes_disagree,
+    reported,
 )
 from rlflow.control.rounds import Weights
 from rlflow.control.stats import RunStats, process_cpu
@@ -441,11 +442,8 @@ class Controller:
 
     def _supervise(self, replica: Replica, holders: collections.Counter[int]) -> None:
         """Judge `replica` (`holders`: the ledger's, the groups each rollout replica is generating)."""
-        beat = self.stats.last(replica.role, replica.rank)
-        progress = None if replica.role == "trainer" or beat is None else beat.counters.progress
-        holds = holders[replica.rank] > 0 if replica.role == "rollout" else \
-            beat is not None and any(v > 0 for v in beat.queues.values())
-        match self.supervisor.review(replica, progress, holds):
+        match self.supervisor.review(replica, *evidence(replica, self.stats.last(replica.role, replica.rank),
+                                                        holders)):
             case ("lose", why):
                 self._lose(replica, why, kill=True)
             case ("give_up", why):

@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 import logging
 import math
@@ -216,6 +217,16 @@ class GiveUp:
     """Do not restart it again."""
 
     reason: str
+
+
+def evidence(replica: Replica, beat: Any, holders: collections.Counter[int]) -> tuple[int | None, bool]:
+    """What `Supervisor.review` judges `replica` by: its progress counter (None for the trainer, or
+    before a heartbeat: `beat` is its last) and whether it holds work (a rollout replica: groups
+    it generates, in `holders`, the ledger's; any other: a queue its heartbeat says is not empty)."""
+    progress = None if replica.role == "trainer" or beat is None else beat.counters.progress
+    if replica.role == "rollout":
+        return progress, holders[replica.rank] > 0
+    return progress, beat is not None and any(v > 0 for v in beat.queues.values())
 
 
 class Supervisor:
