@@ -5,10 +5,12 @@ reward and teacher services' work on a batch, the trainer service's intake."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import math
 import pathlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -349,6 +351,29 @@ async def test_a_stage_service_registers_works_on_batches_and_accounts_its_time(
     assert totals["busy"] >= 2 * Slow.seconds and service.counters["samples"] == 4 * batch.n_samples
 
 
+@contextlib.asynccontextmanager
+async def stage_running(make: Any) -> AsyncIterator[tuple[Any, transport.Push, transport.Pull]]:
+    """A stage service (`make(controller address)`) welcomed by a fake controller and running: it, a PUSH
+    into it and a PULL of what it sends on; shut down (to its bye) on the way out."""
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:0") as router,
+        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
+    ):
+        service = make(transport.bound_address(router))
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(service.run)
+                identity, hello = await router.recv()
+                await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
+                                                    peers={"out": [transport.bound_address(downstream)]}))
+                assert isinstance((await router.recv())[1], Ready)
+                async with transport.open_push(connect=hello.endpoints["in"]) as upstream:
+                    yield service, upstream, downstream
+                await router.send(identity, Shutdown(reason="done"))
+                while not isinstance((await router.recv())[1], Bye):
+                    pass
+
+
 class Held(StageService):
     """Works on up to four batches at once, each until `release` is set."""
 
@@ -367,30 +392,16 @@ async def test_batches_a_stage_has_done_by_the_time_it_sends_go_on_as_one():
     """Three batches done at once go on as one message (fewer messages downstream and to the
     controller, the same groups); one done on its own afterwards goes on as it is."""
     groups = split(batch_of(4, 2))
-    async with (
-        transport.open_router(bind="tcp://127.0.0.1:0") as router,
-        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
-    ):
-        service = Held(spec(sim_config(), "reward", transport.bound_address(router)))
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(service.run)
-                identity, hello = await router.recv()
-                await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
-                                                    peers={"out": [transport.bound_address(downstream)]}))
-                assert isinstance((await router.recv())[1], Ready)
-                async with transport.open_push(connect=hello.endpoints["in"]) as upstream:
-                    for g in groups[:3]:
-                        await upstream.send(g)
-                    while service.queues()["working"] < 3:
-                        await trio.sleep(0.01)
-                    service.release.set()
-                    joined = await downstream.recv()
-                    await upstream.send(groups[3])
-                    alone = await downstream.recv()
-                await router.send(identity, Shutdown(reason="done"))
-                while not isinstance((await router.recv())[1], Bye):
-                    pass
+    async with stage_running(lambda address: Held(spec(sim_config(), "reward", address))) as (
+            service, upstream, downstream):
+        for g in groups[:3]:
+            await upstream.send(g)
+        while service.queues()["working"] < 3:
+            await trio.sleep(0.01)
+        service.release.set()
+        joined = await downstream.recv()
+        await upstream.send(groups[3])
+        alone = await downstream.recv()
     assert sorted(joined.group_ids) == [0, 1, 2] and joined.n_samples == 6
     assert alone.group_ids == [3]
     assert service.counters["groups"] == 4 and service.counters["samples"] == 8
@@ -407,29 +418,17 @@ async def test_a_stage_of_many_replicas_sends_fewer_messages_while_batches_keep_
     groups that come 0.1 s apart in at most three messages (the first at once, the others joined),
     every group once."""
     groups = split(batch_of(8, 2))
-    async with (
-        transport.open_router(bind="tcp://127.0.0.1:0") as router,
-        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
-    ):
-        service = Passes(msgspec.structs.replace(spec(sim_config(), "reward", transport.bound_address(router)),
-                                                 replicas=25))
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(service.run)
-                identity, hello = await router.recv()
-                await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t", heartbeat_s=0.05,
-                                                    peers={"out": [transport.bound_address(downstream)]}))
-                assert isinstance((await router.recv())[1], Ready)
-                async with transport.open_push(connect=hello.endpoints["in"]) as upstream:
-                    for g in groups:
-                        await upstream.send(g)
-                        await trio.sleep(0.1)
-                    messages = []
-                    while sum(len(m.groups) for m in messages) < len(groups):
-                        messages.append(await downstream.recv())
-                await router.send(identity, Shutdown(reason="done"))
-                while not isinstance((await router.recv())[1], Bye):
-                    pass
+
+    def make(address: str) -> Passes:
+        return Passes(msgspec.structs.replace(spec(sim_config(), "reward", address), replicas=25))
+
+    async with stage_running(make) as (_, upstream, downstream):
+        for g in groups:
+            await upstream.send(g)
+            await trio.sleep(0.1)
+        messages = []
+        while sum(len(m.groups) for m in messages) < len(groups):
+            messages.append(await downstream.recv())
     assert sorted(g for m in messages for g in m.group_ids) == list(range(8))
     assert messages[0].group_ids == [0] and len(messages) <= 3, [m.group_ids for m in messages]
 

@@ -454,8 +454,7 @@ def _rows_of(run: list[Held]) -> SampleBatch:
     batch = run[0].batch
     if len(run) == len(batch.groups):
         return batch
-    rows = np.concatenate([np.arange(h.a, h.b) for h in run]) if run else np.zeros(0, np.int64)
-    return take(batch, rows)
+    return take(batch, np.concatenate([np.arange(h.a, h.b) for h in run]))
 
 
 def _differ(rewards: np.ndarray) -> bool:
