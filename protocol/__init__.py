@@ -4,7 +4,20 @@ Depends on msgspec and numpy only (torch lazily, for `Tensor.torch`). See
 SPEC.md beside this file for the format in plain language.
 """
 
-from .batch import Response, SampleView, build_batch, concat, layout, samples, split, stamp, take, text_of, with_text
+from .batch import (
+    Response,
+    SampleView,
+    build_batch,
+    concat,
+    concat_groups,
+    layout,
+    samples,
+    split,
+    stamp,
+    take,
+    text_of,
+    with_text,
+)
 from .checks import validate
 from .codec import Codec, decode, encode
 from .errors import (

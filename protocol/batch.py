@@ -8,6 +8,7 @@ carries.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,54 +181,83 @@ def concat(batches: Sequence[SampleBatch]) -> SampleBatch:
     """
     if len(batches) == 1:
         return batches[0]
+    return concat_groups([(b, 0, len(b.groups)) for b in batches])
 
-    def col(name: str) -> list[np.ndarray]:
-        return [getattr(b, name).numpy() for b in batches]
 
-    def opt(name: str) -> Tensor | None:
+def concat_groups(pieces: Sequence[tuple[SampleBatch, int, int]]) -> SampleBatch:
+    """One batch of groups ``g0`` to ``g1`` (not included) of each ``(batch, g0, g1)`` of `pieces`, in order:
+    `concat` of each piece's rows, with each column copied once and no batch made per piece (a trainer cuts
+    a step of thousands of groups out of the messages they came in). A piece of a whole batch is the
+    batch's rows; the optional columns are kept as `concat` keeps them."""
+    if len(pieces) == 1 and pieces[0][1] == 0 and pieces[0][2] == len(pieces[0][0].groups):
+        return pieces[0][0]
+    batches = [b for b, _, _ in pieces]
+    firsts: dict[int, list[int]] = {}  # id(batch) -> the first row of each group, and the row count
+    rows, tokens, prompts = [], [], []  # per piece: (first, end) of its rows, of its tokens, of its prompt ids
+    for b, g0, g1 in pieces:
+        first = firsts.get(id(b))
+        if first is None:
+            first = firsts[id(b)] = [0, *itertools.accumulate(g.size for g in b.groups)]
+        a, z = first[g0], first[g1]
+        r_off, p_off = b.response_offsets.numpy(), b.prompt_offsets.numpy()
+        rows.append((a, z))
+        tokens.append((int(r_off[a]), int(r_off[z])))
+        prompts.append((int(p_off[g0]), int(p_off[g1])))
+
+    groups = [(g0, g1) for _, g0, g1 in pieces]
+
+    def col(name: str, spans: list[tuple[int, int]]) -> list[np.ndarray]:
+        return [getattr(b, name).numpy()[a:z] for b, (a, z) in zip(batches, spans)]
+
+    def opt(name: str, spans: list[tuple[int, int]]) -> Tensor | None:
         values = [getattr(b, name) for b in batches]
         if any(v is None for v in values) or len({v.shape[1:] for v in values}) > 1:
             return None
-        return Tensor.from_numpy(np.concatenate([v.numpy() for v in values]))
+        return Tensor.from_numpy(np.concatenate(col(name, spans)))
+
+    def offsets(name: str, spans: list[tuple[int, int]]) -> Tensor:
+        """The offsets column `name` of the rows `spans` say (each with its end)."""
+        return Tensor.from_numpy(_join_offsets(col(name, [(a, z + 1) for a, z in spans])))
 
     detail_keys = set.intersection(*(set(b.reward_details) for b in batches)) if batches else set()
     failures, row0 = [], 0
-    for b in batches:
-        if b.failures:
-            failures += [msgspec.structs.replace(f, index=f.index + row0) for f in b.failures]
-        row0 += b.n_samples
+    for b, (a, z) in zip(batches, rows):
+        failures += [msgspec.structs.replace(f, index=f.index - a + row0) for f in b.failures if a <= f.index < z]
+        row0 += z - a
     width = max((b.stamps.shape[1] for b in batches), default=N_STAGES)
     stamps = []
-    for s in col("stamps"):
+    for s in col("stamps", rows):
         if s.shape[1] < width:
             s = np.concatenate([s, np.full((s.shape[0], width - s.shape[1]), np.nan)], axis=1)
         stamps.append(s)
     return SampleBatch(
-        groups=[g for b in batches for g in b.groups],
-        prompt_ids=Tensor.from_numpy(_cat(col("prompt_ids"), np.int32)),
-        prompt_offsets=Tensor.from_numpy(_join_offsets(col("prompt_offsets"))),
-        sample_index=Tensor.from_numpy(_cat(col("sample_index"), np.int32)),
-        response_ids=Tensor.from_numpy(_cat(col("response_ids"), np.int32)),
-        response_offsets=Tensor.from_numpy(_join_offsets(col("response_offsets"))),
-        logprobs=Tensor.from_numpy(_cat(col("logprobs"), np.float32)),
-        versions=Tensor.from_numpy(_cat(col("versions"), np.int32)),
-        finish_reason=Tensor.from_numpy(_cat(col("finish_reason"), np.uint8)),
+        groups=[g for b, g0, g1 in pieces for g in b.groups[g0:g1]],
+        prompt_ids=Tensor.from_numpy(_cat(col("prompt_ids", prompts), np.int32)),
+        prompt_offsets=offsets("prompt_offsets", groups),
+        sample_index=Tensor.from_numpy(_cat(col("sample_index", rows), np.int32)),
+        response_ids=Tensor.from_numpy(_cat(col("response_ids", tokens), np.int32)),
+        response_offsets=offsets("response_offsets", rows),
+        logprobs=Tensor.from_numpy(_cat(col("logprobs", tokens), np.float32)),
+        versions=Tensor.from_numpy(_cat(col("versions", tokens), np.int32)),
+        finish_reason=Tensor.from_numpy(_cat(col("finish_reason", rows), np.uint8)),
         stamps=Tensor.from_numpy(np.concatenate(stamps) if stamps else np.zeros((0, width))),
-        rewards=opt("rewards"),
+        rewards=opt("rewards", rows),
         reward_details={
-            k: Tensor.from_numpy(np.concatenate([b.reward_details[k].numpy() for b in batches]))
+            k: Tensor.from_numpy(np.concatenate([b.reward_details[k].numpy()[a:z] for b, (a, z) in zip(batches, rows)]))
             for k in sorted(detail_keys)
         },
-        teacher_logprobs=opt("teacher_logprobs"),
-        ref_logprobs=opt("ref_logprobs"),
+        teacher_logprobs=opt("teacher_logprobs", tokens),
+        ref_logprobs=opt("ref_logprobs", tokens),
         failures=failures,
-        **_topk(opt("teacher_topk_ids"), opt("teacher_topk_logprobs")),
-        advantages=opt("advantages"),
-        loss_mask=_masks([(None if b.loss_mask is None else b.loss_mask.numpy(), b.n_tokens) for b in batches]),
-        env_rewards=_turn_rewards([r for b in batches for r in _rows_of(b.env_rewards, b.n_samples)]),
-        **{name: opt(name) for name in _CRITIC_COLUMNS},
-        **_joined_text(batches, "response_text"),
-        **_joined_text(batches, "prompt_text"),
+        **_topk(opt("teacher_topk_ids", tokens), opt("teacher_topk_logprobs", tokens)),
+        advantages=opt("advantages", rows),
+        loss_mask=_masks([(None if b.loss_mask is None else b.loss_mask.numpy()[a:z], z - a)
+                          for b, (a, z) in zip(batches, tokens)]),
+        env_rewards=_turn_rewards([r for b, (a, z) in zip(batches, rows) for r in _rows_of(b.env_rewards, a, z)]),
+        **{name: opt(name, tokens) for name in ("values", "returns", "token_advantages")},
+        critic_versions=opt("critic_versions", rows),
+        **_joined_text(batches, "response_text", rows),
+        **_joined_text(batches, "prompt_text", groups),
     )
 
 
@@ -243,19 +273,21 @@ def layout(batch: SampleBatch) -> tuple:
     )
 
 
-def _joined_text(batches: Sequence[SampleBatch], name: str) -> dict[str, Tensor]:
-    """The text column `name` of the rows of all `batches`, if every one has it."""
+def _joined_text(batches: Sequence[SampleBatch], name: str, spans: Sequence[tuple[int, int]]) -> dict[str, Tensor]:
+    """The text column `name` of rows ``a`` to ``z`` of each of `batches` (`spans`), if every one has it."""
     if any(getattr(b, name) is None for b in batches):
         return {}
-    return {
-        name: Tensor.from_numpy(_cat([getattr(b, name).numpy() for b in batches], np.uint8)),
-        f"{name}_offsets": Tensor.from_numpy(_join_offsets([getattr(b, f"{name}_offsets").numpy() for b in batches])),
-    }
+    data, offsets = [], []
+    for b, (a, z) in zip(batches, spans):
+        off = getattr(b, f"{name}_offsets").numpy()
+        data.append(getattr(b, name).numpy()[off[a] : off[z]])
+        offsets.append(off[a : z + 1])
+    return {name: Tensor.from_numpy(_cat(data, np.uint8)), f"{name}_offsets": Tensor.from_numpy(_join_offsets(offsets))}
 
 
-def _rows_of(column: Tensor | None, n: int) -> list[np.ndarray | None]:
-    """The rows of an optional 2-D per-sample column (n times None without it)."""
-    return [None] * n if column is None else list(column.numpy())
+def _rows_of(column: Tensor | None, a: int, z: int) -> list[np.ndarray | None]:
+    """Rows `a` to `z` of an optional 2-D per-sample column (None each without it)."""
+    return [None] * (z - a) if column is None else list(column.numpy()[a:z])
 
 
 def _topk(ids: Tensor | None, logprobs: Tensor | None) -> dict[str, Tensor | None]:
@@ -383,7 +415,7 @@ _TOKEN_COLUMNS = (
     "returns",
     "token_advantages",
 )
-_ROW_COLUMNS = ("sample_index", "finish_reason", "stamps", "rewards", "env_rewards", "critic_versions")
+_ROW_COLUMNS = ("sample_index", "finish_reason", "stamps", "rewards", "advantages", "env_rewards", "critic_versions")
 #: The columns the critic fills in (kept by `concat` only if every batch has them).
 _CRITIC_COLUMNS = ("values", "returns", "token_advantages", "critic_versions")
 #: The columns `concat` keeps only if every batch has them, of one shape past the first axis.
@@ -501,16 +533,18 @@ def _offsets(lengths: Sequence[int]) -> np.ndarray:
 
 
 def _join_offsets(parts: Sequence[np.ndarray]) -> np.ndarray:
-    """The offsets of the concatenation of the columns that `parts` split
-    (each runs from 0 to its column's length), in one pass over all of them
-    rather than one per part: a trainer joins thousands of groups a step."""
+    """The offsets of the concatenation of the spans of columns that `parts` give (each the offsets of a
+    run of rows, from wherever in its column the run starts), in one pass over all of them rather than one
+    per part: a trainer joins thousands of groups a step."""
     sizes = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
     joined = np.concatenate(parts, dtype=np.int64)
     ends = np.cumsum(sizes)
-    # Each part starts where the ones before it end, and its leading 0 goes.
+    starts = ends - sizes
+    # Each part from 0, then from where the ones before it end; its leading 0 goes.
+    joined -= np.repeat(joined[starts], sizes)
     bases = np.zeros(len(parts), dtype=np.int64)
     np.cumsum(joined[ends[:-1] - 1], out=bases[1:])
     joined += np.repeat(bases, sizes)
     keep = np.ones(len(joined), dtype=bool)
-    keep[(ends - sizes)[1:]] = False
+    keep[starts[1:]] = False
     return joined[keep]

@@ -166,6 +166,26 @@ def test_batches_of_one_layout_lose_no_column_when_joined(batches):
     assert P.layout(no_rewards) != P.layout(examples()["SampleBatch"])  # concat would drop the rewards
 
 
+@given(st.lists(sample_batches(), min_size=1, max_size=3), st.data())
+@settings(suppress_health_check=[HealthCheck.too_slow])
+def test_groups_cut_from_several_batches_are_the_batches_of_those_groups_joined(batches, data):
+    """`concat_groups` (a trainer's step, cut from the messages its groups came in) makes the batch that
+    joining a batch of each piece's groups would: rows, optional columns, text and failures."""
+    pieces = []
+    for b in batches:
+        for _ in range(data.draw(st.integers(0, 2)) if b.groups else 0):
+            g0 = data.draw(st.integers(0, len(b.groups) - 1))
+            pieces.append((b, g0, data.draw(st.integers(g0 + 1, len(b.groups)))))
+    if not any(g.size for b, g0, g1 in pieces for g in b.groups[g0:g1]):
+        return  # no rows: an episode's rewards column of none is [0, K] in a group's own batch, nil when joined
+    cut = P.concat_groups(pieces)
+    P.validate(cut)
+    assert cut == P.concat([part for b, g0, g1 in pieces for part in P.split(b)[g0:g1]])
+    whole = batches[0]
+    if whole.groups:
+        assert P.concat_groups([(whole, 0, len(whole.groups))]) is whole
+
+
 def test_a_batch_whose_columns_disagree_cannot_be_made_or_received():
     batch = examples()["SampleBatch"]
     with pytest.raises(ValueError, match="response_offsets"):

@@ -51,7 +51,7 @@ from rlflow.protocol import (
     WeightsGroup,
     WeightsReady,
     WeightsZmq,
-    concat,
+    concat_groups,
     stamp,
     take,
 )
@@ -71,8 +71,8 @@ ACK_EVERY = 64
 @dataclass(slots=True)
 class Held:
     """A group in the trainer's buffer: group `index` of `batch`, its rows `a` to `b` (the message it came
-    in, kept whole: a step's batch is cut from the messages, one `take` each, not made of a batch per
-    group, which at 16,384 slots cost the trainer more than the rest of its work on a group)."""
+    in, kept whole: a step's batch is cut from the messages, each column copied once (`gather`), not made of
+    a batch per group, which at 16,384 slots cost the trainer more than the rest of its work on a group)."""
 
     group_id: int
     oldest: int | None
@@ -437,24 +437,15 @@ def _columns(batch: SampleBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def gather(held: list[Held]) -> SampleBatch:
-    """One batch of the `held` groups, in order: a `take` of each run of them that came in one message."""
-    parts, run = [], []
+    """One batch of the `held` groups, in order: their rows of the messages they came in, copied once
+    (`concat_groups` of each run of them that lie next to each other in one message)."""
+    pieces: list[list] = []
     for h in held:
-        if run and h.batch is not run[0].batch:
-            parts.append(_rows_of(run))
-            run = []
-        run.append(h)
-    if run:
-        parts.append(_rows_of(run))
-    return concat(parts)
-
-
-def _rows_of(run: list[Held]) -> SampleBatch:
-    """The rows of `run` (groups of one batch, in its order) as a batch."""
-    batch = run[0].batch
-    if len(run) == len(batch.groups):
-        return batch
-    return take(batch, np.concatenate([np.arange(h.a, h.b) for h in run]))
+        if pieces and pieces[-1][0] is h.batch and pieces[-1][2] == h.index:
+            pieces[-1][2] += 1
+        else:
+            pieces.append([h.batch, h.index, h.index + 1])
+    return concat_groups(pieces)
 
 
 def _differ(rewards: np.ndarray) -> bool:
