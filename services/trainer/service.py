@@ -317,6 +317,9 @@ class TrainerService(Service):
         async for msg in inbox:
             await self._accept_all(inbox, control, first=msg)
             self._arrived.set()
+            # The step's turn between two takes (its training may have ended meanwhile): a long queue
+            # holds this loop ACK_EVERY messages at a time, not until it is empty.
+            await trio.lowlevel.checkpoint()
 
     async def collect(self, inbox: transport.Pull, control: Control, want: int) -> list[Held]:
         """The next `want` groups fit to train on, oldest policy first (in the order they came).
