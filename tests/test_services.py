@@ -666,6 +666,28 @@ async def test_the_reward_service_scores_every_sample_and_keeps_failed_ones_unsc
     assert not np.isnan(scored.stamps.numpy()[:, Stage.REWARD_END]).any()
 
 
+async def test_a_simulated_reward_scores_a_batch_at_once_as_it_would_sample_by_sample():
+    """At zero latency the simulated task scores a whole batch at once (`score_all`): the rewards and
+    their parts are those it gives sample by sample (as it still does where a sample has failed)."""
+    service = RewardService(spec(sim_config("roles.reward.engine.latency_s={kind='fixed', value=0.0}"), "reward"))
+    batch = batch_of(5, 8)
+    batch = msgspec.structs.replace(batch, groups=[msgspec.structs.replace(g, group_id=2**40 + 7 * g.group_id)
+                                                   for g in batch.groups])
+    score, service.task.score = service.task.score, lambda *_: pytest.fail("scored sample by sample")
+    at_once = await service.process(batch)
+    service.task.score = score
+    one_by_one = [service.task.score(view.group, view.index, view.response_ids) for view in samples(batch)]
+    assert at_once.rewards.tolist() == [reward for reward, _ in one_by_one]
+    assert 0 < sum(at_once.rewards.tolist()) < 40
+    details = {"correct": [parts["correct"] for _, parts in one_by_one]}
+    assert {k: v.tolist() for k, v in at_once.reward_details.items()} == details
+    assert not np.isnan(at_once.stamps.numpy()[:, Stage.REWARD_END]).any()
+    failed = SampleFailure(index=3, stage=Stage.ROLLOUT_END, kind="engine_error", message="refused")
+    alone = await service.process(msgspec.structs.replace(batch, failures=[failed]))  # sample by sample
+    assert np.isnan(alone.rewards.numpy()[3])
+    assert np.array_equal(np.delete(alone.rewards.numpy(), 3), np.delete(at_once.rewards.numpy(), 3))
+
+
 async def test_a_reward_that_hangs_is_a_failed_sample_and_the_service_goes_on():
     config = sim_config("roles.reward.engine={kind='task', timeout_s=1.0, concurrency=4}")
     service = RewardService(spec(config, "reward"))
