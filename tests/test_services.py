@@ -433,6 +433,41 @@ async def test_a_stage_of_many_replicas_sends_fewer_messages_while_batches_keep_
     assert messages[0].group_ids == [0] and len(messages) <= 3, [m.group_ids for m in messages]
 
 
+async def test_a_rollout_of_many_replicas_sends_fewer_messages_while_groups_keep_finishing():
+    """A replica of a rollout of 25 sends eight groups that finish 0.1 s apart in at most three messages
+    (the first at once, the others joined), every group once, and an `Ack` of the groups of each."""
+    from rlflow.protocol import Response
+
+    service = RolloutService(msgspec.structs.replace(spec(sim_config(), "rollout"), replicas=25))
+    response = Response(token_ids=np.arange(3, dtype=np.int32), logprobs=np.zeros(3, np.float32),
+                        versions=np.zeros(3, np.int32), finish_reason=0)
+    acks: list[Ack] = []
+
+    class Control:
+        async def send(self, msg: Ack) -> None:
+            acks.append(msg)
+
+    finishing, finished = trio.open_memory_channel(2)
+    async with (
+        transport.open_pull(bind="tcp://127.0.0.1:0") as downstream,
+        transport.open_push(connect=transport.bound_address(downstream)) as out,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(service.send_finished, out, Control(), finished)
+        with trio.fail_after(30):
+            for g in range(8):
+                await finishing.send([(PromptGroup(group_id=g, prompt_ids=[1, 2], n=2), [response, response])])
+                await trio.sleep(0.1)
+            messages = []
+            while sum(len(m.groups) for m in messages) < 8:
+                messages.append(await downstream.recv())
+        nursery.cancel_scope.cancel()
+    assert sorted(g for m in messages for g in m.group_ids) == list(range(8))
+    assert messages[0].group_ids == [0] and len(messages) <= 3, [m.group_ids for m in messages]
+    assert [a.group_ids for a in acks] == [m.group_ids for m in messages]
+    assert all(a.stage == Stage.ROLLOUT_END for a in acks)
+
+
 async def test_every_stage_runs_the_shared_loop_and_hands_its_batches_on_through_shared_memory():
     """Every role between the rollout and the trainer (the registry's) is a `StageService`, and a stage's hop
     to a replica on its machine carries its tensors in shared memory, not through the socket."""

@@ -22,6 +22,7 @@ group an agent abandons is dropped (`Dropped`, reason ``abandoned``).
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 
 import numpy as np
@@ -50,7 +51,7 @@ from rlflow.protocol import (
     concat,
     with_text,
 )
-from rlflow.services.base import Control, EngineContext, Service, follow, shm_settings
+from rlflow.services.base import MESSAGES_PER_S, Control, EngineContext, Service, follow, shm_settings
 from rlflow.services.rollout.engine import Finished, RolloutEngine
 from rlflow.services.rollout.agents import ABANDONED, AgentEndpoint
 from rlflow.services.rollout.episodes import EpisodeRunner
@@ -277,8 +278,16 @@ class RolloutService(Service):
         engine.inline = inline
 
     async def send_finished(self, out: transport.Push, control: Control, source: trio.MemoryReceiveChannel) -> None:
-        """Send finished groups on, and tell the controller they left."""
+        """Send finished groups on, and tell the controller they left: the rollout's replicas together at
+        most `MESSAGES_PER_S` messages a second, as a stage's (the groups that finish before a replica's
+        next turn join the message; the engine is never held up meanwhile)."""
+        last, every = -math.inf, self.spec.replicas / MESSAGES_PER_S
         async for finished in source:
+            if last + every > trio.current_time():
+                with trio.move_on_at(last + every):
+                    async for more in source:
+                        finished += more
+            last = trio.current_time()
             while True:  # and whatever else has finished by now
                 try:
                     finished += source.receive_nowait()
