@@ -73,7 +73,7 @@ class Workload:
     update_s: float = 0.0
     """From the trainer publishing a version to the rollout generating with it."""
     reward_s: float = 0.0
-    """Scoring delay per group between rollout and trainer."""
+    """Delay per group between rollout and trainer (scoring, and waiting to be sent on)."""
     batch_size: int = 32
     samples_per_prompt: int = 8
     max_staleness: int = 2
@@ -392,6 +392,9 @@ def workload_from_run(run_dir: str | pathlib.Path) -> tuple[Workload, int, int]:
         trainer_device_s_per_token=trainer_cost,
         step_overhead_s=overhead,
         update_s=summary.weights_load_s_mean,
+        # A group's way from the rollout to the trainer, as its samples' stamps measured it.
+        reward_s=float(np.median(transits)) if (transits := [r.train["transit_s"] for r in rows
+                                                             if "transit_s" in r.train]) else 0.0,
         batch_size=config.run.batch_size,
         samples_per_prompt=config.run.samples_per_prompt,
         max_staleness=config.run.staleness,

@@ -219,6 +219,8 @@ class TrainerService(Service):
                     staleness_max=float(staleness[1]),
                 )
                 metrics.update(episode_stats(batch))
+                if (transit := transit_s(batch)) is not None:
+                    metrics["transit_s"] = transit
                 # What the step waited for groups (the credits' pace reads it: `run.credits`), and
                 # the groups the signal filter dropped meanwhile.
                 starved = self.clock.totals()["starved"]
@@ -459,6 +461,16 @@ def has_signal(group: SampleBatch) -> bool:
     """Whether a group's rewards differ (group-relative advantages are all 0 where they do not;
     a single sample has no group to differ from)."""
     return _differ(group.rewards.numpy() if group.rewards is not None else np.zeros(0))
+
+
+def transit_s(batch: SampleBatch) -> float | None:
+    """The mean time of a step's samples from the rollout's end to the trainer (scoring, and waiting to
+    be sent on, at each role between), where they carry both stamps; `rlflow plan` replays it."""
+    stamps = batch.stamps.numpy()
+    if stamps.shape[1] <= Stage.TRAINER_RECEIVED:
+        return None
+    transit = stamps[:, Stage.TRAINER_RECEIVED] - stamps[:, Stage.ROLLOUT_END]
+    return float(np.nanmean(transit)) if np.isfinite(transit).any() else None
 
 
 def episode_stats(batch: SampleBatch) -> dict[str, float]:
