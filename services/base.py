@@ -50,6 +50,7 @@ from rlflow.protocol import (
     layout,
 )
 from rlflow import timeline
+from rlflow.roles import MESSAGES_PER_S
 from rlflow.rundir import RunDir
 from rlflow.startup import ServiceSpec
 from rlflow.tasks.core import Task, load_tokenizer, make_task, needs_tokenizer
@@ -449,13 +450,6 @@ class Service:
 #: already done when it sends. At 16,384 slots the rollout sends each group as it finishes and the
 #: trainer read, checked and acknowledged one message a group.
 JOIN_AT_MOST = 64
-#: Messages a second, at most, that the replicas of a stage (and of the rollout) send on together while
-#: batches keep coming: a replica leaves `replicas / MESSAGES_PER_S` seconds between two (a batch done
-#: sooner waits, and those done meanwhile join it; one after a pause goes at once). At 16,384 slots each
-#: of 16 reward replicas scored a group every 90 ms and sent it alone: the trainer took 176 messages a
-#: second, and cutting a step's batch out of 8,192 of them took it 1.4-4.8 s a step; the 64 rollout
-#: replicas sent 220 messages a second of a group each. One replica waits 20 ms at most.
-MESSAGES_PER_S = 50
 
 
 class StageService(Service):

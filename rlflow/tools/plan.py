@@ -36,7 +36,7 @@ import numpy as np
 import tomli_w
 
 from rlflow.config import SimRollout, SimTrainer, load
-from rlflow.roles import ROLES
+from rlflow.roles import MESSAGES_PER_S, ROLES
 from rlflow.rundir import RunDir
 
 
@@ -392,9 +392,7 @@ def workload_from_run(run_dir: str | pathlib.Path) -> tuple[Workload, int, int]:
         trainer_device_s_per_token=trainer_cost,
         step_overhead_s=overhead,
         update_s=summary.weights_load_s_mean,
-        # A group's way from the rollout to the trainer, as its samples' stamps measured it.
-        reward_s=float(np.median(transits)) if (transits := [r.train["transit_s"] for r in rows
-                                                             if "transit_s" in r.train]) else 0.0,
+        reward_s=paced_s(config),
         batch_size=config.run.batch_size,
         samples_per_prompt=config.run.samples_per_prompt,
         max_staleness=config.run.staleness,
@@ -403,6 +401,14 @@ def workload_from_run(run_dir: str | pathlib.Path) -> tuple[Workload, int, int]:
         learner=learner,
     )
     return workload, rollout_devices, trainer_devices
+
+
+def paced_s(config) -> float:
+    """A group's mean wait, on its way from the rollout to the trainer, for the next message of each
+    replica that sends it on while groups keep coming (half of `replicas / MESSAGES_PER_S` at each).
+    Its measured transit would not do: that counts its wait for a trainer that holds the run back too."""
+    return sum(getattr(config.roles, role.name).replicas / MESSAGES_PER_S / 2 for role in ROLES
+               if role.hands_on == "samples" and getattr(config.roles, role.name, None) is not None)
 
 
 def _devices(config, role: str) -> int:

@@ -51,7 +51,8 @@ from rlflow.protocol import (
     concat,
     with_text,
 )
-from rlflow.services.base import MESSAGES_PER_S, Control, EngineContext, Service, follow, shm_settings
+from rlflow.roles import MESSAGES_PER_S
+from rlflow.services.base import Control, EngineContext, Service, follow, shm_settings
 from rlflow.services.rollout.engine import Finished, RolloutEngine
 from rlflow.services.rollout.agents import ABANDONED, AgentEndpoint
 from rlflow.services.rollout.episodes import EpisodeRunner
