@@ -113,8 +113,7 @@ def uniform_all(*keys: int | np.ndarray) -> np.ndarray:
     unsigned arithmetic wraps as the masks do)."""
     x = np.zeros(max((np.size(k) for k in keys), default=0), dtype=np.uint64)
     for key in keys:
-        x += np.asarray(key).astype(np.int64).view(np.uint64) if isinstance(key, np.ndarray) else \
-            np.uint64(key & _MASK64)
+        x += key.astype(np.int64).view(np.uint64) if isinstance(key, np.ndarray) else np.uint64(key & _MASK64)
         x += np.uint64(0x9E3779B97F4A7C15)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from rlflow.config import EnvReward, FunctionsReward, SimReward, TaskReward
+from rlflow.config import EnvReward, Fixed, FunctionsReward, SimReward, TaskReward
 from rlflow.distributions import draw
 from rlflow.protocol import SampleBatch, SampleFailure, SampleView, Stage, Tensor, samples, stamp
 from rlflow.rewards import Sample, Status
@@ -109,9 +109,8 @@ class Scorer:
         """The batch scored at once, where the task can (`score_all`), the reward takes no time and no
         sample has failed; else None."""
         score_all = getattr(self.task, "score_all", None)
-        if score_all is None or batch.failures or batch.env_rewards is not None or \
-                not isinstance(self.engine, SimReward) or (delays := self.delays(batch.n_samples)) is None or \
-                (delays > 0).any():
+        instant = isinstance(self.engine, SimReward) and self.engine.latency_s == Fixed(value=0.0)
+        if score_all is None or not instant or batch.failures or batch.env_rewards is not None:
             return None
         sizes = [g.size for g in batch.groups]
         group_ids = np.repeat(np.fromiter((g.group_id for g in batch.groups), np.int64, len(sizes)), sizes)

@@ -465,7 +465,7 @@ def has_signal(group: SampleBatch) -> bool:
 
 def transit_s(batch: SampleBatch) -> float | None:
     """The mean time of a step's samples from the rollout's end to the trainer (scoring, and waiting to
-    be sent on, at each role between), where they carry both stamps; `rlflow plan` replays it."""
+    be sent on, at each role between), where they carry both stamps."""
     stamps = batch.stamps.numpy()
     if stamps.shape[1] <= Stage.TRAINER_RECEIVED:
         return None
