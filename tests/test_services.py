@@ -811,11 +811,16 @@ async def test_the_trainer_takes_groups_off_the_stream_while_a_step_trains(monke
     assert service.counters["duplicates"] == 1 and service.counters["samples"] == 8
 
 
-async def test_the_trainer_acknowledges_the_groups_already_waiting_in_one_message():
+async def test_the_trainer_acknowledges_the_groups_already_waiting_in_one_message(monkeypatch):
     """Groups that wait in the trainer's socket when it reads are acknowledged to the controller
     together: one `Ack`, not one a message (a message to the controller per group at wide scale)."""
     config = sim_config("run.batch_size=32", "run.steps=1", "roles.trainer.engine.weights_bytes=4096")
     groups = split(batch_of(10, 2))
+    # The trainer binds in-process endpoints here: over inproc a message sent is in the receiver's
+    # queue when `send` returns, so all ten are waiting when the trainer first reads (over TCP they
+    # cross ZeroMQ's I/O threads, and on a loaded machine some were still on the way after a second).
+    names = iter(range(1_000_000))
+    monkeypatch.setattr(transport, "tcp_address", lambda host="": f"inproc://trainer-ack-{next(names)}")
     async with transport.open_router(bind="tcp://127.0.0.1:0") as router:
         service = trainer_service.TrainerService(spec(config, "trainer", transport.bound_address(router)))
         acks = []
@@ -823,10 +828,10 @@ async def test_the_trainer_acknowledges_the_groups_already_waiting_in_one_messag
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(service.run)
                 identity, hello = await router.recv()
+                assert hello.endpoints["in"].startswith("inproc://")
                 async with transport.open_push(connect=hello.endpoints["in"]) as upstream:
                     for g in groups:  # before the welcome: the trainer reads nothing yet
                         await upstream.send(g)
-                    await trio.sleep(1.0)  # into the trainer's socket
                     await router.send(identity, Welcome(schema_version=SCHEMA_VERSION, run_id="t",
                                                         heartbeat_s=0.05, weights=hello.weights))
                     while sum(len(a.group_ids) for a in acks) < len(groups):
