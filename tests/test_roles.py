@@ -44,28 +44,78 @@ def test_the_roles_a_config_lists_are_in_the_registrys_order():
     assert names == [n for n in NAMES if n in names] and "critic" in names
 
 
-#: Outside its folder, what names each role besides its entry: the config, the wire's columns, and the
-#: algorithm that reads them (GAE; the KL and distillation terms) with the trainer's loss.
+#: Outside its folder, what names each role by an identifier besides its entry, its config and its
+#: columns: the algorithm that reads its columns (GAE; the KL and distillation terms) and the trainer's
+#: loss and figures over them.
 NAMED_BY = {
-    "critic": ["rlflow/algo/values.py"],
-    "teacher": ["rlflow/algo/losses.py"],
+    "critic": ["rlflow/algo/values.py", "services/trainer/service.py", "services/trainer/sim.py"],
+    "teacher": ["rlflow/algo/losses.py", "services/critic/service.py", "services/trainer/torch_engine.py",
+                "services/trainer/trained.py"],
 }
+#: Where every role is named: its registry entry, the config (a folder), the wire's stages and columns.
+NAMED_BY_ALL = ["rlflow/roles.py", "rlflow/config/", "protocol/batch.py", "protocol/checks.py",
+                "protocol/messages.py"]
+
+
+def identifier_words(name: str) -> set[str]:
+    """The lower-case words of an identifier, snake_case or CamelCase (`critic_stats` and
+    `TorchCritic` both hold the word `critic`)."""
+    import re
+
+    return {w.lower() for piece in re.split(r"[._:]+", name)
+            for w in re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", piece)}
+
+
+def names_in(source: str) -> set[str]:
+    """Every identifier a module's code uses or defines, and every string constant spelled like one
+    (a role's name as a key: `BY_NAME["critic"]`); not the prose of its comments and docstrings."""
+    import ast
+
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        match node:
+            case ast.Name(id=name) | ast.Attribute(attr=name) | ast.arg(arg=name) | ast.keyword(arg=str(name)):
+                out.add(name)
+            case ast.FunctionDef(name=name) | ast.AsyncFunctionDef(name=name) | ast.ClassDef(name=name):
+                out.add(name)
+            case ast.alias(name=name, asname=asname):
+                out |= {name, asname or ""}
+            case ast.ImportFrom(module=str(module)):
+                out.add(module)
+            case ast.Constant(value=str(text)) if text.isidentifier():
+                out.add(text)
+    return out
+
+
+def test_names_are_read_by_identifier_not_by_whole_word():
+    source = ('critic_stats = 1\nclass TorchCritic: ...\ndef f(): "The critic, in prose."\n'
+              'x = BY_NAME["critic"]\n')
+    assert {n for n in names_in(source) if "critic" in identifier_words(n)} == {"critic_stats", "TorchCritic",
+                                                                                 "critic"}
+    prose = '"""the critic\'s values"""\ncriticism = 1  # the critic\n'
+    assert not {n for n in names_in(prose) if "critic" in identifier_words(n)}
+
+
+def _under(path: str, place: str) -> bool:
+    return path == place or (place.endswith("/") and path.startswith(place))
 
 
 @pytest.mark.parametrize("role", sorted(NAMED_BY))
 def test_a_role_is_named_outside_its_folder_only_by_its_entry_its_config_its_columns_and_their_algorithm(role):
     """What a role is lives in its folder and its registry entry; the tools reach it through the entry
-    (`report`, `curves`, `plan`, `models`, `asked_by`, `RunDir.role_checkpoint`)."""
+    (`report`, `curves`, `plan`, `models`, `asked_by`, `RunDir.role_checkpoint`). Read by identifier:
+    `critic_stats` names the critic, a docstring's prose does not."""
     import importlib
-    import re
 
-    word = re.compile(rf"\b{role}\b", re.IGNORECASE)
     naming = sorted(str(path.relative_to(ROOT)) for top in ("rlflow", "services", "protocol")
                     for path in (ROOT / top).rglob("*.py")
-                    if not path.is_relative_to(ROOT / "services" / role) and word.search(path.read_text()))
-    assert naming == sorted(["protocol/batch.py", "protocol/messages.py", "rlflow/config/checks.py",
-                             "rlflow/config/schema.py", "rlflow/roles.py", "services/trainer/torch_engine.py",
-                             *NAMED_BY[role]])
+                    if not path.is_relative_to(ROOT / "services" / role)
+                    and any(role in identifier_words(name) for name in names_in(path.read_text())))
+    allowed = [*NAMED_BY_ALL, *NAMED_BY[role]]
+    strays = [path for path in naming if not any(_under(path, place) for place in allowed)]
+    assert strays == [], f"modules outside services/{role}/ that name the {role}: {strays}"
+    # Each place allowed to name it does: a stale entry would let a stray in there unseen.
+    assert [place for place in allowed if not any(_under(path, place) for path in naming)] == []
     # Its entry's hooks resolve.
     for hook in (BY_NAME[role].report, BY_NAME[role].plan):
         if hook:
