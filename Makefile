@@ -36,8 +36,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 up: venv
 	$(BIN)/rlflow up $(ARGS)
 
-# A whole run writes each test's seconds into tests/durations.json, which
-# chooses the tests of `make test-fast`; the slowest 15 are printed at the end.
+# A whole run keeps each test's seconds in pytest's cache, which chooses the
+# tests of `make test-fast` (tests/durations.json on a fresh clone; ARGS=
+# --save-durations rewrites it); the slowest 15 are printed at the end.
 test: venv
 	$(BIN)/python -m pytest --durations=15 $(ARGS)
 

@@ -77,6 +77,8 @@ def late_starts(run_dir, batch_size: int, max_staleness: int) -> list[tuple[int,
 
 #: Each test's seconds in the last whole run (setup, call and teardown), and its fixtures that outlive it.
 DURATIONS = os.path.join(os.path.dirname(__file__), "durations.json")
+#: Where a whole run keeps its seconds (pytest's cache, not tracked by git): `--fast` reads them first.
+CACHE_KEY = "rlflow/durations"
 #: `--fast` runs the tests that took under this, without a fixture that took longer to set up.
 FAST_S = 1.0
 _timed: dict[str, float] = {}
@@ -84,9 +86,12 @@ _timed: dict[str, float] = {}
 
 def pytest_addoption(parser):
     parser.addoption("--fast", action="store_true",
-                     help="the edit loop: only tests the last whole run (tests/durations.json) "
+                     help="the edit loop: only tests the last whole run here (else tests/durations.json) "
                           f"timed under {FAST_S:g} s, none of them needing a fixture that took longer to set up; "
-                          "new tests too")
+                          "a test no run has timed is left out")
+    parser.addoption("--save-durations", action="store_true",
+                     help="also write this whole run's seconds into tests/durations.json (the lanes a fresh "
+                          "clone starts with), to commit on purpose")
 
 
 def _shared_fixtures(item) -> list[str]:
@@ -101,18 +106,20 @@ def pytest_collection_modifyitems(config, items):
         return
     import json
 
-    try:
-        with open(DURATIONS) as f:
-            timed = json.load(f)
-    except (OSError, ValueError):
-        return
+    timed = _cache(config).get(CACHE_KEY, None) if _cache(config) is not None else None
+    if not timed:
+        try:
+            with open(DURATIONS) as f:
+                timed = json.load(f)
+        except (OSError, ValueError):
+            return
     # A shared fixture is dear when a test that set it up took long to: each test that needs it pays it alone.
     dear = {name for record in timed.values() if record["setup_s"] > FAST_S for name in record["shared"]}
     keep, slow = [], []
     for item in items:
         record = timed.get(item.nodeid)
         dear_fixture = any(name in dear for name in _shared_fixtures(item))
-        (slow if dear_fixture or (record is not None and record["total_s"] > FAST_S) else keep).append(item)
+        (slow if record is None or dear_fixture or record["total_s"] > FAST_S else keep).append(item)
     config.hook.pytest_deselected(items=slow)
     items[:] = keep
 
@@ -123,7 +130,8 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session, exitstatus):
     """End the rank processes kept between tests; after a whole run of the suite (no selection of any
-    kind), write each test's seconds for `--fast`."""
+    kind), keep each test's seconds for `--fast` in pytest's cache (and in tests/durations.json with
+    `--save-durations`)."""
     import json
 
     if "ranks" in sys.modules:  # the rank processes tests/ranks.py keeps between jobs
@@ -138,6 +146,14 @@ def pytest_sessionfinish(session, exitstatus):
         phases = {when: _timed.get(f"{item.nodeid}:{when}", 0.0) for when in ("setup", "call", "teardown")}
         records[item.nodeid] = {"total_s": round(sum(phases.values()), 3), "setup_s": round(phases["setup"], 3),
                                 "shared": _shared_fixtures(item)}
-    with open(DURATIONS, "w") as f:
-        json.dump(records, f, indent=0, sort_keys=True)
-        f.write("\n")
+    if _cache(config) is not None:
+        _cache(config).set(CACHE_KEY, records)
+    if config.getoption("--save-durations"):
+        with open(DURATIONS, "w") as f:
+            json.dump(records, f, indent=0, sort_keys=True)
+            f.write("\n")
+
+
+def _cache(config):
+    """pytest's cache (None under `-p no:cacheprovider`)."""
+    return getattr(config, "cache", None)
