@@ -104,7 +104,7 @@ class Record(msgspec.Struct, array_like=True, frozen=True, omit_defaults=True):
 # ---------------------------------------------------------------------------
 
 
-class PromptGroup(Message, tag=1):
+class PromptGroup(Message, tag=1, frozen=True):
     """One prompt to be answered `n` times (a GRPO group)."""
 
     group_id: NonNegInt
@@ -123,7 +123,7 @@ class PromptGroup(Message, tag=1):
     """Generation must not start on weights older than this policy version."""
 
 
-class GroupInfo(Record):
+class GroupInfo(Record, frozen=True):
     """Per-group part of a `SampleBatch`: the group's samples are contiguous."""
 
     group_id: NonNegInt
@@ -140,7 +140,7 @@ class GroupInfo(Record):
     """Copied from the `PromptGroup`."""
 
 
-class SampleFailure(Record):
+class SampleFailure(Record, frozen=True):
     """A per-sample failure, carried in-band instead of a made-up value."""
 
     index: NonNegInt
@@ -153,7 +153,7 @@ class SampleFailure(Record):
     """What happened, for a person."""
 
 
-class SampleBatch(Message, tag=2):
+class SampleBatch(Message, tag=2, frozen=True):
     """Samples of one or more groups, stored column by column.
 
     Let ``n`` be the number of samples, ``G = len(groups)`` and ``T`` the total
@@ -248,7 +248,7 @@ class SampleBatch(Message, tag=2):
         return [g.group_id for g in self.groups]
 
 
-class ParamSpec(Record):
+class ParamSpec(Record, frozen=True):
     """Where one parameter lies in a flat weight buffer."""
 
     name: str
@@ -261,7 +261,7 @@ class ParamSpec(Record):
     """Byte offset in the flat buffer."""
 
 
-class WeightsZmq(Record, tag=1):
+class WeightsZmq(Record, tag=1, frozen=True):
     """Weights are fetched from the trainer's weight server: a `WeightsRequest`
     to its ROUTER at `address`, answered by one `WeightsPayload`."""
 
@@ -269,7 +269,7 @@ class WeightsZmq(Record, tag=1):
     """The weight server's ZeroMQ address (the trainer binds it)."""
 
 
-class _Collective(Record):
+class _Collective(Record, frozen=True):
     """Fields of the collective transfers (a base, never sent itself)."""
 
     host: str
@@ -289,7 +289,7 @@ class _Collective(Record):
     parameter boundaries into pieces of at most this many bytes (0: one piece, the whole buffer)."""
 
 
-class WeightsGloo(_Collective, tag=2):
+class WeightsGloo(_Collective, tag=2, frozen=True):
     """Weights are broadcast over a torch.distributed gloo group (CPU): trainer
     rank 0 is rank 0 of the group and hosts its TCPStore rendezvous at
     `host`:`port`; each receiver joins with its `rank`. Every update is a flat
@@ -297,7 +297,7 @@ class WeightsGloo(_Collective, tag=2):
     `bucket_bytes` cut at parameter boundaries."""
 
 
-class WeightsNccl(_Collective, tag=3):
+class WeightsNccl(_Collective, tag=3, frozen=True):
     """Weights are broadcast over NCCL between GPUs, as vLLM's "nccl" weight-transfer
     backend receives them (see SPEC.md, *Weights*): trainer rank 0 is NCCL rank 0 and
     hosts the rendezvous at `host`:`port`; `rank` and `world_size` count members (the
@@ -318,7 +318,7 @@ class AdapterUpdate(enum.IntEnum):
     PER_REQUEST = 1  #: each request keeps the adapter version it started with until it ends
 
 
-class Adapter(Record):
+class Adapter(Record, frozen=True):
     """A LoRA adapter (PEFT's format) on a frozen base model: weight updates
     carry only its tensors, and every replica serves the base with it."""
 
@@ -339,7 +339,7 @@ class Adapter(Record):
 # ---------------------------------------------------------------------------
 
 
-class Counters(Record):
+class Counters(Record, frozen=True):
     """What a replica has done since it started, each count monotonic. A role
     keeps the counts that apply to it and leaves the others at 0."""
 
@@ -429,7 +429,7 @@ class Counters(Record):
                 + self.critic_steps - self.failed_samples)
 
 
-class EngineLoad(Record):
+class EngineLoad(Record, frozen=True):
     """A rollout replica's engine now (its scheduler's view)."""
 
     slots: NonNegInt = 0
@@ -444,7 +444,7 @@ class EngineLoad(Record):
     """Requests preempted so far for want of KV-cache room (each recomputes later)."""
 
 
-class Hello(Message, tag=10):
+class Hello(Message, tag=10, frozen=True):
     """A service's first message to the controller, sent once its endpoints are bound."""
 
     role: Role
@@ -494,7 +494,7 @@ class Hello(Message, tag=10):
     SPEC.md, *Text*); false: token ids alone."""
 
 
-class Welcome(Message, tag=11):
+class Welcome(Message, tag=11, frozen=True):
     """The controller's answer to `Hello`: who to stream to, and the clock."""
 
     schema_version: int
@@ -526,14 +526,14 @@ class Welcome(Message, tag=11):
     to any of them fills in the text columns of every batch it sends (see SPEC.md, *Text*)."""
 
 
-class Ready(Message, tag=12):
+class Ready(Message, tag=12, frozen=True):
     """The service has connected to its peers and can take work."""
 
     version: NonNegInt = 0
     """Policy version of the weights it holds."""
 
 
-class Heartbeat(Message, tag=13):
+class Heartbeat(Message, tag=13, frozen=True):
     """Periodic liveness and metrics. Times are cumulative seconds since start."""
 
     seq: NonNegInt
@@ -557,7 +557,7 @@ class Heartbeat(Message, tag=13):
     """A rollout replica: its engine's load now (nil: another role)."""
 
 
-class Credits(Message, tag=14):
+class Credits(Message, tag=14, frozen=True):
     """Permission to start prompt groups. ``group_ids[i]`` may not start on
     weights older than ``min_versions[i]``."""
 
@@ -570,7 +570,7 @@ class Credits(Message, tag=14):
         _same_length(self, "group_ids", "min_versions")
 
 
-class StepDone(Message, tag=15):
+class StepDone(Message, tag=15, frozen=True):
     """The trainer finished an optimizer step; this acknowledges the groups it used."""
 
     step: NonNegInt
@@ -583,7 +583,7 @@ class StepDone(Message, tag=15):
     """The step's loss, reward, staleness and other statistics."""
 
 
-class Expired(Message, tag=16):
+class Expired(Message, tag=16, frozen=True):
     """Groups a role dropped without using (e.g. too stale); to be reissued."""
 
     group_ids: list[NonNegInt]
@@ -599,7 +599,7 @@ class Expired(Message, tag=16):
             _same_length(self, "group_ids", "errors")
 
 
-class WeightsReady(Message, tag=17):
+class WeightsReady(Message, tag=17, frozen=True):
     """The trainer (rank 0) has a new policy version to publish (trainer -> controller)."""
 
     version: NonNegInt
@@ -611,7 +611,7 @@ class WeightsReady(Message, tag=17):
     not checked."""
 
 
-class UpdateWeights(Message, tag=18):
+class UpdateWeights(Message, tag=18, frozen=True):
     """Load policy `version` (controller -> each replica that loads weights)."""
 
     version: NonNegInt
@@ -620,7 +620,7 @@ class UpdateWeights(Message, tag=18):
     """A new collective group to join before receiving (nil: the one from `Welcome`, or the last one given)."""
 
 
-class WeightsLoaded(Message, tag=19):
+class WeightsLoaded(Message, tag=19, frozen=True):
     """A replica now generates with `version`."""
 
     version: NonNegInt
@@ -632,7 +632,7 @@ class WeightsLoaded(Message, tag=19):
     handed them to its engine; the controller fails the run when it is not the trainer's."""
 
 
-class Shutdown(Message, tag=22):
+class Shutdown(Message, tag=22, frozen=True):
     """Stop, release resources and exit."""
 
     reason: str = ""
@@ -641,7 +641,7 @@ class Shutdown(Message, tag=22):
     """To the controller from outside the run (`rlflow down`): the run's secret, without which it is ignored."""
 
 
-class ErrorReport(Message, tag=23):
+class ErrorReport(Message, tag=23, frozen=True):
     """Something went wrong. From a replica: `fatal` means it is exiting. From the
     controller: `fatal` means the replica must exit (it was refused or replaced)."""
 
@@ -678,7 +678,7 @@ CONTROLLER_ERROR_KINDS = {
 }
 
 
-class Bye(Message, tag=24):
+class Bye(Message, tag=24, frozen=True):
     """The service exits cleanly."""
 
     reason: str = ""
@@ -690,7 +690,7 @@ class Bye(Message, tag=24):
 # ---------------------------------------------------------------------------
 
 
-class WeightsRequest(Message, tag=40):
+class WeightsRequest(Message, tag=40, frozen=True):
     """Ask a weight server for a policy version."""
 
     version: NonNegInt
@@ -700,7 +700,7 @@ class WeightsRequest(Message, tag=40):
     memory (empty: in frames)."""
 
 
-class WeightsPayload(Message, tag=41):
+class WeightsPayload(Message, tag=41, frozen=True):
     """Parameters of one policy version, one tensor (and frame) each."""
 
     version: NonNegInt
@@ -714,7 +714,7 @@ class WeightsPayload(Message, tag=41):
         _same_length(self, "names", "tensors")
 
 
-class Ack(Message, tag=25):
+class Ack(Message, tag=25, frozen=True):
     """These groups have passed `stage` at the sending replica (e.g. a rollout
     replica has finished generating them and sent them on)."""
 
@@ -724,7 +724,7 @@ class Ack(Message, tag=25):
     """The groups."""
 
 
-class Evaluate(Message, tag=26):
+class Evaluate(Message, tag=26, frozen=True):
     """Evaluate the task's held-out set with the weights held now (controller -> rollout)."""
 
     version: NonNegInt
@@ -737,7 +737,7 @@ class Evaluate(Message, tag=26):
 NO_SIGNAL = "no_signal"
 
 
-class Dropped(Message, tag=29):
+class Dropped(Message, tag=29, frozen=True):
     """Groups a role dropped for good (e.g. their reward could not be
     computed): they are counted with the reason and never granted again."""
 
@@ -747,7 +747,7 @@ class Dropped(Message, tag=29):
     """Why, for the ledger and the log (`no_signal`: the signal filter's, not a fault)."""
 
 
-class Peers(Message, tag=30):
+class Peers(Message, tag=30, frozen=True):
     """The addresses to stream to now (controller -> replica), when a replica
     of the next role has been replaced: connect to the new ones, let go of
     the others."""
@@ -760,7 +760,7 @@ class Peers(Message, tag=30):
     """As `Welcome.text_peers`."""
 
 
-class WeightsGroup(Message, tag=31):
+class WeightsGroup(Message, tag=31, frozen=True):
     """The collective group the trainer now hosts (trainer rank 0 ->
     controller), after `SendWeights` asked for a new generation, once the
     sends asked before it are done: its rendezvous port, for the controller
@@ -771,7 +771,7 @@ class WeightsGroup(Message, tag=31):
     """The group (its `generation` the one asked for)."""
 
 
-class SendWeights(Message, tag=28):
+class SendWeights(Message, tag=28, frozen=True):
     """Send policy `version` to the replicas that load weights (controller -> every trainer rank)."""
 
     version: NonNegInt
@@ -781,7 +781,7 @@ class SendWeights(Message, tag=28):
     size; the trainer picks the port and says so in `WeightsGroup` before it sends."""
 
 
-class EvalDone(Message, tag=27):
+class EvalDone(Message, tag=27, frozen=True):
     """Results of an `Evaluate` (rollout -> controller)."""
 
     version: NonNegInt
@@ -799,7 +799,7 @@ class EvalDone(Message, tag=27):
 # ---------------------------------------------------------------------------
 
 
-class ChatMessage(Record):
+class ChatMessage(Record, frozen=True):
     """One chat message of an observation, as the chat template renders it."""
 
     role: str
@@ -812,7 +812,7 @@ class ChatMessage(Record):
     """A tool's message: the id of the call it answers (empty: the call had none)."""
 
 
-class ToolCall(Record):
+class ToolCall(Record, frozen=True):
     """A tool call the rollout parsed out of a model turn."""
 
     name: str
@@ -823,7 +823,7 @@ class ToolCall(Record):
     """The call's id, where the model's format has one."""
 
 
-class ToolResult(Record):
+class ToolResult(Record, frozen=True):
     """How one tool call of a step ended (the observation says what it returned)."""
 
     name: str
@@ -833,7 +833,7 @@ class ToolResult(Record):
     or ``unparsed`` (the turn's tool calls could not be parsed)."""
 
 
-class EnvReset(Message, tag=50):
+class EnvReset(Message, tag=50, frozen=True):
     """Start the episodes of a group (rollout -> env replica): the environment's first
     observation of the group's dataset row, which every episode of the group starts from."""
 
@@ -849,7 +849,7 @@ class EnvReset(Message, tag=50):
     """Also send the environment's scripted model turns for this row, where it has them (`rlflow check`)."""
 
 
-class EnvStep(Message, tag=51):
+class EnvStep(Message, tag=51, frozen=True):
     """One model turn of one episode, for the environment to answer (rollout -> env replica).
     With tool calls, the tools run and their results are the observation; without, the
     environment's `step` answers."""
@@ -878,7 +878,7 @@ class EnvStep(Message, tag=51):
     """The episode's earlier model turns, as text, in order."""
 
 
-class EnvReply(Message, tag=52):
+class EnvReply(Message, tag=52, frozen=True):
     """The answer to an `EnvReset` or `EnvStep` (env replica -> rollout): an observation,
     as plain text or as chat messages, and for a step the environment's reward and
     whether the episode is over."""

