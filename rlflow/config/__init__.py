@@ -2,9 +2,14 @@
 
 One module per job:
 
-* `schema`: the tables, msgspec Structs that forbid unknown keys, with
-  bounded numbers, tagged unions on a ``kind`` key for alternatives (which
-  engine a role runs) and a docstring on every field;
+* the tables, msgspec Structs that forbid unknown keys, with bounded numbers,
+  tagged unions on a ``kind`` key for alternatives (which engine a role runs)
+  and a docstring on every field: `schema` (the root, `Config`, and the
+  tables of no role), one module per role (`rollout`, `reward`, `teacher`,
+  `trainer`, `critic`, `env`: its `[roles.NAME]` table and its engines),
+  `run` (`[run]` and `[task]`), `cluster` (`[cluster]`, `[pools.NAME]`),
+  and `base` (what they share: `Table`, bounded numbers, distributions, and
+  `RoleTable` / `StartedRole`, the fields every role's table has);
 * `loading`: `load` reads the file, applies the overrides to the same raw
   tables and validates the whole; `to_toml` writes the resolved config;
 * `checks`: what involves several fields (a role's pool exists, sync mode
@@ -22,60 +27,39 @@ from rlflow.config.checks import check
 from rlflow.config.environment import EnvironmentSpec, ToolSpec
 from rlflow.config.errors import ConfigError
 from rlflow.config.loading import apply_override, from_dict, load, resolve_run_dir, to_toml
-from rlflow.config.schema import (
-    ADAPTER_DIR,
-    ArithTask,
-    ClusterConfig,
-    Config,
-    CriticEngine,
-    CriticRole,
-    DatasetTask,
+from rlflow.config.base import (
     Distribution,
-    EnvReward,
-    AgentsConfig,
-    EnvRole,
-    EvalConfig,
     Fixed,
     Fraction,
-    FunctionsReward,
+    kind_of,
     LogNormal,
-    Lora,
-    MetricsConfig,
-    ModelTeacher,
     NonNegFloat,
     NonNegInt,
     Pareto,
-    PoolConfig,
     PosFloat,
     PosInt,
-    ReasoningGymTask,
-    RewardEngine,
-    RewardRole,
-    RolesConfig,
-    RolloutEngine,
-    RolloutRole,
-    RunConfig,
-    SimCritic,
-    SimReward,
-    SimRollout,
-    SimTask,
-    SimTeacher,
-    SimTrainer,
+    RoleTable,
+    StartedRole,
     Table,
-    TaskConfig,
-    TaskReward,
-    TeacherEngine,
-    TeacherRole,
-    TorchCritic,
-    TorchTrainer,
-    TrainerEngine,
-    TrackioConfig,
-    TrainerRole,
-    VllmRollout,
-    WandbConfig,
-    kind_of,
-    undocumented_fields,
 )
+from rlflow.config.cluster import ClusterConfig, PoolConfig
+from rlflow.config.critic import CriticEngine, CriticRole, SimCritic, TorchCritic
+from rlflow.config.env import EnvRole
+from rlflow.config.reward import EnvReward, FunctionsReward, RewardEngine, RewardRole, SimReward, TaskReward
+from rlflow.config.rollout import RolloutEngine, RolloutRole, SimRollout, VllmRollout
+from rlflow.config.run import ArithTask, DatasetTask, ReasoningGymTask, RunConfig, SimTask, TaskConfig
+from rlflow.config.schema import (
+    AgentsConfig,
+    Config,
+    EvalConfig,
+    MetricsConfig,
+    RolesConfig,
+    TrackioConfig,
+    undocumented_fields,
+    WandbConfig,
+)
+from rlflow.config.teacher import ModelTeacher, SimTeacher, TeacherEngine, TeacherRole
+from rlflow.config.trainer import ADAPTER_DIR, Lora, SimTrainer, TorchTrainer, TrainerEngine, TrainerRole
 
 __all__ = [
     "ADAPTER_DIR",
@@ -87,6 +71,8 @@ __all__ = [
     "CriticRole",
     "DatasetTask",
     "Distribution",
+    "RoleTable",
+    "StartedRole",
     "EnvReward",
     "AgentsConfig",
     "EnvRole",

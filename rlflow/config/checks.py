@@ -10,19 +10,14 @@ import msgspec
 
 from rlflow.config.environment import check_tools
 from rlflow.config.errors import MISSING, ConfigError
-from rlflow.config.schema import (
-    Config,
-    DatasetTask,
-    EnvReward,
-    FunctionsReward,
-    ModelTeacher,
-    ReasoningGymTask,
-    SimCritic,
-    SimRollout,
-    SimTrainer,
-    TorchTrainer,
-    kind_of,
-)
+from rlflow.config.base import kind_of
+from rlflow.config.critic import SimCritic
+from rlflow.config.reward import EnvReward, FunctionsReward
+from rlflow.config.rollout import SimRollout
+from rlflow.config.run import DatasetTask, ReasoningGymTask
+from rlflow.config.schema import Config
+from rlflow.config.teacher import ModelTeacher
+from rlflow.config.trainer import SimTrainer, TorchTrainer
 from rlflow.rewards.core import check_specs
 
 

@@ -1,0 +1,76 @@
+"""The critic role's tables: `[roles.critic]` and its engines (simulated, torch)."""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from rlflow.config.base import Fraction, NonNegFloat, NonNegInt, PosFloat, PosInt, RoleTable, Table
+
+
+class SimCritic(Table, tag_field="kind", tag="sim", frozen=True):
+    """A simulated critic: a fixed time per token for its forward pass and for its step; its values are
+    0, so the advantages it attaches are the discounted rewards."""
+
+    forward_s_per_token: NonNegFloat = 0.0
+    """Time to compute the value of one response token."""
+    step_s_per_token: NonNegFloat = 0.0
+    """Time to train on one response token (forward, backward and optimizer step together)."""
+    step_overhead_s: NonNegFloat = 0.0
+    """Fixed time per optimizer step."""
+
+
+class TorchCritic(Table, tag_field="kind", tag="torch", frozen=True):
+    """A Hugging Face model with a scalar value head (its token-classification class with one label),
+    trained by regression on the returns with a clipped value loss, sharded over the critic's ranks
+    with FSDP2 as the trainer is."""
+
+    model: str = "policy"
+    """Where the critic starts: "policy" (the policy's starting weights, with a new value head that
+    outputs 0) or a directory (a critic saved by an earlier run, or another model with the policy's
+    tokenizer)."""
+    lr: PosFloat = 1e-4
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    weight_decay: NonNegFloat = 0.0
+    """AdamW weight decay."""
+    grad_clip: PosFloat = 1.0
+    """Clip the gradient's global norm to this."""
+    value_clip: NonNegFloat = 0.5
+    """PPO's clipped value loss: a new value may move at most this far from the value attached to the
+    sample before its loss stops pulling it (0: no clipping)."""
+    micro_batch_tokens: PosInt = 8192
+    """Tokens per forward / backward pass (samples are packed up to this)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameters and compute."""
+    mixed_precision: bool | Literal["auto"] = False
+    """On a CPU, the forward and backward passes in bfloat16 over weights kept in `dtype`, as the
+    torch trainer's setting of that name (auto: where the CPU multiplies bf16 itself)."""
+
+
+CriticEngine = Union[SimCritic, TorchCritic]
+
+
+class CriticRole(RoleTable, kw_only=True, frozen=True):
+    """The role that learns a value function: per batch, on its way to the trainer, it computes each
+    response token's value with its current weights, attaches GAE advantages and returns, sends the
+    batch on, then trains itself on it, while the trainer takes its own step."""
+
+    pool: str
+    """Name of the pool its replicas run on."""
+    replicas: PosInt = 1
+    """Critic ranks: one model sharded across them with FSDP2 (as the trainer's ranks); rank 0 takes
+    the stream."""
+    engine: CriticEngine = SimCritic()
+    """The value model and its settings."""
+    gamma: Fraction = 1.0
+    """Discount of GAE."""
+    lam: Fraction = 0.95
+    """GAE's lambda: 0 is the one-step TD error, 1 the return minus the value (Monte Carlo)."""
+    max_staleness: NonNegInt = 1
+    """Steps the critic may owe: it computes values for new samples while at most this many of its
+    full batches (`run.batch_size` groups each) wait for its step (0: it steps as soon as a batch is
+    full, before computing more values)."""
+    warmup_steps: NonNegInt = 0
+    """The first this many steps train the critic while the actor does not move (the trainer takes
+    them without changing its weights, so the values fit the starting policy first)."""
