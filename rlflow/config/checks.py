@@ -14,7 +14,7 @@ from rlflow.config.base import kind_of
 from rlflow.config.critic import SimCritic
 from rlflow.config.reward import EnvReward, FunctionsReward
 from rlflow.config.rollout import SimRollout
-from rlflow.config.run import DatasetTask, ReasoningGymTask
+from rlflow.config.run import IMPLIED_STALENESS, DatasetTask, ReasoningGymTask
 from rlflow.config.schema import Config
 from rlflow.config.teacher import ModelTeacher
 from rlflow.config.trainer import SimTrainer, TorchTrainer
@@ -44,7 +44,7 @@ def check(config: Config) -> None:
         )
     run = config.run
     if run.max_staleness is not None and run.mode != "async":
-        implied = {"sync": 0, "one_step": 1}[run.mode]
+        implied = IMPLIED_STALENESS[run.mode]
         if run.max_staleness != implied:
             raise ConfigError(
                 "run.max_staleness", run.max_staleness, f"must be {implied} (or left out) when run.mode = {run.mode!r}"

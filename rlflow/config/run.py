@@ -7,6 +7,10 @@ from typing import Literal, Union
 
 from rlflow.config.base import Fraction, NonNegInt, PosInt, Table
 
+#: The staleness bound each mode implies where `run.max_staleness` is left out; sync and one_step
+#: allow no other (the one place this rule is written: `RunConfig.staleness` and `checks` read it).
+IMPLIED_STALENESS = {"sync": 0, "one_step": 1, "async": 2}
+
 
 class RunConfig(Table, frozen=True):
     """The algorithmic shape of the run."""
@@ -65,9 +69,8 @@ class RunConfig(Table, frozen=True):
 
     @property
     def staleness(self) -> int:
-        if self.max_staleness is not None:
-            return self.max_staleness
-        return {"sync": 0, "one_step": 1, "async": 2}[self.mode]
+        """The staleness bound in force: `max_staleness`, or the mode's (`IMPLIED_STALENESS`)."""
+        return self.max_staleness if self.max_staleness is not None else IMPLIED_STALENESS[self.mode]
 
 
 class ArithTask(Table, tag_field="kind", tag="arith", frozen=True):
