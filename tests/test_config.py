@@ -217,3 +217,11 @@ def test_config_show_prints_the_effective_config_which_loads_back_the_same(capsy
                                                      ["run.steps=7", "roles.rollout.engine.max_tokens=50"])
     assert main(["config", "show", "--set", "run.stepz=7"]) == 2
     assert "run.stepz = 7: unknown key" in capsys.readouterr().err
+
+
+def test_a_renamed_key_is_refused_with_its_new_name():
+    text = (ROOT / "examples" / "ppo.toml").read_text()
+    assert "\nmax_steps_owed = 1" in text
+    with pytest.raises(C.ConfigError) as caught:
+        C.load(text=text.replace("\nmax_steps_owed = 1", "\nmax_staleness = 1", 1))
+    assert caught.value.key == "roles.critic.max_staleness" and "roles.critic.max_steps_owed" in str(caught.value)

@@ -36,7 +36,7 @@ def critic_config(model: pathlib.Path, *overrides: str) -> C.Config:
         "roles.critic.replicas=2",
         f'roles.critic.engine={{kind="torch", model="{model}", micro_batch_tokens=256}}',
         "roles.critic.warmup_steps=1",
-        "roles.critic.max_staleness=1",
+        "roles.critic.max_steps_owed=1",
         "roles.trainer.engine.checkpoint_every=2",
         "run.batch_size=4",
         "run.samples_per_prompt=2",
@@ -55,7 +55,7 @@ def test_a_run_with_a_critic_attaches_trains_reports_and_resumes(ray_cluster, tm
     # Its columns reached the trainer on every step; the actor was held in the warm-up alone.
     assert all("critic_value_loss" in r.train and "critic_staleness_max" in r.train for r in rows)
     assert [r.train.get("actor_held", 0.0) for r in rows] == [1.0, 0.0, 0.0, 0.0]
-    # Values from a critic at most max_staleness steps behind its stream (the trainer may take a group a
+    # Values from a critic at most max_steps_owed steps behind its stream (the trainer may take a group a
     # step earlier or later than its place in the stream).
     assert max(r.train["critic_staleness_max"] for r in rows) <= 1 + 1
     status = folder.read_status()

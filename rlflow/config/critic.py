@@ -67,7 +67,7 @@ class CriticRole(RoleTable, kw_only=True, frozen=True):
     """Discount of GAE."""
     lam: Fraction = 0.95
     """GAE's lambda: 0 is the one-step TD error, 1 the return minus the value (Monte Carlo)."""
-    max_staleness: NonNegInt = 1
+    max_steps_owed: NonNegInt = 1
     """Steps the critic may owe: it computes values for new samples while at most this many of its
     full batches (`run.batch_size` groups each) wait for its step (0: it steps as soon as a batch is
     full, before computing more values)."""

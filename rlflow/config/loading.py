@@ -34,10 +34,26 @@ def load(path: str | pathlib.Path | None = None, overrides: list[str] = (), *, t
         raise ConfigError(str(path or "<config>"), "(file)", f"is not valid TOML: {exc}") from None
     mode = _mode(raw)
     keys = [apply_override(raw, item) for item in overrides]
+    _refuse_renamed(raw)
     if _mode(raw) not in (mode, None) and not any(key in ("run", "run.max_staleness") for key in keys):
         # The mode implies its staleness: the file's bound was for the mode it named.
         raw["run"].pop("max_staleness", None)
     return from_dict(raw)
+
+
+#: Keys given a new name (old key -> new key): a config with the old one is refused with the new one named.
+RENAMED = {"roles.critic.max_staleness": "roles.critic.max_steps_owed"}
+
+
+def _refuse_renamed(raw: dict[str, Any]) -> None:
+    for old, new in RENAMED.items():
+        *path, last = old.split(".")
+        table: Any = raw
+        for part in path:
+            table = table.get(part) if isinstance(table, dict) else None
+        if isinstance(table, dict) and last in table:
+            raise ConfigError(old, table[last], f"is now {new} (one name per meaning: run.max_staleness is the "
+                              "policy's bound); rename the key")
 
 
 def _mode(raw: dict[str, Any]) -> Any:

@@ -31,6 +31,7 @@ import math
 import pathlib
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import tomli_w
@@ -52,7 +53,7 @@ class Learner:
     """Time per token to compute values, on one device."""
     step_s_per_token: float
     """Time per token of its optimizer step, on one device."""
-    max_staleness: int = 1
+    max_steps_owed: int = 1
     """Steps it may owe while it computes values for new groups."""
 
 
@@ -169,7 +170,7 @@ def simulate(w: Workload, rollout_devices: int, trainer_devices: int, steps: int
         if learner_job is not None or learner is None or not learner_devices:
             return
         due = len(owed) // B
-        if due > learner.max_staleness or (due and not valuing):
+        if due > learner.max_steps_owed or (due and not valuing):
             learner_job = ("step", owed[:B])
             del owed[:B]
             cost = learner.step_s_per_token
@@ -423,6 +424,7 @@ def _devices(config, role: str) -> int:
 def pools_section(best: Prediction, w: Workload, gpus: bool) -> str:
     """The pools and role placement for a layout, as TOML to paste into a config."""
     unit = "gpus_per_bundle" if gpus else "cpus_per_bundle"
+    table: dict[str, dict[str, Any]]
     if best.layout == "colocated":
         table = {
             "pools": {"all": {"bundles_per_node": best.rollout_devices, unit: 1.0}},

@@ -19,4 +19,4 @@ def costs(folder: RunDir, config: Any, devices: int) -> dict[str, float]:
         raise ValueError(f"{folder.path} has a critic but no record of its work (trace/critic-0.json)")
     return {"forward_s_per_token": counters.get("value_s", 0.0) / counters["tokens"] * devices,
             "step_s_per_token": counters.get("critic_step_s", 0.0) / counters["critic_tokens"] * devices,
-            "max_staleness": config.roles.critic.max_staleness}
+            "max_steps_owed": config.roles.critic.max_steps_owed}

@@ -11,7 +11,7 @@ attached as columns with the critic version that made them, and the batch
 sent on to the trainer; then, each time a step's worth of groups
 (`run.batch_size`) has gone by, one optimizer step on them (its own work,
 while no batch waits), while the trainer takes its own step on them. It
-computes values for new batches while at most `max_staleness` of its steps
+computes values for new batches while at most `max_steps_owed` of its steps
 are owed, so the trainer does not wait for a critic step, and the values it
 gets lag the critic's stream by a bounded number of steps (the trainer
 reports by how many versions, per step).
@@ -97,8 +97,8 @@ class CriticService(StageService):
             nursery.cancel_scope.cancel()
 
     async def process(self, batch: SampleBatch) -> SampleBatch:
-        """`batch` valued, after the steps owed past `max_staleness` (values never lag further)."""
-        while self.owed > self.role.max_staleness:
+        """`batch` valued, after the steps owed past `max_steps_owed` (values never lag further)."""
+        while self.owed > self.role.max_steps_owed:
             await self.step()
         return await self.value(batch)
 
