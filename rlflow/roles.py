@@ -62,6 +62,10 @@ class RoleSpec:
     """Models rlflow builds for the role (``rlflow model build NAME``; on first use by a config that names
     one): (name, held-out accuracy its warm start stops at, most warm-start steps), each the default
     model's recipe warm-started further."""
+    counters: tuple[tuple[str, str], ...] = ()
+    """Families of counts its replicas keep by name, each (prefix, field): a count named
+    ``<prefix>.<key>`` goes to the `Counters` map `field` under ``<key>`` (e.g. ``reward.<function>.<status>``
+    to `reward_calls`). A new count of a family is one line where it is counted; a new family, one entry here."""
 
 
 #: Messages a second, at most, that the replicas of a stage (and of the rollout) send on together while
@@ -75,11 +79,12 @@ MESSAGES_PER_S = 50
 
 ROLES: tuple[RoleSpec, ...] = (
     RoleSpec("rollout", 1, "rlflow.services.rollout.service:RolloutService", takes="credits", hands_on="samples",
-             busy="generating", versioned=True, external=True),
+             busy="generating", versioned=True, external=True, counters=(("agents", "agent_events"),)),
     RoleSpec("env", 5, "rlflow.services.env.service:EnvService", takes="requests", hands_on="replies",
-             busy="stepping episodes", optional=True, external=True, asked_by="rollout"),
+             busy="stepping episodes", optional=True, external=True, asked_by="rollout",
+             counters=(("env", "env_calls"),)),
     RoleSpec("reward", 2, "rlflow.services.reward.service:RewardService", takes="samples", hands_on="samples",
-             busy="scoring", external=True),
+             busy="scoring", external=True, counters=(("reward", "reward_calls"),)),
     RoleSpec("teacher", 3, "rlflow.services.teacher.service:TeacherService", takes="samples", hands_on="samples",
              busy="scoring", optional=True, external=True,
              curves=(("kl_teacher", "KL"),), curves_title="KL to the teacher (per token)",
@@ -102,6 +107,8 @@ NAMES: tuple[str, ...] = tuple(role.name for role in ROLES)
 STATEFUL: tuple[str, ...] = tuple(role.name for role in ROLES if role.stateful)
 #: Roles whose replicas hold a policy version.
 VERSIONED: tuple[str, ...] = tuple(role.name for role in ROLES if role.versioned)
+#: Prefix of a family of counts -> the `Counters` map it goes to (`RoleSpec.counters`, every role's).
+COUNTER_FAMILIES: dict[str, str] = {prefix: field for role in ROLES for prefix, field in role.counters}
 #: Roles whose replicas a user may start.
 EXTERNAL: tuple[str, ...] = tuple(role.name for role in ROLES if role.external)
 

@@ -50,7 +50,7 @@ from rlflow.protocol import (
     layout,
 )
 from rlflow import timeline
-from rlflow.roles import MESSAGES_PER_S
+from rlflow.roles import COUNTER_FAMILIES, MESSAGES_PER_S
 from rlflow.rundir import RunDir
 from rlflow.startup import ServiceSpec
 from rlflow.tasks.core import Task, load_tokenizer, make_task, needs_tokenizer
@@ -233,27 +233,21 @@ _COUNTS = {f.name: isinstance(f.type, msgspec.inspect.IntType) for f in msgspec.
 
 
 def typed_counters(counts: Counter[str], rejected: Counter[str] | None = None) -> Counters:
-    """A service's counts by name as the wire's `Counters` (``reward.<function>.<status>``
-    counts go to `reward_calls`, ``env.<call>.<status>`` ones to `env_calls`, ``agents.<event>`` ones to
-    `agent_events`). A name
-    `Counters` does not have is a bug: it raises."""
+    """A service's counts by name as the wire's `Counters`: a name of a family the role registry
+    declares (`rlflow.roles.COUNTER_FAMILIES`: ``reward.<function>.<status>``, ``env.<call>.<status>``,
+    ``agents.<event>``) goes to the family's map, any other to the field of its name. A name `Counters`
+    does not have is a bug: it raises."""
     plain: dict[str, Any] = {}
-    calls: dict[str, int] = {}
-    env_calls: dict[str, int] = {}
-    agents: dict[str, int] = {}
+    families: dict[str, dict[str, int]] = {field: {} for field in COUNTER_FAMILIES.values()}
     for key, value in counts.items():
-        if key.startswith("reward."):
-            calls[key.removeprefix("reward.")] = int(value)
-        elif key.startswith("env."):
-            env_calls[key.removeprefix("env.")] = int(value)
-        elif key.startswith("agents."):
-            agents[key.removeprefix("agents.")] = int(value)
+        prefix, dot, rest = key.partition(".")
+        if dot and prefix in COUNTER_FAMILIES:
+            families[COUNTER_FAMILIES[prefix]][rest] = int(value)
         elif key in _COUNTS:
             plain[key] = int(value) if _COUNTS[key] else float(value)
         else:
             raise KeyError(f"{key!r} is not a field of rlflow.protocol.Counters")
-    return Counters(**plain, rejected=dict(rejected or {}), reward_calls=calls, env_calls=env_calls,
-                    agent_events=agents)
+    return Counters(**plain, **families, rejected=dict(rejected or {}))
 
 
 def cpu_ranges(cpus: list[int]) -> str:

@@ -121,3 +121,21 @@ def test_a_role_is_named_outside_its_folder_only_by_its_entry_its_config_its_col
         if hook:
             module, _, name = hook.partition(":")
             assert callable(getattr(importlib.import_module(module), name)), hook
+
+
+def test_each_family_of_counts_goes_to_the_counters_map_its_role_declares():
+    import collections
+
+    from rlflow.protocol import Counters
+    from rlflow.roles import COUNTER_FAMILIES
+    from rlflow.services.base import typed_counters
+
+    maps = {f.name for f in msgspec.inspect.type_info(Counters).fields if isinstance(f.type, msgspec.inspect.DictType)}
+    assert set(COUNTER_FAMILIES.values()) <= maps and len(set(COUNTER_FAMILIES.values())) == len(COUNTER_FAMILIES)
+    counts = collections.Counter({"reward.math.ok": 3, "reward.math.timeout": 1, "env.tool.python.ok": 2,
+                                  "agents.taken": 5, "samples": 7})
+    assert typed_counters(counts, collections.Counter({"malformed": 1})) == Counters(
+        samples=7, rejected={"malformed": 1}, reward_calls={"math.ok": 3, "math.timeout": 1},
+        env_calls={"tool.python.ok": 2}, agent_events={"taken": 5})
+    with pytest.raises(KeyError, match="nonesuch"):
+        typed_counters(collections.Counter({"nonesuch.x": 1}))

@@ -10,52 +10,81 @@ import os
 import socket
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
 from rlflow.control.ledger import GroupLedger
-from rlflow.control.replicas import Replica, State
-from rlflow.control.stats import process_cpu
+from rlflow.control.replicas import Replica, Roster, State
+from rlflow.control.stats import RunStats, process_cpu
 from rlflow.protocol import Counters, EngineLoad, Heartbeat
 from rlflow.roles import VERSIONED
 from rlflow.rundir import (
     AgentsInfo, ControllerStats, GroupCounts, JoinInfo, Placed, RoleStatus, Shares, Status, Summary, named,
 )
 
+if TYPE_CHECKING:
+    from rlflow.config import Config
+    from rlflow.control.outbox import Door
+    from rlflow.control.rounds import Weights
+    from rlflow.data.net import CurveKeys
+    from rlflow.data.transport import Router
+
 #: Roles that hold versioned weights (and so can be behind the trainer): the
 #: policy's, and a role's own (its version counts its steps as the policy's does).
 VERSIONED_ROLES = VERSIONED
 
 
+class ControllerView(Protocol):
+    """What the status and the summary read of a controller (`rlflow.control.controller.Controller`,
+    which imports this module)."""
+
+    config: Config
+    run_id: str
+    secret: str
+    curve: CurveKeys | None
+    address: str | None
+    router: Router | None
+    roster: Roster
+    ledger: GroupLedger
+    weights: Weights
+    stats: RunStats
+    door: Door
+    version: int
+    state: str
+    error: str | None
+    stop_reason: str
+    warnings: list[str]
+    received_by_type: collections.Counter[str]
+    started: float
+    training_started: float | None
+    cpu0: tuple[float, float]
+
+
 def add_counters(counts: Iterable[Counters]) -> Counters:
-    """Counters added up, field by field (maps key by key)."""
+    """Counters added up, field by field (maps, `rejected` and the counter families, key by key)."""
     plain: collections.Counter[str] = collections.Counter()
-    rejected: collections.Counter[str] = collections.Counter()
-    calls: collections.Counter[str] = collections.Counter()
-    env_calls: collections.Counter[str] = collections.Counter()
-    agents: collections.Counter[str] = collections.Counter()
+    maps: collections.defaultdict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for c in counts:
-        plain.update({k: v for k, v in msgspec.structs.asdict(c).items() if not isinstance(v, dict)})
-        rejected.update(c.rejected)
-        calls.update(c.reward_calls)
-        env_calls.update(c.env_calls)
-        agents.update(c.agent_events)
-    return Counters(**plain, rejected=dict(rejected), reward_calls=dict(calls), env_calls=dict(env_calls),
-                    agent_events=dict(agents))
+        for name, value in msgspec.structs.asdict(c).items():
+            if isinstance(value, dict):
+                maps[name].update(value)
+            else:
+                plain[name] += value
+    return Counters(**plain, **{name: dict(values) for name, values in maps.items()})
 
 
 def add_loads(loads: Iterable[EngineLoad | None]) -> EngineLoad | None:
     """Engines' loads added up; KV-cache use is the fullest one's (None: no engine reported)."""
-    loads = [load for load in loads if load is not None]
-    if not loads:
+    reported = [load for load in loads if load is not None]
+    if not reported:
         return None
     return EngineLoad(
-        slots=sum(x.slots for x in loads),
-        running=sum(x.running for x in loads),
-        waiting=sum(x.waiting for x in loads),
-        kv_cache_usage=max(x.kv_cache_usage for x in loads),
-        preemptions=sum(x.preemptions for x in loads),
+        slots=sum(x.slots for x in reported),
+        running=sum(x.running for x in reported),
+        waiting=sum(x.waiting for x in reported),
+        kv_cache_usage=max(x.kv_cache_usage for x in reported),
+        preemptions=sum(x.preemptions for x in reported),
     )
 
 
@@ -118,7 +147,7 @@ def group_counts(ledger: GroupLedger) -> GroupCounts:
     )
 
 
-def controller_stats(controller: Any) -> ControllerStats:
+def controller_stats(controller: ControllerView) -> ControllerStats:
     """The controller's own load."""
     elapsed = max(time.monotonic() - controller.started, 1e-9)
     (thread0, proc0), (thread, proc) = controller.cpu0, process_cpu()
@@ -135,7 +164,7 @@ def controller_stats(controller: Any) -> ControllerStats:
     )
 
 
-def run_status(controller: Any, now: float) -> Status:
+def run_status(controller: ControllerView, now: float) -> Status:
     """status.json from the controller's state (`now`: its supervision clock)."""
     stats, run, window = controller.stats, controller.config.run, controller.stats.window()
     roles = {
@@ -157,9 +186,10 @@ def run_status(controller: Any, now: float) -> Status:
     )
 
 
-def join_info(controller: Any) -> JoinInfo:
+def join_info(controller: ControllerView) -> JoinInfo:
     """What a replica the user starts needs (join.json)."""
     config = controller.config
+    assert controller.address is not None  # join.json is written once the controller's router is bound
     return JoinInfo(run_id=controller.run_id, controller=controller.address, secret=controller.secret,
                     host=config.cluster.host, replicas={name: role.replicas for name, role in config.role_items()},
                     external=sorted(f"{role}-{rank}" for role, rank in controller.roster.external),
@@ -167,7 +197,7 @@ def join_info(controller: Any) -> JoinInfo:
                     heartbeat_timeout_s=config.cluster.heartbeat_timeout_s)
 
 
-def run_summary(controller: Any) -> Summary:
+def run_summary(controller: ControllerView) -> Summary:
     """summary.json from the controller's state."""
     run = controller.config.run
     return controller.stats.summary(
