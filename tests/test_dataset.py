@@ -211,6 +211,10 @@ def test_reasoning_gym_problems_are_rows(tokenizer):
     row = gym.row(3)
     assert set(row) >= {"question", "answer", "metadata"} and gym.prompt(3, 2).reference == row["answer"]
     assert not {r["question"] for r in gym.train.rows} & {r["question"] for r in gym.heldout.rows}
+    # Another run seed: other training problems, the same evaluation problems.
+    other = ReasoningGymTaskImpl(cfg, seed=2, tokenizer=tokenizer)
+    assert [r["question"] for r in other.heldout.rows] == [r["question"] for r in gym.heldout.rows]
+    assert [r["question"] for r in other.train.rows] != [r["question"] for r in gym.train.rows]
     with pytest.raises(DatasetError, match="reasoning-gym dataset 'no_such_thing'"):
         ReasoningGymTaskImpl(C.ReasoningGymTask(dataset="no_such_thing"), seed=1, tokenizer=tokenizer)
 

@@ -134,7 +134,11 @@ class ReasoningGymTask(Table, tag_field="kind", tag="reasoning_gym", frozen=True
     size: PosInt = 10000
     """Problems to generate for training (group ids cycle over them, reshuffled each epoch)."""
     eval_size: NonNegInt = 200
-    """Problems generated for evaluation, from their own seed (never trained on)."""
+    """Problems generated for evaluation, from `eval_seed` (never trained on: a training problem that is
+    also one of them is left out)."""
+    eval_seed: int = 1234
+    """Seed of the evaluation problems: fixed, whatever `run.seed`, so that runs of different seeds are
+    evaluated on the same problems (the training problems are drawn from `run.seed`)."""
     options: dict[str, Union[int, float, str, bool]] = {}
     """The dataset's own settings (passed to `reasoning_gym.create_dataset`)."""
     chat_template: bool = True

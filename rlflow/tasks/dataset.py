@@ -348,20 +348,25 @@ class ReasoningGymTaskImpl(RowTask):
         renderer = Renderer(tokenizer, chat_template=cfg.chat_template, system_prompt=cfg.system_prompt,
                             max_tokens=cfg.max_prompt_tokens)
 
-        def generate(size: int, salt: int) -> list[dict[str, Any]]:
+        def generate(size: int, seed: int) -> list[dict[str, Any]]:
             if not size:
                 return []
             try:
-                made = reasoning_gym.create_dataset(cfg.dataset, size=size, seed=seed * 1000 + salt, **cfg.options)
+                made = reasoning_gym.create_dataset(cfg.dataset, size=size, seed=seed, **cfg.options)
             except Exception as exc:  # unknown name or options: the package's own errors
                 raise DatasetError(f"reasoning-gym dataset {cfg.dataset!r}: {type(exc).__name__}: {exc}") from None
             return [dict(entry) for entry in made]
 
-        train, heldout = generate(cfg.size, 1), generate(cfg.eval_size, 2)
+        # Training problems from the run's seed; the evaluation's from its own, so that every seed is
+        # evaluated on the same problems (and none of them is trained on).
+        train, heldout = generate(cfg.size, seed * 1000 + 1), generate(cfg.eval_size, cfg.eval_seed)
         source = f"reasoning-gym:{cfg.dataset}"
+        train_split = renderer.split(train, RowSource(source), "question", range(len(train)))
+        heldout_split = renderer.split(heldout, RowSource(f"{source} (evaluation)"), "question", range(len(heldout)))
+        _leave_out_heldout(train_split, heldout_split)
         super().__init__(
-            renderer.split(train, RowSource(source), "question", range(len(train))),
-            renderer.split(heldout, RowSource(f"{source} (evaluation)"), "question", range(len(heldout))),
+            train_split,
+            heldout_split,
             seed,
             "answer",
             tokenizer,
