@@ -27,7 +27,7 @@ class Table(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
 
 def kind_of(table: Table) -> str:
     """The ``kind`` of a table from a tagged union (e.g. an engine)."""
-    return table.__struct_config__.tag
+    return str(table.__struct_config__.tag)
 
 
 # -- distributions (response lengths, latencies) ------------------------------------------------

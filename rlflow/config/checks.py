@@ -120,6 +120,8 @@ def _check_agents(config: Config) -> None:
     """Outside agents play the episodes: not beside an environment, scored by the reward role, with
     the staleness bound checked when an episode starts."""
     agents = config.agents
+    if agents is None:
+        return
     if config.roles.env is not None:
         raise ConfigError("agents", "[agents]", "the episodes are played either by outside agents ([agents]) or by "
                                                 "the env role ([roles.env]), not both: leave one out")
@@ -174,16 +176,15 @@ def _check_teacher(config: Config) -> None:
     trainer, teacher = config.roles.trainer.engine, config.roles.teacher
     _check_lora(config)
     base_reference = config.lora is not None and config.lora.reference == "base"
-    needs = isinstance(trainer, TorchTrainer) and ((trainer.kl_coef > 0 and not base_reference)
-                                                   or trainer.distill_coef > 0)
-    if needs and (teacher is None or not isinstance(teacher.engine, ModelTeacher)):
-        key = "roles.trainer.engine.distill_coef" if trainer.distill_coef > 0 else "roles.trainer.engine.kl_coef"
-        value = trainer.distill_coef if trainer.distill_coef > 0 else trainer.kl_coef
-        raise ConfigError(key, value,
-                          "needs a teacher that scores with a model ([roles.teacher] with engine.kind = 'model')")
-    if needs and trainer.distill_coef > 0 and trainer.distill == "topk" and teacher.engine.top_k == 0:
-        raise ConfigError("roles.teacher.engine.top_k", 0,
-                          "must be at least 1 for roles.trainer.engine.distill = 'topk'")
+    if isinstance(trainer, TorchTrainer) and ((trainer.kl_coef > 0 and not base_reference) or trainer.distill_coef > 0):
+        if teacher is None or not isinstance(teacher.engine, ModelTeacher):
+            key = "roles.trainer.engine.distill_coef" if trainer.distill_coef > 0 else "roles.trainer.engine.kl_coef"
+            value = trainer.distill_coef if trainer.distill_coef > 0 else trainer.kl_coef
+            raise ConfigError(key, value,
+                              "needs a teacher that scores with a model ([roles.teacher] with engine.kind = 'model')")
+        if trainer.distill_coef > 0 and trainer.distill == "topk" and teacher.engine.top_k == 0:
+            raise ConfigError("roles.teacher.engine.top_k", 0,
+                              "must be at least 1 for roles.trainer.engine.distill = 'topk'")
     if teacher is not None and isinstance(teacher.engine, ModelTeacher) and teacher.engine.temperature is not None:
         rollout_t = getattr(config.roles.rollout.engine, "temperature", None)
         if rollout_t is not None and teacher.engine.temperature != rollout_t:
@@ -198,7 +199,9 @@ def _check_lora(config: Config) -> None:
     """A KL penalty to the base in the reward is worked out by trainer rank 0
     alone, before the step is dealt to the ranks: one rank only."""
     trainer, lora = config.roles.trainer, config.lora
-    if lora is None or lora.reference != "base" or trainer.engine.kl_coef == 0 or trainer.engine.kl_in != "reward":
+    engine = trainer.engine
+    if (lora is None or lora.reference != "base" or not isinstance(engine, TorchTrainer) or engine.kl_coef == 0
+            or engine.kl_in != "reward"):
         return
     if trainer.replicas > 1:
         raise ConfigError("roles.trainer.engine.kl_in", "reward",

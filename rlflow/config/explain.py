@@ -74,7 +74,8 @@ def _name_elided_keys(path: list[str], raw: Any) -> list[str]:
 
 def _converts(value: Any, node: Any) -> bool:
     insp = msgspec.inspect
-    kind = {insp.FloatType: float, insp.IntType: int, insp.StrType: str, insp.BoolType: bool}.get(type(node))
+    kinds: dict[type, type] = {insp.FloatType: float, insp.IntType: int, insp.StrType: str, insp.BoolType: bool}
+    kind = kinds.get(type(node))
     kind = node.cls if isinstance(node, insp.StructType) else kind
     if kind is None:
         return True

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import pathlib
 import tomllib
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -19,7 +20,8 @@ from rlflow.config.explain import explain, walk
 from rlflow.config.schema import Config
 
 
-def load(path: str | pathlib.Path | None = None, overrides: list[str] = (), *, text: str | None = None) -> Config:
+def load(path: str | pathlib.Path | None = None, overrides: Sequence[str] = (), *,
+         text: str | None = None) -> Config:
     """Read, override and validate a config (from `path`, or `text`)."""
     if text is None:
         if path is None:

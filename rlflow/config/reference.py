@@ -47,7 +47,7 @@ def _tables(cls: type, key: str, out: list[tuple[str, type]], seen: set[tuple[st
         return
     seen.add((key, cls))
     out.append((key, cls))
-    for field in msgspec.inspect.type_info(cls).fields:
+    for field in _struct_info(cls).fields:
         for member in struct_classes(field.type):
             sub = f"{key}.{field.name}" if key else field.name
             if isinstance(field.type, msgspec.inspect.DictType):
@@ -55,6 +55,13 @@ def _tables(cls: type, key: str, out: list[tuple[str, type]], seen: set[tuple[st
             elif isinstance(field.type, (msgspec.inspect.ListType, msgspec.inspect.VarTupleType)):
                 sub = f"[[{sub}]]"
             _tables(member, sub, out, seen)
+
+
+def _struct_info(cls: type) -> msgspec.inspect.StructType:
+    info = msgspec.inspect.type_info(cls)
+    if not isinstance(info, msgspec.inspect.StructType):
+        raise TypeError(f"{cls!r} is not a table")
+    return info
 
 
 def _kind(field: msgspec.inspect.Field, key: str) -> str:
@@ -76,7 +83,7 @@ def generate() -> str:
     _tables(Config, "", tables, set())
     out = [BEGIN, ""]
     for key, cls in tables:
-        info = msgspec.inspect.type_info(cls)
+        info = _struct_info(cls)
         title = key or "(the top level)"
         if info.tag is not None:
             title += f" (kind = \"{info.tag}\")"

@@ -182,7 +182,7 @@ class Config(Table, frozen=True):
     @property
     def needs_model(self) -> bool:
         """Whether a real engine loads the policy or its tokenizer (the simulated ones do not)."""
-        engines = [self.roles.rollout.engine, self.roles.trainer.engine]
+        engines: list[Table] = [self.roles.rollout.engine, self.roles.trainer.engine]
         if self.roles.teacher is not None:
             engines.append(self.roles.teacher.engine)
         if self.roles.critic is not None:
@@ -203,14 +203,18 @@ class Config(Table, frozen=True):
 
 def undocumented_fields() -> list[str]:
     """Config fields without a docstring (a test keeps this empty)."""
-    missing, seen, todo = [], set(), [Config]
+    missing: list[str] = []
+    seen: set[type] = set()
+    todo: list[type] = [Config]
     while todo:
         cls = todo.pop()
         if cls in seen:
             continue
         seen.add(cls)
         docs = field_docs(cls)
-        for field in msgspec.inspect.type_info(cls).fields:
+        info = msgspec.inspect.type_info(cls)
+        assert isinstance(info, msgspec.inspect.StructType)  # todo holds Struct classes only
+        for field in info.fields:
             if field.name not in docs:
                 missing.append(f"{cls.__name__}.{field.name}")
             todo.extend(struct_classes(field.type))
