@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import msgspec
 import numpy as np
@@ -56,7 +56,8 @@ class Response:
 
 def build_batch(groups: Sequence[tuple[PromptGroup, Sequence[Response]]]) -> SampleBatch:
     """One batch holding every group's responses, in order."""
-    infos, prompts, prompt_lens, rows = [], [], [], []
+    infos, prompts, prompt_lens = [], [], []
+    rows: list[tuple[int, Response]] = []  # (index in its group, response)
     for group, responses in groups:
         infos.append(
             GroupInfo(
@@ -320,9 +321,17 @@ def take(batch: SampleBatch, rows: Sequence[int] | np.ndarray) -> SampleBatch:
         prompt_lens.append(p_off[g + 1] - p_off[g])
     new_index = {int(old): new for new, old in enumerate(rows)}
 
+    @overload
+    def tok(t: Tensor) -> Tensor: ...
+    @overload
+    def tok(t: None) -> None: ...
     def tok(t: Tensor | None) -> Tensor | None:
         return None if t is None else Tensor.from_numpy(t.numpy()[token_idx])
 
+    @overload
+    def per_row(t: Tensor) -> Tensor: ...
+    @overload
+    def per_row(t: None) -> None: ...
     def per_row(t: Tensor | None) -> Tensor | None:
         return None if t is None else Tensor.from_numpy(t.numpy()[rows])
 
@@ -382,13 +391,19 @@ def split(batch: SampleBatch) -> list[SampleBatch]:
             response_offsets=Tensor.from_numpy(r_off[a : b + 1] - ta),
             reward_details={k: Tensor.from_numpy(v[a:b]) for k, v in details.items()},
             failures=[msgspec.structs.replace(f, index=f.index - a) for f in batch.failures if a <= f.index < b],
-            **{name: None if col is None else Tensor.from_numpy(col[ta:tb]) for name, col in token_cols.items()},
-            **{name: None if col is None else Tensor.from_numpy(col[a:b]) for name, col in row_cols.items()},
+            **_slices(token_cols, ta, tb),
+            **_slices(row_cols, a, b),
             **_text_slice(texts, "response_text", a, b),
             **_text_slice(texts, "prompt_text", g, g + 1),
         ))
         a = b
     return out
+
+
+def _slices(columns: dict[str, np.ndarray | None], a: int, b: int) -> dict[str, Any]:
+    """Entries `a` to `b` of each column, as views (a column that is not there stays None), to pass
+    as a `SampleBatch`'s keyword arguments."""
+    return {name: None if col is None else Tensor.from_numpy(col[a:b]) for name, col in columns.items()}
 
 
 def _text_slice(texts: dict[str, tuple[np.ndarray, np.ndarray]], name: str, a: int, b: int) -> dict[str, Tensor]:

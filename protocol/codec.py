@@ -96,7 +96,7 @@ class Codec:
         self._out, self._writer, self._placed, self._segment_frame = [b""], shm, [], 0
         try:
             self._out[0] = self._encoder.encode((self._schema_version, msg))
-            if self._placed and not self._place(shm):
+            if shm is not None and self._placed and not self._place(shm):  # placed only with a writer
                 return self.encode(msg)
             return self._out
         finally:
@@ -239,6 +239,7 @@ class Codec:
                 f"start at a multiple of {ALIGN} from {CONTROL_BYTES} on and end inside the segment"
             )
         if claim is None:  # taken only once its first tensor is known to lie inside it
+            assert self._reader is not None  # a new segment is decoded only with a reader (checked above)
             claim = self._reader.claim(segment)
             self._used[index] = True
             self._claims[index] = (claim, segment)
@@ -331,7 +332,7 @@ def _envelope(head: memoryview) -> tuple[int, int]:
     return version
 
 
-def _unknown_tail(body: memoryview, cls: type, used: list[bool]) -> bool:
+def _unknown_tail(body: memoryview, cls: type[msgspec.Struct], used: list[bool]) -> bool:
     """Whether the frames no known field named belong to fields appended to
     the message after this peer's schema: the message has more fields than
     `cls` knows, and every unnamed frame comes after every named one (a newer
@@ -380,11 +381,11 @@ def _decode_error(exc: msgspec.DecodeError) -> ProtocolError:
     return MalformedMessage(f"header is not valid msgpack: {exc}")
 
 
-def _members(message_type: Any) -> tuple[type, ...]:
+def _members(message_type: Any) -> tuple[type[msgspec.Struct], ...]:
     return getattr(message_type, "__args__", (message_type,))
 
 
-def _tags(message_type: Any) -> set[int]:
+def _tags(message_type: Any) -> set[int | str | None]:
     return {cls.__struct_config__.tag for cls in _members(message_type)}
 
 

@@ -105,6 +105,7 @@ def _own_field_docs(cls: type) -> dict[str, str]:
 
 def _table(cls: type) -> list[str]:
     info = msgspec.inspect.type_info(cls)
+    assert isinstance(info, msgspec.inspect.StructType)  # the spec's tables are of messages and records
     docs = field_docs(cls)
     lines = ["| # | field | type | default | meaning |", "| --- | --- | --- | --- | --- |"]
     first = 0

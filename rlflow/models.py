@@ -343,11 +343,11 @@ def _config(recipe: Recipe, tokenizer):
         num_key_value_heads=recipe.heads,
         max_position_embeddings=recipe.max_positions,
         tie_word_embeddings=False,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
         architectures=["Qwen2ForCausalLM"],
     )
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import pathlib
 import time
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
@@ -64,11 +64,18 @@ def _named(wire: type, name: str, doc: str) -> type:
     return record
 
 
-#: A role's counts added up, by name (the fields of the wire's `Counters`).
-CounterTotals = _named(Counters, "CounterTotals", "A role's counts added up (the fields of the wire's Counters).")
-#: A rollout role's engines now, by name (the fields of the wire's `EngineLoad`).
-EngineTotals = _named(EngineLoad, "EngineTotals",
-                      "A rollout role's engines now, added up (the fields of the wire's EngineLoad).")
+if TYPE_CHECKING:
+    # `_named` builds these at run time (below). To a type checker each is a record with the fields of the
+    # wire's Struct: it subclasses that Struct here for its fields alone (at run time it does not).
+    class CounterTotals(Record, Counters, frozen=True): ...
+
+    class EngineTotals(Record, EngineLoad, frozen=True): ...
+else:
+    #: A role's counts added up, by name (the fields of the wire's `Counters`).
+    CounterTotals = _named(Counters, "CounterTotals", "A role's counts added up (the fields of the wire's Counters).")
+    #: A rollout role's engines now, by name (the fields of the wire's `EngineLoad`).
+    EngineTotals = _named(EngineLoad, "EngineTotals",
+                          "A rollout role's engines now, added up (the fields of the wire's EngineLoad).")
 
 
 def named(wire: Any) -> Any:
@@ -392,7 +399,7 @@ class ControllerInfo(Record, frozen=True):
     """The run's CURVE keys, which a client needs to reach `address` (None: loopback, none needed)."""
 
 
-R = TypeVar("R", bound=Record)
+R = TypeVar("R", bound=msgspec.Struct)
 
 
 # ---------------------------------------------------------------------------

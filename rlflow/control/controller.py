@@ -133,11 +133,14 @@ class Controller:
         self.stats = RunStats([name for name, _ in config.role_items()])
         if run.resume:  # the record goes on from the checkpoint: one run, one record
             self.stats.carry(resume_record(self.run_dir, self.ledger.steps_done, self.ledger.trained_count))
-        self.state, self.error, self.stop_reason = "starting", None, ""
+        self.state = "starting"
+        self.error: str | None = None
+        self.stop_reason = ""
         self.door = Door()  # peers turned away, and messages not acted on
         self.warnings: list[str] = []
         self.received_by_type: collections.Counter[str] = collections.Counter()
-        self.started, self.training_started, self.cpu0 = time.monotonic(), None, process_cpu()
+        self.started, self.cpu0 = time.monotonic(), process_cpu()
+        self.training_started: float | None = None
         self.address: str | None = None
         self.router: transport.Router | None = None
         self.done, self._all_hello, self._all_ready, self._welcomed = trio.Event(), trio.Event(), trio.Event(), False
@@ -239,6 +242,7 @@ class Controller:
     async def _receive(self) -> None:
         """Handle messages in order, taken off the socket as they come (`take`); from taken to
         handled is `stats.latency` (the wait for the controller, and its work)."""
+        assert self._nursery is not None and self.router is not None  # run() sets both before it starts this task
         send, messages = trio.open_memory_channel(INBOX)
         self._nursery.start_soon(take, self.router, send)
         async for identity, msg, taken in messages:
@@ -322,6 +326,7 @@ class Controller:
             return self.door.refuse(identity, replica)
         self.stats.forget(replica.role, replica.rank)  # a new incarnation counts afresh
         if "agents" in msg.endpoints:  # agents.json names where each rollout replica serves agents now
+            assert self.config.agents is not None  # a rollout replica serves agents only in a run with [agents]
             write_json(self.run_dir.agents, build.agents_info(self.roster, self.config.agents.api_key), private=True)
             log.info("[controller] %s serves agents at %s (the key: %s)", replica.name, msg.endpoints["agents"],
                      self.run_dir.agents)
@@ -450,6 +455,7 @@ class Controller:
                 self._gave_up(replica, self.supervisor.give_up(replica, why))
             case ("restart", _):
                 self.supervisor.restarting(replica)
+                assert self._nursery is not None  # the watch runs in the nursery
                 self._nursery.start_soon(self._restart, replica, replica.launched)
 
     def _lose(self, replica: Replica, why: str, *, kill: bool = False) -> None:
@@ -467,6 +473,7 @@ class Controller:
         self.roster.retire(replica)
         self.outboxes.close(replica)
         if kill and not replica.external:
+            assert self._nursery is not None  # replicas are lost by the run's tasks, all in the nursery
             self._nursery.start_soon(trio.to_thread.run_sync, self.launcher.kill, replica.role, replica.rank)
         rollout = replica.role == "rollout"
         # An asked role (the env) holds no groups: the rollout gives back the episodes it loses.

@@ -61,7 +61,7 @@ def resolve(config: Config) -> Config:
     for name in NAMES:  # the engines of other roles that load a model: "policy" or one with its tokenizer
         role = getattr(roles, name)
         engine = getattr(role, "engine", None)
-        if name == "rollout" or not isinstance(getattr(engine, "model", None), str):
+        if name == "rollout" or engine is None or not isinstance(getattr(engine, "model", None), str):
             continue
         path = _role_model(engine.model, rollout.model, f"roles.{name}.engine.model")
         if hasattr(engine, "check_vocabulary"):

@@ -65,6 +65,7 @@ from __future__ import annotations
 import collections
 import enum
 import math
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 import msgspec
@@ -222,7 +223,8 @@ class GroupLedger:
     def holders(self) -> collections.Counter[int]:
         """Rollout replica -> the groups it is generating (one pass over the groups, for every replica:
         at 16,384 slots a pass per replica, every half second, was most of the controller's work)."""
-        return collections.Counter(g.owner for g in self.groups.values() if g.state is GroupState.GENERATING)
+        return collections.Counter(g.owner for g in self.groups.values()
+                                   if g.owner is not None and g.state is GroupState.GENERATING)
 
     def counts(self) -> dict[str, int]:
         """Groups in each state now."""
@@ -271,11 +273,11 @@ class GroupLedger:
             rank = min(candidates, key=lambda r: (held[r] / room[r], r))
             if held[rank] >= room[rank]:
                 break
-            group_id = next((g for g in self._queue if not self._last_grant(self.groups[g])), None)
-            if group_id is None:
+            chosen = next((g for g in self._queue if not self._last_grant(self.groups[g])), None)
+            if chosen is None:
                 break
-            self._queue.remove(group_id)
-            self._give(self.groups[group_id], rank, version, held, out)
+            self._queue.remove(chosen)
+            self._give(self.groups[chosen], rank, version, held, out)
         self.granted += sum(len(groups) for groups in out.values())
         for rank, groups in out.items():
             self.journal.append(Event(event="issued", groups=[g.group_id for g in groups], replica=f"rollout-{rank}",
@@ -323,7 +325,7 @@ class GroupLedger:
         self.trained_count += len(done)
         self.journal.append(Event(event="trained", groups=list(group_ids), step=step))
 
-    def drop(self, group_ids: list[int], reason: str, details: list[str] = ()) -> list[int]:
+    def drop(self, group_ids: list[int], reason: str, details: Sequence[str] = ()) -> list[int]:
         """A role dropped these groups for good: they are not trained on, nor
         granted again (`details`: what went wrong with each, for the ledger
         file and the audit). Returns those that were in the ledger."""
@@ -363,7 +365,7 @@ class GroupLedger:
         held[rank] += 1
         out[rank].append(group)
 
-    def expired(self, group_ids: list[int], reason: str = "expired", errors: list[str] = ()) -> list[int]:
+    def expired(self, group_ids: list[int], reason: str = "expired", errors: Sequence[str] = ()) -> list[int]:
         """A role dropped these groups unused (`errors`: what went wrong with
         each, if it says): queue them again, first in line. Returns those
         that were queued (not the ones already trained on or already queued,
@@ -390,7 +392,7 @@ class GroupLedger:
             (g.group_id for g in self.groups.values() if g.state is GroupState.DOWNSTREAM), f"{replica} lost"
         )
 
-    def _requeue(self, group_ids, reason: str, struck: set[int] = frozenset()) -> list[int]:
+    def _requeue(self, group_ids, reason: str, struck: Set[int] = frozenset()) -> list[int]:
         """Queue `group_ids` again, first in line; those in `struck` failed (see `Group.strikes`)."""
         again = [g for g in dict.fromkeys(group_ids) if self.groups[g].state is not GroupState.QUEUED]
         for group_id in again:

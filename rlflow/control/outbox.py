@@ -132,6 +132,7 @@ class Outboxes:
 
     def open(self, replica: Any) -> None:
         """An outbox for `replica`'s registered incarnation."""
+        assert self.router is not None and self.nursery is not None  # set by the controller before any hello
         outbox = self._boxes[replica.identity] = Outbox(self.router, replica.identity)
         incarnation = replica.incarnation
 

@@ -122,7 +122,9 @@ def _cut(path: pathlib.Path, kind: type[T], keep: Callable[[T], bool],
     except FileNotFoundError:
         return [], [], Cut(path, 0, 0, 0)
     decoder = msgspec.json.Decoder(kind)
-    records, dropped, torn = [], [], 0
+    records: list[tuple[bytes, T]] = []
+    dropped: list[tuple[bytes, T]] = []
+    torn = 0
     for line in lines:
         if not line.strip():
             continue
@@ -137,12 +139,12 @@ def _cut(path: pathlib.Path, kind: type[T], keep: Callable[[T], bool],
         dropped += [item for i, item in enumerate(records) if last[once(item[1])] != i]
         records = [item for i, item in enumerate(records) if last[once(item[1])] == i]
     kept_lines, kept = [line for line, _ in records], [record for _, record in records]
-    dropped = [record for _, record in dropped]
-    if dropped or torn:
+    gone = [record for _, record in dropped]
+    if gone or torn:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_bytes(b"".join(line + b"\n" for line in kept_lines))
         os.replace(tmp, path)
-    return kept, dropped, Cut(path, len(kept), len(dropped), torn)
+    return kept, gone, Cut(path, len(kept), len(gone), torn)
 
 
 def _resumes(folder: RunDir) -> int:

@@ -28,7 +28,7 @@ import logging
 import math
 import random
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -373,7 +373,7 @@ class Roster:
     """Every replica of the run, by (role, rank) and by the identity of its
     control socket, and the identities of incarnations presumed lost."""
 
-    def __init__(self, expected: set[tuple[str, int]], external: set[tuple[str, int]] = frozenset()):
+    def __init__(self, expected: set[tuple[str, int]], external: Set[tuple[str, int]] = frozenset()):
         self.expected = expected
         #: The replicas the user starts (`launch = "external"`): never restarted by the controller.
         self.external = external

@@ -171,6 +171,7 @@ class Weights:
         adapter it serves."""
         offer, adapter = self.offer, self.adapter if role == "rollout" else None
         if self.collective:
+            assert offer is not None  # collective: the offer is a WeightsGloo or WeightsNccl
             group = msgspec.structs.replace(offer, world_size=1 + receivers)
             if role == "trainer" and rank == 0:
                 return {"weights": group}
@@ -279,6 +280,7 @@ class Weights:
             return []
         transfer = None
         if self.regroup and self.collective:
+            assert self.offer is not None  # collective: the offer is a WeightsGloo or WeightsNccl
             self.generation += 1
             transfer = msgspec.structs.replace(self.offer, world_size=1 + len(receivers), port=0,
                                                generation=self.generation)

@@ -331,7 +331,7 @@ class RunStats:
             accuracy_before=accuracy[0] if accuracy else None,
             accuracy_after=accuracy[-1] if accuracy else None,
             accuracy_last3_mean=last3,
-            gain_points=round(100 * (last3 - accuracy[0]), 2) if accuracy else None,
+            gain_points=round(100 * (last3 - accuracy[0]), 2) if last3 is not None else None,
             data_bytes=sum(b.counters.bytes_out for b in self.latest("rollout")),
             roles=self.whole_run(),
             groups=groups,

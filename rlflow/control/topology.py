@@ -92,8 +92,10 @@ class Topology:
         """What to tell each live replica of the role before `role`: stream to `role`'s replicas'
         current endpoints."""
         before = self.previous(role)
+        if not before:
+            return []
         out = []
-        for upstream in roster.role(before) if before else ():
+        for upstream in roster.role(before):
             if upstream.live:
                 peers = self.peers(before, upstream.rank, roster)
                 out.append((upstream, Peers(peers=peers, shm_peers=self.shm_peers(upstream, peers, roster),

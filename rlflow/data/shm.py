@@ -126,7 +126,7 @@ class _Segment:
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)
-            self.map = mmap.mmap(fd, size)
+            self.map: mmap.mmap | None = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
             raise
@@ -135,7 +135,7 @@ class _Segment:
         self.id = raw.hex()
         self.map[0 : len(MAGIC)] = MAGIC
         self.map[8 : 8 + ID_BYTES] = raw
-        self.words = np.frombuffer(self.map, np.uint64, CONTROL_BYTES // 8)
+        self.words: np.ndarray | None = np.frombuffer(self.map, np.uint64, CONTROL_BYTES // 8)
         self.words[_SIZE] = size
         self.words[_PID] = os.getpid()
 
@@ -143,6 +143,7 @@ class _Segment:
         """Whether nobody uses what it carries: released, or taken by a
         receiver that has died since (its lock is gone)."""
         words = self.words
+        assert words is not None  # open: a closed segment has left its pool
         sent = words[_SENT]
         if words[_RELEASED] == sent:
             return True
@@ -151,12 +152,14 @@ class _Segment:
     def in_flight(self) -> bool:
         """Sent and not yet taken."""
         words = self.words
+        assert words is not None  # open: a closed segment has left its pool
         sent = words[_SENT]
         return words[_CLAIMED] != sent and words[_RELEASED] != sent
 
     def close(self) -> None:
         """Say it will carry nothing more, and let go of it (a receiver that
         has it mapped keeps the memory until it lets go too)."""
+        assert self.words is not None  # closed once, by the pool or the reaper that took it out
         self.words[_RETIRED] = 1
         # Unmapped when the last view goes: a send's copy may still hold one.
         self.words = self.map = None
@@ -220,6 +223,7 @@ class SegmentPool:
         if segment is None:
             self.fallbacks += 1
             return None
+        assert segment.words is not None and segment.map is not None  # a pool's segments are open
         seq = int(segment.words[_SENT]) + 1
         segment.words[_SENT] = seq
         self._reserved = Placement(segment, seq, nbytes - CONTROL_BYTES)
@@ -268,6 +272,7 @@ class SegmentPool:
         with _lock_lingering:
             for segment in self._segments:
                 if linger_ms > 0 and segment.in_flight():
+                    assert segment.words is not None  # a pool's segments are open
                     segment.words[_RETIRED] = 1
                     _lingering.append((deadline, segment))
                     lingering = True
@@ -340,13 +345,14 @@ class _Mapped:
             os.close(fd)
             raise
         self.fd, self.size, self.pid = fd, segment.size, segment.pid
-        self.words = view[:CONTROL_BYTES].view(np.uint64)
+        self.words: np.ndarray | None = view[:CONTROL_BYTES].view(np.uint64)
         self.address = view.ctypes.data
         self.claims = 0
         self.closing = False
 
     def claim(self, seq: int) -> _Claim:
         words = self.words
+        assert words is not None  # mapped: an unmapped segment has left its map
         sent = int(words[_SENT])
         if sent != seq:
             raise SharedMemoryError(f"segment carries message {sent}, not {seq}: the description is stale or forged")
@@ -359,6 +365,7 @@ class _Mapped:
 
     def stale(self) -> bool:
         """Retired by its sender, or its sender is gone."""
+        assert self.words is not None  # mapped: an unmapped segment has left its map
         if self.words[_RETIRED]:
             return True
         try:
@@ -411,6 +418,7 @@ class _Claim:
         # after every read of the tensors' bytes. (The mapping stays until
         # the last claim ends: its descriptor is open here.)
         _lock(mapped.fd, fcntl.F_UNLCK)
+        assert mapped.words is not None  # unmapped only once its last claim ends
         mapped.words[_RELEASED] = self.seq
         mapped.claims -= 1
         if mapped.closing and mapped.claims == 0:

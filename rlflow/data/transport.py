@@ -48,8 +48,8 @@ import logging
 import os
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from contextlib import asynccontextmanager
-from typing import Any
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, TypeVar, cast
 
 import trio
 import zmq
@@ -228,7 +228,7 @@ class Socket:
         #: The run's keys, if this socket speaks CURVE.
         self.curve = curve
         self._zap_domain = ""
-        self._fd = sock.getsockopt(zmq.FD)
+        self._fd = sock.fileno()
         self._changed = trio.Event()
         self._parked = 0
         self._leader: trio.CancelScope | None = None
@@ -309,7 +309,7 @@ class Socket:
         completed operation wakes all of them, the leader by cancelling its
         wait, since that operation may have consumed the edge they await.
         """
-        while not self._sock.getsockopt(zmq.EVENTS) & flag:
+        while not cast(int, self._sock.getsockopt(zmq.EVENTS)) & flag:  # EVENTS is an int option
             self._unyielded = 0
             if self._leader is None:
                 with trio.CancelScope() as scope:
@@ -565,9 +565,12 @@ def _names(kind: type | tuple[type, ...]) -> str:
     return " or ".join(k.__name__ for k in kinds)
 
 
+S = TypeVar("S", bound=Socket)
+
+
 @asynccontextmanager
 async def _open(
-    cls: type[Socket],
+    cls: type[S],
     kind: int,
     codec: Codec,
     *,
@@ -582,10 +585,10 @@ async def _open(
     shm: ShmSettings | None = None,
     shm_peers: Collection[str] | None = None,
     take_shm: bool = True,
-) -> AsyncIterator[Any]:
+) -> AsyncIterator[S]:
     connects = [connect] if isinstance(connect, str) else list(connect or ())
     if curve is None:
-        for verb, address in [("bind", bind)] * (bind is not None) + [("connect", a) for a in connects]:
+        for verb, address in ([("bind", bind)] if bind is not None else []) + [("connect", a) for a in connects]:
             _check_local(name, verb, address)
     wrapper = cls(context().socket(kind), codec, name, curve)
     sock = wrapper._sock
@@ -594,8 +597,8 @@ async def _open(
     if take_shm:
         wrapper.segments = SegmentMap()
     # Whoever connects to a bound socket is vouched for only without a list.
-    for address in [bind] * (bind is not None):
-        wrapper._peer(address, shm_peers is None)
+    if bind is not None:
+        wrapper._peer(bind, shm_peers is None)
     for address in connects:
         wrapper._peer(address, shm_peers is None or address in shm_peers)
     try:
@@ -678,7 +681,7 @@ def open_push(
     name: str = "push",
     shm: ShmSettings | None = None,
     shm_peers: Collection[str] | None = None,
-) -> Any:
+) -> AbstractAsyncContextManager[Push]:
     """The sending end of a stream; `async with open_push(...) as push`.
 
     Every ``open_*`` takes `curve`, the run's keys: with them the socket
@@ -719,7 +722,7 @@ def open_pull(
     curve: CurveKeys | None = None,
     name: str = "pull",
     shm: bool = True,
-) -> Any:
+) -> AbstractAsyncContextManager[Pull]:
     """The receiving end of a stream; `max_frame_bytes` caps any one frame a
     peer may send (ZeroMQ drops the connection of a peer that exceeds it).
     `shm`: take tensors in shared memory (else such messages are rejected)."""
@@ -747,7 +750,7 @@ def open_router(
     curve: CurveKeys | None = None,
     name: str = "router",
     shm: ShmSettings | None = None,
-) -> Any:
+) -> AbstractAsyncContextManager[Router]:
     """The controller's control socket, or a server's (e.g. the trainer's
     weights). With `shm`, `Router.send(..., shm=True)` puts large tensors in
     shared memory (a ROUTER bound on this host; the peer vouches for itself)."""
@@ -775,7 +778,7 @@ def open_dealer(
     codec: Codec | None = None,
     curve: CurveKeys | None = None,
     name: str = "dealer",
-) -> Any:
+) -> AbstractAsyncContextManager[Dealer]:
     """A service's control socket, connected to the controller."""
     return _open(
         Dealer,

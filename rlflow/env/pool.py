@@ -137,6 +137,7 @@ class EnvPool:
                     message = f"took longer than its timeout of {timeout_s:g} s; its worker was killed"
                     pending.settle(Outcome("timeout", message=message))
                     self._lose(worker, f"a call ran past its timeout of {timeout_s:g} s and the worker was killed")
+                assert pending.outcome is not None  # settled: by the worker, its loss, or the timeout above
                 return pending.outcome
             finally:
                 worker.pending.pop(call_id, None)

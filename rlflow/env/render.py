@@ -52,10 +52,11 @@ class ByteTokenizer:
         return bytes(i % 256 for i in ids).decode(errors="replace")
 
 
-#: Makes a tool-call parser from the tools' schemas: a function of a model turn's text ->
-#: ((name, arguments as JSON text, id) of each call; whether the turn holds the parser's start marker;
-#: the turn's text outside its calls).
-ParserMaker = Callable[[list[dict[str, Any]]], Callable[[str], tuple[list[tuple[str, str, str]], bool, str | None]]]
+#: A tool-call parser: a function of a model turn's text -> ((name, arguments as JSON text, id) of
+#: each call; whether the turn holds the parser's start marker; the turn's text outside its calls).
+Parser = Callable[[str], tuple[list[tuple[str, str, str]], bool, str | None]]
+#: Makes a tool-call parser from the tools' schemas.
+ParserMaker = Callable[[list[dict[str, Any]]], Parser]
 
 
 class EpisodeText:
@@ -63,9 +64,9 @@ class EpisodeText:
     makes its tool-call parser (`parser_name` names it in messages)."""
 
     def __init__(self, tokenizer: Any, make_parser: ParserMaker | None = None, parser_name: str = ""):
-        self.tokenizer = tokenizer or ByteTokenizer()
+        self.tokenizer: Any = tokenizer or ByteTokenizer()
         self.make_parser, self.parser_name = make_parser, parser_name
-        self._parse = None
+        self._parse: Parser | None = None
         self._making = trio.Lock()
         self._glue: str | None = None
 

@@ -35,7 +35,8 @@ _ENDED = {
     Status.OUTPUT_LIMIT: "the program wrote too much and was stopped",
 }
 
-python.schema = {
+# The schema the model sees (`rlflow.env.core.tool_schema` reads a tool's `schema` attribute).
+setattr(python, "schema", {
     "type": "function",
     "function": {
         "name": "python",
@@ -46,4 +47,4 @@ python.schema = {
             "required": ["code"],
         },
     },
-}
+})

@@ -105,10 +105,14 @@ def main() -> None:
             data = frame(Done(done.id, "error", message=f"returned what cannot be sent back: {describe(error)}"))
         write_message(outgoing, data)
 
+    def start(call: Call) -> None:
+        loop.create_task(worker.run(call, reply))
+
     def read() -> None:
         while (data := read_message(incoming)) is not None:
             call = decoder.decode(data)
-            loop.call_soon_threadsafe(lambda c=call: loop.create_task(worker.run(c, reply)))
+            assert isinstance(call, Call)  # after the hello, the parent sends only calls
+            loop.call_soon_threadsafe(start, call)
         loop.call_soon_threadsafe(loop.stop)
 
     threading.Thread(target=read, name="calls", daemon=True).start()

@@ -274,8 +274,9 @@ class _Lane:
         """Add the jobs waiting now, and those arriving within `batch_wait_s`."""
         deadline = trio.current_time() + self.spec.batch_wait_s
         while len(batch) < self.spec.max_batch:
+            job: _Job | None
             try:
-                job: _Job | None = self._jobs.receive_nowait()
+                job = self._jobs.receive_nowait()
             except trio.WouldBlock:
                 job = None
                 with trio.move_on_at(deadline):
@@ -290,6 +291,7 @@ class _Lane:
         started = trio.current_time()
         call = frame(Call([job.raw for job in batch], [job.as_reference for job in batch]))
         reply: FromWorker | None = None
+        failure: Scored | None
         try:
             with trio.move_on_after(self.spec.timeout_s):
                 reply = await worker.request(call)

@@ -136,14 +136,20 @@ class _Function:
         outcomes: list[Outcome] = []
         todo: list[tuple[int, Sample]] = []  # decoded, by position
         for raw, as_reference in zip(call.samples, call.as_reference, strict=True):
-            sample, failure = self._catch(self._sample, raw, as_reference)
-            if failure is None:
-                todo.append((len(outcomes), sample))
-            outcomes.append(failure or _PENDING)
+            match self._catch(self._sample, raw, as_reference):
+                case (sample, None):
+                    todo.append((len(outcomes), sample))
+                    outcomes.append(_PENDING)
+                case (_, failure):
+                    outcomes.append(failure)
         if self.batched and todo:
-            results, failure = self._catch(self._batch, [sample for _, sample in todo])
-            for k, (i, _) in enumerate(todo):
-                outcomes[i] = failure or self._outcome(check_result, results[k])
+            match self._catch(self._batch, [sample for _, sample in todo]):
+                case (results, None):
+                    for k, (i, _) in enumerate(todo):
+                        outcomes[i] = self._outcome(check_result, results[k])
+                case (_, failure):
+                    for i, _ in todo:
+                        outcomes[i] = failure
         else:
             for i, sample in todo:
                 outcomes[i] = self._outcome(self._one, sample)
@@ -169,8 +175,11 @@ class _Function:
         return list(results)
 
     def _outcome(self, work: Callable[..., tuple[float, dict[str, float]]], *args: Any) -> Outcome:
-        scored, failure = self._catch(work, *args)
-        return failure or Outcome(Status.OK, *scored)
+        match self._catch(work, *args):
+            case (scored, None):
+                return Outcome(Status.OK, *scored)
+            case (_, failure):
+                return failure
 
     def _catch(self, work: Callable[..., T], *args: Any) -> tuple[T, None] | tuple[None, Outcome]:
         """What `work(*args)` returns, or the outcome that its exception makes."""

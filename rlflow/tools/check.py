@@ -46,7 +46,7 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
     from rlflow.rewards import PoolError, RewardFunctionError, load_function, sandbox_problem
     from rlflow.startup import use_import_dir
     from rlflow.tasks.core import load_tokenizer, make_task, needs_tokenizer
-    from rlflow.tasks.dataset import DatasetError
+    from rlflow.tasks.dataset import DatasetError, RowTask
 
     config = resolve(config)
     use_import_dir(config)  # the functions are loaded here too, to name a bad one at once
@@ -92,7 +92,7 @@ def check(config: Config, *, rows: int = 0, say: Callable[[str], None] = print) 
             problem = sandbox_problem(**spec.kwargs)
             if problem is not None:
                 raise CheckError(f"the code reward cannot run here: {problem}")
-    if train is not None and task.answer:
+    if isinstance(task, RowTask) and task.answer:  # a task of rows (the one kind with `train`)
         _say_missing_references(task, say)
     count = loaded if rows <= 0 else min(rows, loaded)
     try:
@@ -119,6 +119,7 @@ def _check_agents(config: Config, say: Callable[[str], None]) -> None:
     import shutil
 
     agents = config.agents
+    assert agents is not None  # checked by the caller
     if not agents.command:
         say("agents: none started by rlflow; start yours against the endpoints in the run's agents.json")
         return
@@ -149,6 +150,7 @@ async def _play_scripted(config: Config, task, tokenizer, say: Callable[[str], N
     from rlflow.protocol import EnvReset, EnvStep
 
     env = config.roles.env
+    assert env is not None  # played only with an environment (checked by the caller)
     text = EpisodeText(tokenizer)
     show = text.tokenizer.decode if tokenizer is None else (
         lambda ids: tokenizer.decode(ids, skip_special_tokens=False)
@@ -169,7 +171,8 @@ async def _play_scripted(config: Config, task, tokenizer, say: Callable[[str], N
                 say(show(text.first(reset)))
                 if not reset.scripted:
                     say("[the environment has no reference_turns: its first observation only]")
-                total, state, turns = 0.0, reset.state, []
+                total, state = 0.0, reset.state
+                turns: list[str] = []
                 for turn, said in enumerate(reset.scripted[: env.max_turns], start=1):
                     say(f"[model turn {turn}] {said}")
                     reply = await handler.answer(EnvStep(request_id=turn, group_id=group_id, index=0, turn=turn,
@@ -218,7 +221,9 @@ async def _score_references(
         if reference:
             samples.append(Sample(prompt=task.prompt_text(group_id), response=reference, reference=reference,
                                   row=dict(task.row(group_id))))
-    rewards, failures, problems = [], 0, []
+    rewards: list[float] = []
+    failures = 0
+    problems: list[str] = []
     if not samples:
         return rewards, failures, problems
     async with open_pool(reward.functions, start_timeout_s=reward.start_timeout_s, import_dir=import_dir) as pool:

@@ -179,19 +179,20 @@ def _foreground(config, run_dir: pathlib.Path, *, display: bool) -> int:
 
     console = Console(stderr=True)
     live = Live(console=console, refresh_per_second=4, transient=False) if display and console.is_terminal else None
-    last_line = [0.0, ""]  # when, and in which state, the last progress line was printed
+    last_at, last_state = 0.0, ""  # when, and in which state, the last progress line was printed
 
-    told = []
+    told: list[bool] = []
 
     def on_status(status) -> None:
+        nonlocal last_at, last_state
         if status.waiting_for and status.address and not told:  # once: what the external replicas need
             told.append(True)
             print(join_hint(status, run_dir), file=sys.stderr, flush=True)
         if live is not None:
             live.update(render(status))
-        elif time.monotonic() - last_line[0] >= PROGRESS_EVERY_S or status.state != last_line[1]:
+        elif time.monotonic() - last_at >= PROGRESS_EVERY_S or status.state != last_state:
             # Also at each change of state: a short run still says it ran.
-            last_line[:] = [time.monotonic(), status.state]
+            last_at, last_state = time.monotonic(), status.state
             print(progress_line(status), file=sys.stderr, flush=True)
 
     print(f"[rlflow] run dir {run_dir}", file=sys.stderr)
@@ -473,10 +474,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     folder = _find_run(args.run_dir)
     state = run_state(folder) if folder else None
-    status = state.status if state is not None else None
-    if status is None:
+    if state is None or state.status is None:
         print(f"no run status in {folder or 'runs/'}", file=sys.stderr)
         return 1
+    status = state.status
     console = Console()
     if not console.is_terminal:  # a pipe or a file: whole lines, not a table squeezed into 80 columns
         console = Console(width=200)

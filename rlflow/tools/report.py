@@ -190,9 +190,9 @@ def text(run: Run) -> str:
 def _spans(run: Run) -> list[tuple[str, list[tuple[float, float, str]]]]:
     """Per lane, (start, duration, state) spans from time zero."""
     # Time zero: when the first service got to work (start-up is left out).
-    starts = [next((t for t, state in trace["events"] if state not in ("idle", timeline.DOWN)), None)
+    firsts = [next((t for t, state in trace["events"] if state not in ("idle", timeline.DOWN)), None)
               for trace in run.traces]
-    starts = [t for t in starts if t is not None]
+    starts = [t for t in firsts if t is not None]
     if not starts:
         return []
     t0 = min(starts)
@@ -278,11 +278,11 @@ def write_curves(run: Run, png: pathlib.Path | None = None) -> pathlib.Path | No
     stale.set_title("staleness (versions behind, per token)")
     stale.set_xlabel("step")
     stale.legend(frameon=False)
-    scored = [e for e in run.evals if e.accuracy is not None]
+    scored = [(e.version, e.accuracy) for e in run.evals if e.accuracy is not None]
     if run.evals:
         ax = axes[2]
         # Each evaluation reads one policy version: version v is the policy after v steps.
-        ax.plot([e.version for e in scored], [100 * e.accuracy for e in scored], marker="o")
+        ax.plot([version for version, _ in scored], [100 * accuracy for _, accuracy in scored], marker="o")
         ax.set_title("held-out accuracy (%)")
         ax.set_xlabel("policy version (step)")
     for ax, (role, fit) in zip(axes[2 + bool(run.evals):], own):
