@@ -149,6 +149,8 @@ class Control:
     def __init__(self, dealer: transport.Dealer, spec: ServiceSpec):
         self._dealer = dealer
         self.spec = spec
+        #: The sequence number of the next heartbeat (the controller takes a lower one for a new incarnation's).
+        self.beats = 0
 
     @property
     def socket(self) -> transport.Dealer:
@@ -207,10 +209,9 @@ class Control:
 
     async def heartbeats(self, make: Callable[[int], Heartbeat], period_s: float) -> None:
         """Send `make(seq)` every `period_s` seconds, forever."""
-        seq = 0
         while True:
-            await self.send(make(seq))
-            seq += 1
+            await self.send(make(self.beats))
+            self.beats += 1
             await trio.sleep(period_s)
 
 
@@ -434,6 +435,8 @@ class Service:
             self.write_trace()
             with trio.move_on_after(2) as scope:
                 scope.shield = True
+                if control.beats:  # its last counts, or the run's status ends on those of a heartbeat ago
+                    await control.send(self.heartbeat(control.beats))
                 await control.send(Bye(reason="shutdown"))
 
     async def main(self, control: Control) -> None:

@@ -28,6 +28,7 @@ from rlflow.protocol import (
     Ack,
     Bye,
     EvalDone,
+    Heartbeat,
     Evaluate,
     Hello,
     PromptGroup,
@@ -839,9 +840,14 @@ async def test_the_trainer_acknowledges_the_groups_already_waiting_in_one_messag
                         if isinstance(msg, Ack) and msg.stage == Stage.TRAINER_RECEIVED:
                             acks.append(msg)
                 await router.send(identity, Shutdown(reason="done"))
-                while not isinstance((await router.recv())[1], Bye):
-                    pass
+                closing = [(await router.recv())[1]]
+                while not isinstance(closing[-1], Bye):
+                    closing.append((await router.recv())[1])
     assert [sorted(a.group_ids) for a in acks] == [list(range(10))]
+    # Its last heartbeat comes just before its goodbye, with its final counts (the run's status ends on them).
+    last = closing[-2]
+    assert isinstance(last, Heartbeat) and last.queues == {"groups": 10}
+    assert all(beat.seq < last.seq for beat in closing[:-2] if isinstance(beat, Heartbeat))
 
 
 # -- reward functions in the reward service ---------------------------------------------------

@@ -182,7 +182,9 @@ class Controller:
                 finally:
                     self._nursery = None
                     with trio.CancelScope(shield=True):
-                        await farewell(self.router, self.roster, self.stop_reason or self.error or "run ended")
+                        await farewell(self.router, self.roster, self.stop_reason or self.error or "run ended",
+                                       heard=lambda replica, beat: self.stats.heartbeat(replica.role, replica.rank,
+                                                                                        beat))
                         if self.state in ("running", "evaluating"):
                             self.state = "stopped"
         except BaseException as exc:

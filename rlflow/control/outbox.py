@@ -20,7 +20,7 @@ import trio
 
 from rlflow.data import transport
 from rlflow.control.replicas import State
-from rlflow.protocol import Bye, ErrorReport, Shutdown
+from rlflow.protocol import Bye, ErrorReport, Heartbeat, Shutdown
 
 log = logging.getLogger("rlflow.controller")
 
@@ -169,9 +169,12 @@ class Outboxes:
                 self.post(replica, order.message)
 
 
-async def farewell(router: transport.Router, roster: Any, reason: str, wait_s: float = 10.0) -> None:
+async def farewell(router: transport.Router, roster: Any, reason: str, wait_s: float = 10.0,
+                   heard: Callable[[Any, Heartbeat], None] | None = None) -> None:
     """Tell every registered replica of `roster` to stop (directly, not through
-    the outboxes: this is the end), and wait up to `wait_s` for their goodbyes."""
+    the outboxes: this is the end), and wait up to `wait_s` for their goodbyes;
+    `heard(replica, beat)` takes each heartbeat meanwhile (a replica's last, with
+    its final counts, comes just before its `Bye`)."""
     targets = [r for r in roster if r.registered]
     with trio.move_on_after(wait_s):
         for replica in targets:
@@ -185,3 +188,5 @@ async def farewell(router: transport.Router, roster: Any, reason: str, wait_s: f
             replica = roster.by_identity.get(identity)
             if replica is not None and isinstance(msg, Bye | ErrorReport):
                 replica.state = State.GONE
+            elif replica is not None and isinstance(msg, Heartbeat) and heard is not None:
+                heard(replica, msg)
