@@ -1,6 +1,6 @@
 # Two entry points: `make up` (train the embedded default) and `make test`
 # (`make test-fast` runs the tests the last whole run timed as cheap, for the
-# edit-test loop; `make lint` is ruff).
+# edit-test loop; `make lint` is ruff, `make typecheck` mypy).
 # Both create or refresh .venv first; a second `make venv` with nothing
 # changed installs nothing.
 
@@ -15,7 +15,7 @@ STAMP := $(VENV)/.rlflow-installed-$(ACCEL)
 # the CPU build of torch; text models need none of them.
 BROKEN := torchvision torchaudio torchcodec
 
-.PHONY: venv up test test-fast lint bench peer clean
+.PHONY: venv up test test-fast lint typecheck bench peer clean
 
 venv: $(STAMP)
 
@@ -49,6 +49,15 @@ test-fast: venv
 
 lint: venv
 	$(BIN)/ruff check .
+
+# mypy over rlflow/ and protocol/ under the names the package installs them as (protocol/ is
+# rlflow.protocol, a mapping mypy's own search cannot follow): over a tree of links in build/.
+TYPECHECK := build/typecheck
+typecheck: venv
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/rlflow
+	for f in rlflow/*; do ln -s "$(CURDIR)/$$f" $(TYPECHECK)/rlflow/; done
+	ln -s "$(CURDIR)/protocol" $(TYPECHECK)/rlflow/protocol
+	cd $(TYPECHECK) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p rlflow
 
 bench: venv
 	$(BIN)/python bench/transport.py --quick

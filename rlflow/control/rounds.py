@@ -243,6 +243,8 @@ class Weights:
     def hosted(self, transfer: WeightTransfer, receivers: set[int]) -> list[Order]:
         """The trainer hosts the new generation at `transfer`: each live
         member joins it with its rank, and loads the version moving."""
+        if not isinstance(transfer, WeightsGloo | WeightsNccl):  # no generations to join over ZeroMQ
+            return []
         if transfer.generation != self.generation:  # one replaced before the trainer got to it: nobody joins it
             return []
         version, self.moving_version = self.moving_version, None

@@ -261,9 +261,9 @@ class RunStats:
     def _engine_step(self) -> EngineStep | None:
         """The rollout's engines now, and their preemptions since the last step."""
         clocks = [c for c in self.replicas("rollout") if c.last.engine is not None]
-        if not clocks:
+        now = [e for c in clocks if (e := c.last.engine) is not None]
+        if not now:
             return None
-        now = [c.last.engine for c in clocks]
         before = sum(c.at_step.engine.preemptions for c in clocks if c.at_step.engine is not None)
         return EngineStep(running=sum(e.running for e in now), waiting=sum(e.waiting for e in now),
                           kv_cache_usage=max(e.kv_cache_usage for e in now),

@@ -10,7 +10,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -71,7 +71,8 @@ def add_counters(counts: Iterable[Counters]) -> Counters:
                 maps[name].update(value)
             else:
                 plain[name] += value
-    return Counters(**plain, **{name: dict(values) for name, values in maps.items()})
+    fields: dict[str, Any] = {**plain, **{name: dict(values) for name, values in maps.items()}}
+    return Counters(**fields)
 
 
 def add_loads(loads: Iterable[EngineLoad | None]) -> EngineLoad | None:
