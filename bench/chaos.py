@@ -43,7 +43,7 @@ import time
 from dataclasses import dataclass, field
 
 from rlflow import config as C
-from rlflow.control.launch import run
+from rlflow.control.launch import request_stop, run
 from rlflow.errors import RunFailed
 from rlflow.rundir import RunDir, Status
 from rlflow.tools.audit import audit
@@ -191,23 +191,38 @@ def saboteur(chaos: Chaos, rng: random.Random, kills: int, hang: bool, kill_trai
             raise RuntimeError(f"{role}-{rank} did not come back within 300 s")
 
 
-def sabotage(chaos: Chaos, *args) -> None:
+#: Steps a run stopped by its saboteur (`chaos_run(..., steps=None)`) takes after the last damage: the
+#: last victim's replacement at work.
+STEPS_AFTER = 5
+
+
+def sabotage(chaos: Chaos, *args, stop_run: pathlib.Path | None = None) -> None:
+    """The saboteur's damage; with `stop_run`, the run in that folder is then stopped, a few steps on
+    (at once if the saboteur failed)."""
     try:
         saboteur(chaos, *args)
+        if stop_run is not None:
+            at = chaos.status.step if chaos.status is not None else 0
+            wait_for(chaos, lambda s: True if s is not None and s.step >= at + STEPS_AFTER else None, timeout_s=300)
     except Exception as exc:
         chaos.error = f"{type(exc).__name__}: {exc}"
         chaos.note(f"stopped: {chaos.error}")
+    if stop_run is not None and not chaos.stop.is_set():
+        chaos.note(f"stopping the run at step {chaos.status.step if chaos.status else '?'}")
+        request_stop(stop_run, "the saboteur is done")
 
 
-def chaos_run(work: pathlib.Path, *, kills: int, hang: bool, kill_trainer: bool, steps: int, seed: int = 0,
+def chaos_run(work: pathlib.Path, *, kills: int, hang: bool, kill_trainer: bool, steps: int | None, seed: int = 0,
               hang_s: float = 10.0) -> tuple[Chaos, object, int]:
     """One run under chaos (resumed once if the trainer is killed); (what
-    was done, the audit, the steps completed)."""
+    was done, the audit, the steps completed). `steps` None: the run goes on
+    until the saboteur is done, and `STEPS_AFTER` steps more."""
     rng = random.Random(seed)
-    config = C.load(text=CONFIG.format(steps=steps, kills=kills + 2, hang_s=hang_s))
+    config = C.load(text=CONFIG.format(steps=steps or 1_000_000, kills=kills + 2, hang_s=hang_s))
     run_dir = work / "run"
     chaos = Chaos()
-    thread = threading.Thread(target=sabotage, args=(chaos, rng, kills, hang, kill_trainer), daemon=True)
+    thread = threading.Thread(target=sabotage, args=(chaos, rng, kills, hang, kill_trainer), daemon=True,
+                              kwargs={"stop_run": run_dir if steps is None else None})
     thread.start()
     resumes = 0
     try:

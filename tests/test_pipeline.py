@@ -148,18 +148,14 @@ def running_at(step: int):
     return lambda s: s.get("state") == "running" and s.get("step", 0) >= step
 
 
-#: Steps of the chaos run: enough for the saboteur's five actions and the restarts it waits for.
-CHAOS_STEPS = 500
-
-
-@pytest.mark.timeout(600)  # 134 s on a 2-core AMD EPYC
+@pytest.mark.timeout(600)  # 134 s on a 2-core AMD EPYC when it ran a fixed 500 steps
 def test_chaos_kills_a_hang_and_a_trainer_resume_lose_nothing(clean, tmp_path, monkeypatch):
     """The chaos bench, shorter: SIGKILL three random rollout, reward or
     teacher replicas, SIGSTOP one until it is presumed dead, SIGKILL the
     trainer and resume; the audit finds nothing lost or trained twice.
-    The run is long enough for the saboteur, which waits for each victim's
-    next incarnation (some 15 s a restart on a 2-core AMD EPYC, where 100
-    steps took 15 s and the run ended before its last action)."""
+    The run goes on until the saboteur is done, which waits for each
+    victim's next incarnation, and is stopped a few steps later: no fixed
+    length is too short on a slow machine or too long on a fast one."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("chaos", ROOT / "bench" / "chaos.py")
@@ -167,11 +163,11 @@ def test_chaos_kills_a_hang_and_a_trainer_resume_lose_nothing(clean, tmp_path, m
     monkeypatch.setitem(sys.modules, "chaos", chaos)  # its dataclasses look their module up there
     spec.loader.exec_module(chaos)
     # A hang is found out by the heartbeat timeout: 4 s of silence (8 heartbeats) rather than the bench's 10.
-    done, result, steps = chaos.chaos_run(tmp_path, kills=3, hang=True, kill_trainer=True, steps=CHAOS_STEPS, seed=3,
+    done, result, steps = chaos.chaos_run(tmp_path, kills=3, hang=True, kill_trainer=True, steps=None, seed=3,
                                           hang_s=4.0)
-    assert (done.kills, done.hangs, done.trainer_kills) == (3, 1, 1), done.log
+    assert (done.kills, done.hangs, done.trainer_kills, done.error) == (3, 1, 1, ""), done.log
     assert (result.lost, result.duplicated) == (0, 0), result
-    assert steps == CHAOS_STEPS and result.trained == CHAOS_STEPS * 4
+    assert steps >= chaos.STEPS_AFTER and result.trained == steps * 4
 
 
 def test_with_no_restarts_allowed_a_dead_replica_fails_the_run_and_leaves_nothing(clean, tmp_path):

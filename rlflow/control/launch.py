@@ -131,6 +131,25 @@ def _marked(run_id: str) -> Iterator[None]:
             os.environ[RUN_ID_VAR] = before
 
 
+def request_stop(run_dir: str | os.PathLike, reason: str = "stop requested") -> bool:
+    """Ask the controller of the run in `run_dir` to stop it, with the run's secret (what `rlflow down`
+    does): it ends the run as after its last step (state "stopped"). False if the run has no controller
+    to ask."""
+    from rlflow.protocol import Shutdown
+
+    info = RunDir(run_dir).read_controller()
+    if info is None or not info.address:
+        return False
+
+    async def ask() -> None:
+        async with transport.open_dealer(connect=info.address, curve=info.curve, name="stop") as dealer:
+            await dealer.send(Shutdown(reason=reason, secret=info.secret))
+            await trio.sleep(0.2)  # the message leaves before the socket closes
+
+    trio.run(ask)
+    return True
+
+
 def run(
     config: Config,
     run_dir: str | os.PathLike,

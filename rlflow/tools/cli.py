@@ -531,22 +531,13 @@ def cmd_down(args: argparse.Namespace) -> int:
 def _stop(folder, state, deadline: float) -> None:
     """Ask a run's controller to stop (with the run's secret) and wait for
     its process to end; past the deadline, SIGTERM, then SIGKILL."""
-    import trio
-
-    from rlflow.data import transport
-    from rlflow.protocol import Shutdown
+    from rlflow.control.launch import request_stop
     from rlflow.runstate import alive
 
     info = folder.read_controller()
     pid = state.pid
-
-    async def ask() -> None:
-        async with transport.open_dealer(connect=info.address, curve=info.curve, name="down") as dealer:
-            await dealer.send(Shutdown(reason="rlflow down", secret=info.secret))
-            await trio.sleep(0.2)
-
     if info is not None and info.pid == pid:
-        trio.run(ask)
+        request_stop(folder.path, "rlflow down")
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     if alive(pid):
