@@ -200,9 +200,9 @@ def main() -> None:
     result = {"sim": sims, "own_pool_vs_inline": ratio, "trainer_wait_share": share}
     ppo_acc = grpo_acc = None
     if not args.sim_only:
-        from rlflow.tools.cli import _build_default_model
+        from rlflow.tools.cli import build_model
 
-        _build_default_model(force=False)
+        build_model(force=False)
         print("runs:", file=sys.stderr)
         grpo = args.grpo or run_config(DEFAULT, work / "grpo", [])
         trained = RunDir(grpo).read_metrics()[-1].time_s

@@ -292,9 +292,9 @@ def main() -> None:
     parser.add_argument("--no-vllm", action="store_true", help="leave out the vLLM backend's scoring rate")
     args = parser.parse_args()
 
-    from rlflow.tools.cli import _build_default_model
+    from rlflow.tools.cli import build_model
 
-    _build_default_model(force=False)
+    build_model(force=False)
     work = args.work or pathlib.Path(tempfile.mkdtemp(prefix="rlflow-teacher-"))
     work.mkdir(parents=True, exist_ok=True)
 
@@ -318,7 +318,7 @@ def main() -> None:
         runs["mixed 0.5"] = run_config(DISTILL, work / "mixed", [f"run.steps={args.steps}",
                                                                    "roles.trainer.engine.distill_coef=0.5"])
     # The teacher's own held-out accuracy: a run of one step that evaluates it first.
-    teacher_path = str(_build_default_model(force=False, name="default-teacher"))
+    teacher_path = str(build_model(force=False, name="default-teacher"))
     teacher_eval = run_config(DEFAULT, work / "teacher-eval", [f'roles.rollout.model="{teacher_path}"', "run.steps=1",
                                                                 "eval.every_steps=0", "eval.after=false"])
     teacher_accuracy = curve(teacher_eval)[0][1]

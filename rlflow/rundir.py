@@ -34,6 +34,7 @@ that keeps everything: `rlflow audit` replays the resume it records.
 
 from __future__ import annotations
 
+import enum
 import os
 import pathlib
 import time
@@ -248,13 +249,35 @@ class Trend(Record, frozen=True):
     """`mean` minus the mean of the `steps` steps before (None: not that many yet)."""
 
 
+class Phase(enum.StrEnum):
+    """Where a run is (status.json's `state`; written as the plain string)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    EVALUATING = "evaluating"
+    STOPPED = "stopped"
+    FAILED = "failed"
+    INTERRUPTED = "interrupted"
+    DEAD = "dead"
+    """Its controller is gone without saying so (what `rlflow.runstate` finds; `rlflow down` writes it)."""
+
+    @property
+    def live(self) -> bool:
+        """Whether the run is under way (it trains or evaluates)."""
+        return self in (Phase.RUNNING, Phase.EVALUATING)
+
+    @property
+    def ended(self) -> bool:
+        return self in (Phase.STOPPED, Phase.FAILED, Phase.INTERRUPTED, Phase.DEAD)
+
+
 class Status(Record, frozen=True):
     """A run now (status.json)."""
 
     run_id: str
     state: str
-    """starting, evaluating, running, stopped, failed, interrupted; or dead: its controller is gone
-    without saying so (what `rlflow.runstate` finds and every command says; `rlflow down` writes it here)."""
+    """A `Phase`: starting, evaluating, running, stopped, failed, interrupted; or dead: its controller is
+    gone without saying so (what `rlflow.runstate` finds and every command says; `rlflow down` writes it here)."""
     error: str | None = None
     pid: int = 0
     host: str = ""

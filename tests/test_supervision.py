@@ -385,6 +385,37 @@ async def test_a_replica_that_stops_reading_delays_neither_another_replicas_welc
         nursery.cancel_scope.cancel()
 
 
+async def test_a_stuck_replica_is_queued_as_lost_not_lost_inside_the_post_that_found_it():
+    """Posting to a full outbox only queues the loss (the handler that posted goes on undisturbed); the
+    controller takes it between handlers, once, and not if the replica was replaced meanwhile."""
+    from types import SimpleNamespace
+
+    from rlflow.control.outbox import Outboxes
+    from rlflow.data import transport
+
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:*", hwm=4) as router,
+        transport.open_dealer(connect=transport.bound_address(router), identity=b"stuck", hwm=4) as stuck,
+        trio.open_nursery() as nursery,
+    ):
+        with trio.fail_after(30):
+            await stuck.send(hello())
+            await router.recv()
+            outboxes = Outboxes()
+            outboxes.router, outboxes.nursery = router, nursery
+            replica = SimpleNamespace(identity=b"stuck", incarnation=1, registered=True, name="reward-0")
+            outboxes.open(replica)
+            for version in range(2000):  # more than its pipe and its outbox hold: found stuck, many times
+                outboxes.post(replica, UpdateWeights(version=version))
+            [(lost, why, kill)] = await outboxes.losses()
+            assert lost is replica and "presumed stuck" in why and kill
+            outboxes.post(replica, UpdateWeights(version=0))  # still full: queued again
+            replica.incarnation = 2  # ... but replaced before the controller took it
+            assert await outboxes.losses() == []
+            outboxes.close(replica)
+        nursery.cancel_scope.cancel()
+
+
 def test_a_replaced_incarnation_is_told_the_kind_the_spec_names():
     from rlflow.protocol import CONTROLLER_ERROR_KINDS
 

@@ -43,13 +43,13 @@ def explain(exc: msgspec.ValidationError, raw: dict[str, Any]) -> ConfigError:
             union = _union_at(path)
             return ConfigError(_join(key_path), MISSING, f"required: {_kinds(union) if union else 'a kind'}")
         field_type = _type_at(key_path, raw)
-        return ConfigError(_join(key_path), MISSING, f"required: {_describe(field_type)}")
+        return ConfigError(_join(key_path), MISSING, f"required: {describe_type(field_type)}")
     given = _lookup(raw, path)
     target = _type_at(path, raw)
     # A table that checks itself (a __post_init__) says what is wrong in its own words.
     if target is None or (isinstance(target, msgspec.inspect.StructType) and not what.startswith("Expected")):
         return ConfigError(_join(path) or "config", given, what)
-    return ConfigError(_join(path), given, f"expected {_describe(target)}")
+    return ConfigError(_join(path), given, f"expected {describe_type(target)}")
 
 
 def _parse_path(path: str) -> list[str]:
@@ -169,7 +169,8 @@ def _keys_of(node: Any) -> str:
     return "(no keys)"
 
 
-def _describe(node: Any) -> str:
+def describe_type(node: Any) -> str:
+    """A type from `msgspec.inspect` in words ("an integer >= 1", "one of ...")."""
     insp = msgspec.inspect
     if isinstance(node, insp.IntType):
         return "an integer" + _bounds(node)
@@ -182,9 +183,9 @@ def _describe(node: Any) -> str:
     if isinstance(node, insp.LiteralType):
         return "one of " + ", ".join(repr(v) for v in node.values)
     if isinstance(node, insp.DictType):
-        return f"a table of {_describe(node.value_type)}"
+        return f"a table of {describe_type(node.value_type)}"
     if isinstance(node, (insp.ListType, insp.VarTupleType)):
-        return f"a list of {_describe(node.item_type)}"
+        return f"a list of {describe_type(node.item_type)}"
     if isinstance(node, insp.StructType):
         if node.tag is not None:
             return f"a table with kind = {node.tag!r} and keys: {_keys_of(node)}"
@@ -193,7 +194,7 @@ def _describe(node: Any) -> str:
         kinds = [repr(m.tag) for m in node.types if isinstance(m, insp.StructType) and m.tag is not None]
         if kinds:
             return "a table whose kind is one of " + ", ".join(kinds)
-        return " or ".join(_describe(m) for m in node.types if not isinstance(m, insp.NoneType))
+        return " or ".join(describe_type(m) for m in node.types if not isinstance(m, insp.NoneType))
     return str(node)
 
 

@@ -15,7 +15,7 @@ import sys
 
 import msgspec
 
-from rlflow.config.explain import _describe
+from rlflow.config.explain import describe_type
 from rlflow.config.schema import Config, field_docs, struct_classes
 
 BEGIN = "<!-- BEGIN GENERATED: python -m rlflow.config.reference -->"
@@ -74,7 +74,7 @@ def _kind(field: msgspec.inspect.Field, key: str) -> str:
         return f"a table (`{key}`)"
     if isinstance(node, insp.DictType) and isinstance(node.value_type, insp.StructType):
         return f"tables by name (`{key}.NAME`)"
-    return _describe(field.type)
+    return describe_type(field.type)
 
 
 def generate() -> str:

@@ -44,14 +44,15 @@ from rlflow.control.stats import RunStats, process_cpu
 from rlflow.control.topology import Topology
 from rlflow.data import transport
 from rlflow.data.net import CurveKeys, bind_host
-from rlflow.errors import RunFailed, leaves
+from rlflow.control.ending import describe, why_it_ended
+from rlflow.errors import RunFailed
 from rlflow.protocol import (
     REPLACED, SCHEMA_VERSION, WEIGHT_GROUP_BROKEN, WRONG_VERSION, Ack, Bye, Credits, Dropped, ErrorReport, EvalDone,
     Expired, Heartbeat, Hello, ProtocolError, Ready, SchemaVersionMismatch, Shutdown, Stage,
     StepDone, WeightsGroup, WeightsLoaded, WeightsReady, Welcome,
 )
 from rlflow.rundir import (
-    CONTROLLER_STATE, ControllerInfo, RunDir, Status, Summary, append_jsonl, read_json, write_json,
+    CONTROLLER_STATE, ControllerInfo, Phase, RunDir, Status, Summary, append_jsonl, read_json, write_json,
 )
 
 log = logging.getLogger("rlflow.controller")
@@ -123,7 +124,7 @@ class Controller:
                              {(name, rank) for name, role in config.role_items() for rank in range(role.replicas)
                               if (name, role) not in config.launched_roles()})
         #: What is said to each replica goes through its outbox.
-        self.outboxes = Outboxes(lambda replica, why, kill: self._lose(replica, why, kill=kill))
+        self.outboxes = Outboxes()
         self.ledger, self.version = start_ledger(run)
         #: The version a replica loads when it starts (the checkpoint resumed from, else the policy's start).
         self.start_version = self.version
@@ -133,7 +134,7 @@ class Controller:
         self.stats = RunStats([name for name, _ in config.role_items()])
         if run.resume:  # the record goes on from the checkpoint: one run, one record
             self.stats.carry(resume_record(self.run_dir, self.ledger.steps_done, self.ledger.trained_count))
-        self.state = "starting"
+        self.state: Phase = Phase.STARTING
         self.error: str | None = None
         self.stop_reason = ""
         self.door = Door()  # peers turned away, and messages not acted on
@@ -170,6 +171,7 @@ class Controller:
                         self._nursery = self.outboxes.nursery = nursery
                         nursery.start_soon(self._receive)
                         nursery.start_soon(self._watch)
+                        nursery.start_soon(self._take_losses)
                         nursery.start_soon(self.door.run, router)
                         await trio.to_thread.run_sync(self.launcher.start, self.address)
                         await self._handshake()
@@ -185,18 +187,18 @@ class Controller:
                         await farewell(self.router, self.roster, self.stop_reason or self.error or "run ended",
                                        heard=lambda replica, beat: self.stats.heartbeat(replica.role, replica.rank,
                                                                                         beat))
-                        if self.state in ("running", "evaluating"):
-                            self.state = "stopped"
+                        if self.state.live:
+                            self.state = Phase.STOPPED
         except BaseException as exc:
             # Whatever ended the run (a failure while shutting down too), status and summary say so.
-            if self.state not in ("failed", "interrupted"):
-                self.state = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
-            self.error = self.error or _describe(exc)
+            if self.state not in (Phase.FAILED, Phase.INTERRUPTED):
+                self.state = Phase.INTERRUPTED if isinstance(exc, KeyboardInterrupt) else Phase.FAILED
+            self.error = self.error or describe(exc)
             raise
         finally:
             for sink in self._sinks:
                 sink.close()
-            if self.state == "stopped":
+            if self.state is Phase.STOPPED:
                 self.ledger.end()
             self.run_dir.append_ledger(self.ledger.drain())
             self._write_status()
@@ -223,14 +225,14 @@ class Controller:
     async def _train(self) -> None:
         """Evaluate, grant until the last step is trained, evaluate again, shut down."""
         if self.config.eval.before and not self.stats.evaluated_at(self.ledger.steps_done):  # kept on resume
-            self.state = "evaluating"
+            self.state = Phase.EVALUATING
             await self._evaluated()
-        self.state = "running"
+        self.state = Phase.RUNNING
         self.training_started = time.monotonic()
         self._grant()
         await self.done.wait()
         if self.config.eval.after and self.ledger.steps_done >= self.config.run.steps:
-            self.state = "evaluating"
+            self.state = Phase.EVALUATING
             while any(r.version < self.weights.rounds.published for r in self.roster.role("rollout") if r.live):
                 await self._wait_change()
             await self._evaluated()
@@ -382,7 +384,7 @@ class Controller:
         for text in self.ledger.notices:
             self._warn(text)
         self.ledger.notices.clear()
-        if self.training_started is None or self.state not in ("running", "evaluating"):
+        if self.training_started is None or not self.state.live:
             return
         room = {r.rank: r.capacity for r in self.roster.role("rollout")
                 if r.live and r.rank not in self.weights.catching_up}
@@ -432,7 +434,7 @@ class Controller:
                     self._died(failure)
             holders = self.ledger.holders()
             for replica in self.roster:  # starting: the handshake judges silence; the lost are restarted
-                if self.state in ("running", "evaluating") or (self.state == "starting" and replica.lost):
+                if self.state.live or (self.state is Phase.STARTING and replica.lost):
                     self._supervise(replica, holders)
             self.run_dir.append_ledger(self.ledger.drain())
             self._write_status()
@@ -459,6 +461,13 @@ class Controller:
                 self.supervisor.restarting(replica)
                 assert self._nursery is not None  # the watch runs in the nursery
                 self._nursery.start_soon(self._restart, replica, replica.launched)
+
+    async def _take_losses(self) -> None:
+        """The replicas the outboxes found unreachable or stuck, lost one after another once the handler
+        that found them is done (a loss found while handling another is taken in the next round)."""
+        while True:
+            for replica, why, kill in await self.outboxes.losses():
+                self._lose(replica, why, kill=kill)
 
     def _lose(self, replica: Replica, why: str, *, kill: bool = False) -> None:
         """A replica died or hangs: retire the incarnation, give its work back,
@@ -550,48 +559,3 @@ async def _within(event: trio.Event, timeout: float, what: Callable[[], str]) ->
         await event.wait()
     if not event.is_set():
         raise RunFailed(f"{what()} within {timeout:g} s; raise cluster.handshake_timeout_s if they are slow to start")
-
-
-def why_it_ended(exc: BaseException) -> tuple[str, str, BaseException]:
-    """(the run's state, its error, the exception to raise) for whatever ended
-    a run: trio's cancellation alone is an interruption from outside;
-    otherwise an interrupt first, a `RunFailed` next, anything else becomes
-    a `RunFailed` that names it."""
-    if _only_cancelled(exc):
-        return "interrupted", "cancelled", exc
-    cause = _unwrap(exc)
-    state = "interrupted" if isinstance(cause, KeyboardInterrupt) else "failed"
-    if isinstance(cause, (KeyboardInterrupt, RunFailed)):
-        cause.__suppress_context__ = True  # it says why on its own
-        return state, _describe(cause), cause
-    log.error("[controller] failed", exc_info=cause)
-    failed = RunFailed(_describe(cause))
-    failed.__cause__ = cause
-    return state, _describe(cause), failed
-
-
-def _only_cancelled(exc: BaseException) -> bool:
-    """Whether `exc` is trio's cancellation and nothing else."""
-    if isinstance(exc, BaseExceptionGroup):
-        return exc.split(trio.Cancelled)[1] is None
-    return isinstance(exc, trio.Cancelled)
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """The one exception that says why the run ended, out of trio's groups:
-    an interrupt first, then a `RunFailed`; anything else as it came."""
-    if not isinstance(exc, BaseExceptionGroup):
-        return exc
-    for kind in (KeyboardInterrupt, RunFailed):
-        match, _ = exc.split(kind)
-        if match is not None:
-            return next(leaves(match))
-    return exc
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, BaseExceptionGroup):
-        return "; ".join(_describe(e) for e in exc.exceptions)
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted"
-    return f"{type(exc).__name__}: {exc}" if not isinstance(exc, RunFailed) else str(exc)

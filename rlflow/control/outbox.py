@@ -121,14 +121,30 @@ class Door:
 
 
 class Outboxes:
-    """An outbox for each registered replica (see `Outbox`); `lose(replica,
-    why, kill)` is called for a replica found unreachable or stuck."""
+    """An outbox for each registered replica (see `Outbox`). A replica found
+    unreachable or stuck is queued as lost, never handled in the call that
+    found it (often a handler midway, or the loss of another replica): the
+    controller takes the queue with `losses` between two handlers."""
 
-    def __init__(self, lose: Callable[[Any, str, bool], None]):
-        self._lose = lose
+    def __init__(self) -> None:
         self._boxes: dict[bytes, Outbox] = {}
         self.router: transport.Router | None = None
         self.nursery: trio.Nursery | None = None
+        self._lost: list[tuple[Any, int, str, bool]] = []
+        self._found = trio.Event()
+
+    def _queue_loss(self, replica: Any, why: str, kill: bool) -> None:
+        if all(queued is not replica for queued, _, _, _ in self._lost):
+            self._lost.append((replica, replica.incarnation, why, kill))
+            self._found.set()
+
+    async def losses(self) -> list[tuple[Any, str, bool]]:
+        """The replicas found lost since the last call and still the incarnation found so, each (replica,
+        why, whether to kill it); waits for one."""
+        await self._found.wait()
+        lost, self._lost, self._found = self._lost, [], trio.Event()
+        return [(replica, why, kill) for replica, incarnation, why, kill in lost
+                if replica.incarnation == incarnation and replica.registered]
 
     def open(self, replica: Any) -> None:
         """An outbox for `replica`'s registered incarnation."""
@@ -139,7 +155,7 @@ class Outboxes:
         def unreachable() -> None:
             if replica.incarnation == incarnation and replica.registered:
                 log.info("[controller] %s is unreachable", replica.name)
-                self._lose(replica, "closed its connection", False)
+                self._queue_loss(replica, "closed its connection", False)
 
         self.nursery.start_soon(outbox.run, unreachable)
 
@@ -152,7 +168,7 @@ class Outboxes:
         control socket for a long while: lost."""
         outbox = self._boxes.get(replica.identity)
         if outbox is not None and not outbox.post(msg) and replica.registered:
-            self._lose(replica, f"took none of its last {outbox.size} control messages: presumed stuck", True)
+            self._queue_loss(replica, f"took none of its last {outbox.size} control messages: presumed stuck", True)
 
     def post_each(self, pairs: list[tuple[Any, Any]]) -> None:
         """`post` each (replica, message) of `pairs`."""

@@ -20,7 +20,7 @@ from rlflow.control.stats import RunStats, process_cpu
 from rlflow.protocol import Counters, EngineLoad, Heartbeat
 from rlflow.roles import VERSIONED
 from rlflow.rundir import (
-    AgentsInfo, ControllerStats, GroupCounts, JoinInfo, Placed, RoleStatus, Shares, Status, Summary, named,
+    AgentsInfo, ControllerStats, GroupCounts, JoinInfo, Phase, Placed, RoleStatus, Shares, Status, Summary, named,
 )
 
 if TYPE_CHECKING:
@@ -51,7 +51,7 @@ class ControllerView(Protocol):
     stats: RunStats
     door: Door
     version: int
-    state: str
+    state: Phase
     error: str | None
     stop_reason: str
     warnings: list[str]

@@ -309,10 +309,10 @@ def _build_models(config) -> None:
     for _, role in config.role_items():
         model = getattr(getattr(role, "engine", None), "model", None)
         if model in BUILT and model != "default":
-            _build_default_model(force=False, name=model)
+            build_model(force=False, name=model)
 
 
-def _build_default_model(force: bool, name: str = "default") -> pathlib.Path:
+def build_model(force: bool, name: str = "default") -> pathlib.Path:
     """A model rlflow builds itself (`rlflow.models.BUILT`); built first (with
     a progress bar) if needed."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -438,7 +438,7 @@ def cmd_model(args: argparse.Namespace) -> int:
     if args.model_command == "path":
         print(resolve_model(name) if name == "default" else default_model_dir(name))
         return 0
-    path = _build_default_model(force=args.force, name=name)
+    path = build_model(force=args.force, name=name)
     if name == "default":
         print(f"[rlflow] rlflow ships the default model ({resolve_model(name)}); this build of its recipe is "
               f"another, used with --set roles.rollout.model={path}", file=sys.stderr)
