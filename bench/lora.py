@@ -107,7 +107,7 @@ class Sender:
         self.joined = (WeightsGloo(host="127.0.0.1", port=port, world_size=2, rank=1, nbytes=self.engine.nbytes,
                                    bucket_bytes=self.engine.cfg.bucket_bytes), self.engine.specs)
         lora = self.engine.lora
-        self.adapter = adapter_offer(lora, config.run.staleness) if lora is not None else None
+        self.adapter = adapter_offer(lora, config.run.max_staleness) if lora is not None else None
 
     async def push(self, engine: VllmEngine, version: int) -> float:
         """A new version (one tensor moved a little: the whole layout is sent
@@ -152,7 +152,7 @@ def measure(config, label: str, count: int, repeats: int, idle: int) -> dict:
     lora = config.lora
     cfg: VllmRollout = config.roles.rollout.engine
     backend = VllmBackend(cfg, config.policy_path, seed=0, lora_rank=lora.rank if lora else 0,
-                          lora_slots=adapter_slots(lora.adapter_update, config.run.staleness) if lora else 1)
+                          lora_slots=adapter_slots(lora.adapter_update, config.run.max_staleness) if lora else 1)
     started = time.perf_counter()
     backend.start_blocking()
     print(f"[{label}] vLLM started in {time.perf_counter() - started:.0f} s", flush=True)

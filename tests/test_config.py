@@ -45,7 +45,7 @@ def test_every_config_field_has_a_docstring():
 
 def test_overrides_go_through_the_same_validation():
     config = C.load(text=BASE, overrides=["run.steps=3", "run.mode=sync", "roles.rollout.engine.slots=16"])
-    assert config.run.steps == 3 and config.run.mode == "sync" and config.run.staleness == 0
+    assert config.run.steps == 3 and config.run.mode == "sync" and config.run.max_staleness == 0
     assert config.roles.rollout.engine.slots == 16
     inline = C.load(text=BASE, overrides=['roles.rollout.engine.response_len={kind="fixed", value=10}'])
     assert inline.roles.rollout.engine.response_len == C.Fixed(value=10)
@@ -79,7 +79,7 @@ def test_overrides_go_through_the_same_validation():
 )
 def test_bad_values_get_one_line_naming_key_value_and_allowed(override, line):
     if line is None:
-        assert C.load(text=BASE, overrides=[override]).run.staleness == 3
+        assert C.load(text=BASE, overrides=[override]).run.max_staleness == 3
         return
     with pytest.raises(C.ConfigError) as info:
         C.load(text=BASE, overrides=[override])
@@ -112,23 +112,23 @@ def test_the_signal_filter_needs_groups_that_can_differ():
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_one_flag_switches_a_shipped_config_to_sync(path):
     config = C.load(path, ["run.mode=sync"])
-    assert config.run.mode == "sync" and config.run.staleness == 0
+    assert config.run.mode == "sync" and config.run.max_staleness == 0
 
 
 def test_the_mode_implies_its_staleness_unless_both_are_set():
     pinned = BASE + "[run]\nmode = 'async'\nmax_staleness = 2\n"
     # A --set of the mode alone: the file's bound was the other mode's.
     sync = C.load(text=pinned, overrides=["run.mode=sync"])
-    assert sync.run.max_staleness is None and sync.run.staleness == 0
-    assert C.load(text=pinned, overrides=["run.mode=one_step"]).run.staleness == 1
+    assert sync.run.max_staleness_given is None and sync.run.max_staleness == 0
+    assert C.load(text=pinned, overrides=["run.mode=one_step"]).run.max_staleness == 1
     # The other way: a file pinned for sync, run async, gets async's default.
     back = C.load(text=BASE + "[run]\nmode = 'sync'\nmax_staleness = 0\n", overrides=["run.mode=async"])
-    assert back.run.mode == "async" and back.run.staleness == 2
+    assert back.run.mode == "async" and back.run.max_staleness == 2
     # The file's own mode set again changes nothing: its bound stays.
-    assert C.load(text=BASE + "[run]\nmax_staleness = 4\n", overrides=["run.mode=async"]).run.staleness == 4
+    assert C.load(text=BASE + "[run]\nmax_staleness = 4\n", overrides=["run.mode=async"]).run.max_staleness == 4
     # Both given: the user's word, checked; inconsistent is still an error, from --set or from the file.
-    assert C.load(text=pinned, overrides=["run.mode=async", "run.max_staleness=5"]).run.staleness == 5
-    assert C.load(text=pinned, overrides=["run.mode=sync", "run.max_staleness=0"]).run.staleness == 0
+    assert C.load(text=pinned, overrides=["run.mode=async", "run.max_staleness=5"]).run.max_staleness == 5
+    assert C.load(text=pinned, overrides=["run.mode=sync", "run.max_staleness=0"]).run.max_staleness == 0
     wrong = r"run.max_staleness = 2: must be 0 \(or left out\) when run.mode = 'sync'"
     with pytest.raises(C.ConfigError, match=wrong):
         C.load(text=pinned, overrides=["run.max_staleness=2", "run.mode=sync"])

@@ -86,7 +86,7 @@ class Trainer:
         from rlflow.services.trainer.lora import adapter_offer
 
         self.engine = engine or TorchEngine(config.roles.trainer.engine, config.policy_path)
-        self.adapter = adapter_offer(self.engine.lora, config.run.staleness)
+        self.adapter = adapter_offer(self.engine.lora, config.run.max_staleness)
         self.group = group
         self.seed = 0
 

@@ -220,7 +220,7 @@ def test_cli_up_runs_twenty_steps(clean, tmp_path):
     assert (run_dir / "config.toml").exists() and (run_dir / "summary.json").exists()
     written = C.load(run_dir / "config.toml").run
     assert written.steps == 20
-    assert late_starts(run_dir, written.batch_size, written.staleness) == []
+    assert late_starts(run_dir, written.batch_size, written.max_staleness) == []
     # status.json names every count: a script reads it without the wire's field order.
     roles = json.loads((run_dir / "status.json").read_text())["roles"]
     assert roles["trainer"]["counters"]["samples"] > 0 and roles["rollout"]["counters"]["decode_steps"] > 0

@@ -43,11 +43,12 @@ def check(config: Config) -> None:
             "a wildcard is no address to connect to: give one, or leave it empty for each node's own IP",
         )
     run = config.run
-    if run.max_staleness is not None and run.mode != "async":
+    if run.max_staleness_given is not None and run.mode != "async":
         implied = IMPLIED_STALENESS[run.mode]
-        if run.max_staleness != implied:
+        if run.max_staleness_given != implied:
             raise ConfigError(
-                "run.max_staleness", run.max_staleness, f"must be {implied} (or left out) when run.mode = {run.mode!r}"
+                "run.max_staleness", run.max_staleness_given,
+                f"must be {implied} (or left out) when run.mode = {run.mode!r}"
             )
     _check_teacher(config)
     _check_filter(config)

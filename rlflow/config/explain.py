@@ -134,7 +134,7 @@ def walk(path: list[str], raw: Any = MISSING) -> tuple[Any, Any]:
     for i, part in enumerate(path):
         node = _strip(node, _lookup(raw, path[:i]))
         if isinstance(node, insp.StructType):
-            field = next((f for f in node.fields if f.name == part), None)
+            field = next((f for f in node.fields if f.encode_name == part), None)
             node = field.type if field is not None else None
         elif isinstance(node, insp.DictType):
             node, field = node.value_type, None
@@ -165,7 +165,7 @@ def _strip(node: Any, value: Any) -> Any:
 
 def _keys_of(node: Any) -> str:
     if isinstance(node, msgspec.inspect.StructType):
-        return ", ".join(f.name for f in node.fields if f.name != "kind")
+        return ", ".join(f.encode_name for f in node.fields if f.encode_name != "kind")
     return "(no keys)"
 
 

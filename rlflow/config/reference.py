@@ -49,7 +49,7 @@ def _tables(cls: type, key: str, out: list[tuple[str, type]], seen: set[tuple[st
     out.append((key, cls))
     for field in _struct_info(cls).fields:
         for member in struct_classes(field.type):
-            sub = f"{key}.{field.name}" if key else field.name
+            sub = f"{key}.{field.encode_name}" if key else field.encode_name
             if isinstance(field.type, msgspec.inspect.DictType):
                 sub += ".NAME"
             elif isinstance(field.type, (msgspec.inspect.ListType, msgspec.inspect.VarTupleType)):
@@ -92,8 +92,8 @@ def generate() -> str:
         docs = field_docs(cls)
         for field in info.fields:
             meaning = docs.get(field.name, "").replace("|", "\\|")
-            kind = _kind(field, f"{key}.{field.name}" if key else field.name).replace("|", "\\|")
-            out.append(f"| `{field.name}` | {kind} | {_default(field)} | {meaning} |")
+            kind = _kind(field, f"{key}.{field.encode_name}" if key else field.encode_name).replace("|", "\\|")
+            out.append(f"| `{field.encode_name}` | {kind} | {_default(field)} | {meaning} |")
         out.append("")
     out.append(END)
     return "\n".join(out)

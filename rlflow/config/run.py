@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from typing import Literal, Union
 
+import msgspec
+
 from rlflow.config.base import Fraction, NonNegInt, PosInt, Table
 
 #: The staleness bound each mode implies where `run.max_staleness` is left out; sync and one_step
-#: allow no other (the one place this rule is written: `RunConfig.staleness` and `checks` read it).
+#: allow no other (the one place this rule is written: `RunConfig.max_staleness` and `checks` read it).
 IMPLIED_STALENESS = {"sync": 0, "one_step": 1, "async": 2}
 
 
@@ -19,7 +21,8 @@ class RunConfig(Table, frozen=True):
     """sync: no staleness and a barrier per step; one_step: one step behind; async: up to max_staleness.
     The mode implies its staleness: `--set run.mode=...` that changes the file's mode also drops the
     file's max_staleness (the bound of the other mode), unless max_staleness is set too."""
-    max_staleness: NonNegInt | None = None
+    # The key as the file gives it; code reads the bound in force, the property `max_staleness`.
+    max_staleness_given: NonNegInt | None = msgspec.field(default=None, name="max_staleness")
     """Versions a token may lag the trainer (default, or left out: 0 sync, 1 one_step, 2 async). With
     sync or one_step it may only restate that value: set with the mode to something else, it is an error."""
     batch_size: PosInt = 8
@@ -68,9 +71,10 @@ class RunConfig(Table, frozen=True):
     max_staleness versions is trained on; groups that pass the bound are generated again."""
 
     @property
-    def staleness(self) -> int:
-        """The staleness bound in force: `max_staleness`, or the mode's (`IMPLIED_STALENESS`)."""
-        return self.max_staleness if self.max_staleness is not None else IMPLIED_STALENESS[self.mode]
+    def max_staleness(self) -> int:
+        """The staleness bound in force: the key `max_staleness`, or the mode's (`IMPLIED_STALENESS`)."""
+        given = self.max_staleness_given
+        return given if given is not None else IMPLIED_STALENESS[self.mode]
 
 
 class ArithTask(Table, tag_field="kind", tag="arith", frozen=True):

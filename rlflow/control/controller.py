@@ -88,13 +88,13 @@ class ControllerState(msgspec.Struct, frozen=True, kw_only=True):
 
 def start_ledger(run: Any) -> tuple[GroupLedger, int]:
     """The ledger and version a run starts with: new, or as the checkpoint resumed from saved them."""
-    ledger = GroupLedger(run.batch_size, run.staleness, run.steps, max_grants=run.max_grants)
+    ledger = GroupLedger(run.batch_size, run.max_staleness, run.steps, max_grants=run.max_grants)
     if not run.resume:
         return ledger, 0
     state = read_json(pathlib.Path(run.resume) / CONTROLLER_STATE, ControllerState)
     if state is None:
         raise RunFailed(f"{run.resume} has no readable {CONTROLLER_STATE}")
-    ledger = GroupLedger.restore(state.ledger, run.batch_size, run.staleness, run.steps, max_grants=run.max_grants)
+    ledger = GroupLedger.restore(state.ledger, run.batch_size, run.max_staleness, run.steps, max_grants=run.max_grants)
     log.info("[controller] resumed at step %d, %d groups to grant again", state.step, len(ledger.groups))
     return ledger, state.version
 

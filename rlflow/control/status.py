@@ -178,7 +178,7 @@ def run_status(controller: ControllerView, now: float) -> Status:
         host=socket.gethostname(), address=controller.address,
         elapsed_s=round(time.monotonic() - controller.started, 2), step=controller.ledger.steps_done,
         steps=run.steps, samples=stats.totals.samples, version=controller.version, mode=run.mode,
-        max_staleness=run.staleness, staleness_check=run.staleness_check, groups=group_counts(controller.ledger),
+        max_staleness=run.max_staleness, staleness_check=run.staleness_check, groups=group_counts(controller.ledger),
         last_step=stats.last_row, last_eval=stats.evals[-1] if stats.evals else None,
         roles=roles, controller=controller_stats(controller), warnings=list(controller.warnings),
         trends=stats.trends(),
@@ -204,7 +204,7 @@ def run_summary(controller: ControllerView) -> Summary:
     return controller.stats.summary(
         time.monotonic() - (controller.training_started or controller.started), run_id=controller.run_id,
         state=controller.state, error=controller.error, stop_reason=controller.stop_reason, mode=run.mode,
-        max_staleness=run.staleness, staleness_check=run.staleness_check, steps=controller.ledger.steps_done,
+        max_staleness=run.max_staleness, staleness_check=run.staleness_check, steps=controller.ledger.steps_done,
         groups=group_counts(controller.ledger), controller=controller_stats(controller),
         weights_checked=controller.weights.checksums.matched,
     )

@@ -396,7 +396,7 @@ def workload_from_run(run_dir: str | pathlib.Path) -> tuple[Workload, int, int]:
         reward_s=paced_s(config),
         batch_size=config.run.batch_size,
         samples_per_prompt=config.run.samples_per_prompt,
-        max_staleness=config.run.staleness,
+        max_staleness=config.run.max_staleness,
         strict=config.run.staleness_check == "strict",
         lengths=tuple(lengths),
         learner=learner,

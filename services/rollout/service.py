@@ -214,7 +214,7 @@ class RolloutService(Service):
         runner = EpisodeRunner(engine, client, task, env, text=EpisodeText(tokenizer, make_parser, env.tool_parser),
                                turn_tokens=getattr(self.config.roles.rollout.engine, "max_tokens", env.max_tokens),
                                counters=self.counters, strict=run.staleness_check == "strict",
-                               staleness=run.staleness)
+                               staleness=run.max_staleness)
         await nursery.start(runner.run)
         return runner
 

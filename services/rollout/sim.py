@@ -484,7 +484,7 @@ class SimEngine:
             vocab=_vocab(ctx.config),
             partial=run.partial_rollout,
             strict=run.staleness_check == "strict",
-            staleness=run.staleness,
+            staleness=run.max_staleness,
             counters=ctx.counters,
             wall_offset=time.time() - trio.current_time(),
         )

@@ -76,10 +76,10 @@ class VllmEngine:
         self.ctx = ctx
         self.clock = ctx.clock
         run = ctx.config.run
-        self.staleness = run.staleness
+        self.staleness = run.max_staleness
         self.strict = run.staleness_check == "strict"
         lora = ctx.config.lora
-        slots = adapter_slots(lora.adapter_update, run.staleness) if lora else 1
+        slots = adapter_slots(lora.adapter_update, run.max_staleness) if lora else 1
         self.backend = backend or VllmBackend(cfg, ctx.config.policy_path, run.seed + ctx.rank,
                                               lora_rank=lora.rank if lora else 0, lora_slots=slots)
         self._owns_backend = backend is None

@@ -358,7 +358,7 @@ class TrainerService(Service):
         """Strict check: drop buffered groups past the bound, for reissue."""
         if self.config.run.staleness_check != "strict":
             return
-        k = self.config.run.staleness
+        k = self.config.run.max_staleness
         keep, expired = [], []
         for group in self.buffer:
             (expired if too_stale(self._oldest(group), self.version, k) else keep).append(group)

@@ -59,7 +59,7 @@ class TorchTrainerEngine:
             adapter=config.adapter_path,
         )
         #: With LoRA, the adapter its weight updates carry (its `Hello.adapter`).
-        self.adapter: Adapter | None = adapter_offer(cfg.lora, config.run.staleness) if cfg.lora else None
+        self.adapter: Adapter | None = adapter_offer(cfg.lora, config.run.max_staleness) if cfg.lora else None
         self.checkpoint_every = cfg.checkpoint_every
         self.cluster = config.cluster
         self.host = ctx.host
