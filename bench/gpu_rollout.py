@@ -27,12 +27,10 @@ import numpy as np
 import torch
 import trio
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
-from models import tiny_model  # noqa: E402
-
-from rlflow.config import VllmRollout  # noqa: E402
-from rlflow.data.net import free_port  # noqa: E402
-from rlflow.protocol import WeightsNccl  # noqa: E402
+from rlflow.config import VllmRollout
+from rlflow.data.net import free_port
+from rlflow.models import random_arith_model as tiny_model
+from rlflow.protocol import WeightsNccl
 from rlflow.services.vllm_client import NCCL, VllmBackend  # noqa: E402
 from rlflow.services.weights import NcclGroup, layout  # noqa: E402
 

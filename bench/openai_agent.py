@@ -48,8 +48,8 @@ NATIVE = dict(mode="async", step_s=0.02, replicas=1, workers=2, concurrency=512,
 
 
 def native_bench():
-    """bench/agent.py (imported here: the agent program this file also is imports nothing of rlflow's)."""
-    sys.path.insert(0, str(HERE.parent))
+    """bench/agent.py (imported here: the agent program this file also is imports nothing of rlflow's;
+    bench/ is on the import path of a script run from it)."""
     import agent
 
     return agent

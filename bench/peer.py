@@ -54,13 +54,11 @@ import pathlib
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import learning  # noqa: E402  (bench/learning.py: running rlflow, the evaluator)
+import learning  # bench/learning.py (bench/ is on the import path of a script run from it)
 
-from rlflow.models import cpu_name  # noqa: E402
+from rlflow.models import cpu_name
 
 ROOT = learning.ROOT
 RESULTS = learning.RESULTS

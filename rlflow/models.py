@@ -154,6 +154,43 @@ def _save(out: pathlib.Path, model, tokenizer) -> pathlib.Path:
     return out
 
 
+def random_arith_model(path: pathlib.Path, *, tied: bool, seed: int = 0, hidden: int = 128,
+                       layers: int = 2) -> pathlib.Path:
+    """A randomly initialised Qwen2 (`hidden`, `layers`) with the arith task's tokenizer, built in a
+    second, in `path`: a stand-in policy for tests and for benchmarks of the machinery around a model
+    (its weights are sharper than the default init's, so that samples differ by weights)."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from rlflow.tasks.arith import Arith
+
+    tokenizer = build_tokenizer(Arith.ALPHABET)
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,  # vLLM's CPU attention wants heads of 64
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=tied,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        dtype="float32",
+        architectures=["Qwen2ForCausalLM"],
+    )
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # sharper than the default init, so samples differ by weights
+        for p in model.parameters():
+            p.mul_(4.0 if p.dim() > 1 else 1.0)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(path)
+    return path
+
+
 def build_tiny_text(out: pathlib.Path) -> pathlib.Path:
     """A 2-layer Qwen2 (hidden 128) of random weights over a byte-level
     tokenizer (`build_byte_tokenizer`), with a chat template: it writes
