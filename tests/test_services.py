@@ -108,14 +108,16 @@ async def test_weights_arrive_between_steps_and_later_tokens_carry_the_new_versi
     config = sim_config("roles.rollout.engine.response_len={kind='fixed', value=2000}",
                         "roles.rollout.engine.step_s=0.0005", "roles.trainer.engine.weights_bytes=4096")
     trainer = SimTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
-    engine = SimEngine(config.roles.rollout.engine, standalone_context(config, "rollout"))
+    ctx = standalone_context(config, "rollout")
+    engine = SimEngine(config.roles.rollout.engine, ctx)
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
             await nursery.start(trainer.serve)
             await nursery.start(engine.run)
             await engine.join_weights(WeightsZmq(address=trainer.server.address), [])
             engine.submit(PromptGroup(group_id=0, prompt_ids=[1], n=2), time.time())
-            await trio.sleep(0.2)  # some tokens on version 0
+            while ctx.counters["decode_steps"] < 10:  # some tokens on version 0
+                await trio.sleep(0.01)
             await trainer.publish(1)
             assert await engine.update_weights(1, None) == 1
             finished = await collect(engine, 1)
