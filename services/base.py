@@ -432,11 +432,15 @@ class Service:
                     scope.shield = True
                     await control.send(ErrorReport(fatal=True, kind=type(cause).__name__, message=str(cause)[:2000]))
                 raise
+            # Its last counts, or the run's status ends on those of a heartbeat ago; before the trace is
+            # written, which closes this life of its timeline (a heartbeat saves the timeline too).
+            if control.beats:
+                with trio.move_on_after(2) as scope:
+                    scope.shield = True
+                    await control.send(self.heartbeat(control.beats))
             self.write_trace()
             with trio.move_on_after(2) as scope:
                 scope.shield = True
-                if control.beats:  # its last counts, or the run's status ends on those of a heartbeat ago
-                    await control.send(self.heartbeat(control.beats))
                 await control.send(Bye(reason="shutdown"))
 
     async def main(self, control: Control) -> None:
