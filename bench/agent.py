@@ -47,70 +47,27 @@ from rlflow.control import placement
 from rlflow.control.launch import run
 from rlflow.rundir import RunDir, Status
 
-POOLS = """
-[pools.generate]
-cpus_per_bundle = 0.5
-[pools.score]
-cpus_per_bundle = 0.25
-[pools.train]
-cpus_per_bundle = 0.25
-"""
-
-ENV_POOL = """
-[pools.tools]
-bundles_per_node = {replicas}
-cpus_per_bundle = {env_cpus}
-"""
-
-BASE = """
-[roles.rollout]
-pool = "generate"
-[roles.rollout.engine]
-kind = "sim"
-slots = 64
-step_s = {step_s}
-response_len = {{ kind = "lognormal", median = 50, sigma = 0.5, min = 1, max = 512 }}
-
-[roles.env]
-{env_pool}
-replicas = {replicas}
-inline = {inline}
-workers = {workers}
-concurrency = {concurrency}
-timeout_s = 60
-max_turns = 8
-max_tokens = 8192
-environment = {{ path = "rlflow.env.sim:SimEnv", kwargs = {{ min_turns = 1, max_turns = 8, observation_chars = 16, \
-latency = {{ kind = "lognormal", median = 0.5, sigma = 1.25, max = 30.0 }} }} }}
-
-[roles.reward]
-pool = "score"
-[roles.reward.engine]
-kind = "env"
-
-[roles.trainer]
-pool = "train"
-[roles.trainer.engine]
-kind = "sim"
-s_per_token = 1e-7
-weights_bytes = 65536
-
-[cluster]
-heartbeat_s = 0.25
-progress_timeout_s = 600
-
-[eval]
-before = false
-after = false
-every_steps = 0
-
-[run]
-mode = "{mode}"
-{staleness}
-batch_size = 8
-samples_per_prompt = 8
-steps = 100000
-"""
+#: What every run here shares (`config_of` adds each one's values).
+BASE = {
+    "pools": {"generate": {"cpus_per_bundle": 0.5}, "score": {"cpus_per_bundle": 0.25},
+              "train": {"cpus_per_bundle": 0.25}},
+    "roles": {
+        "rollout": {"pool": "generate", "engine": {
+            "kind": "sim", "slots": 64,
+            "response_len": {"kind": "lognormal", "median": 50, "sigma": 0.5, "min": 1, "max": 512}}},
+        "env": {
+            "timeout_s": 60, "max_turns": 8, "max_tokens": 8192,
+            "environment": {"path": "rlflow.env.sim:SimEnv", "kwargs": {
+                "min_turns": 1, "max_turns": 8, "observation_chars": 16,
+                "latency": {"kind": "lognormal", "median": 0.5, "sigma": 1.25, "max": 30.0}}},
+        },
+        "reward": {"pool": "score", "engine": {"kind": "env"}},
+        "trainer": {"pool": "train", "engine": {"kind": "sim", "s_per_token": 1e-7, "weights_bytes": 65536}},
+    },
+    "cluster": {"heartbeat_s": 0.25, "progress_timeout_s": 600},
+    "eval": {"before": False, "after": False, "every_steps": 0},
+    "run": {"batch_size": 8, "samples_per_prompt": 8, "steps": 100000},
+}
 
 
 @dataclass
@@ -152,13 +109,18 @@ class Window:
         return (self.end[3] - self.start[3]) / ((self.end[0] - self.start[0]) * 64)
 
 
-def config_of(*, inline: bool = False, max_staleness: int = 4, **fields) -> C.Config:
-    """The run of one configuration (`fields`: BASE's)."""
-    replicas = fields["replicas"]
-    pools = POOLS + ("" if inline else ENV_POOL.format(replicas=replicas, env_cpus=0.25 if replicas > 1 else 0.5))
-    staleness = f"max_staleness = {max_staleness}" if fields["mode"] == "async" else ""
-    return C.load(text=pools + BASE.format(env_pool="" if inline else 'pool = "tools"', inline=str(inline).lower(),
-                                           staleness=staleness, **fields))
+def config_of(*, mode: str, step_s: float, replicas: int, workers: int, concurrency: int, inline: bool = False,
+              max_staleness: int = 4) -> C.Config:
+    """The run of one configuration: the environment on a pool of its own (`replicas` bundles), else in
+    line in the rollout's process; `max_staleness` in async mode (sync's is its own)."""
+    env_pool = {} if inline else {"pools": {"tools": {"bundles_per_node": replicas,
+                                                      "cpus_per_bundle": 0.25 if replicas > 1 else 0.5}},
+                                  "roles": {"env": {"pool": "tools"}}}
+    return C.build(BASE, env_pool, {
+        "roles": {"rollout": {"engine": {"step_s": step_s}},
+                  "env": {"replicas": replicas, "inline": inline, "workers": workers, "concurrency": concurrency}},
+        "run": {"mode": mode, "max_staleness": max_staleness if mode == "async" else None},
+    })
 
 
 def measure(work: pathlib.Path, name: str, window: Window, config: C.Config | None = None, **fields) -> Window:

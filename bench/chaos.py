@@ -48,58 +48,26 @@ from rlflow.errors import RunFailed
 from rlflow.rundir import RunDir, Status
 from rlflow.tools.audit import audit
 
-CONFIG = """
-[pools.generate]
-bundles_per_node = 2
-cpus_per_bundle = 0.25
-[pools.score]
-bundles_per_node = 3
-cpus_per_bundle = 0.25
-[pools.train]
-cpus_per_bundle = 0.25
-
-[roles.rollout]
-pool = "generate"
-replicas = 2
-[roles.rollout.engine]
-kind = "sim"
-slots = 32
-step_s = 0.002
-response_len = {{ kind = "lognormal", median = 32, sigma = 1.0, min = 1, max = 512 }}
-
-[roles.reward]
-pool = "score"
-replicas = 2
-[roles.reward.engine]
-kind = "sim"
-latency_s = {{ kind = "lognormal", median = 0.002, sigma = 0.5 }}
-
-[roles.teacher]
-pool = "score"
-[roles.teacher.engine]
-kind = "sim"
-s_per_token = 2e-6
-
-[roles.trainer]
-pool = "train"
-[roles.trainer.engine]
-kind = "sim"
-s_per_token = 1e-4
-weights_bytes = 1048576
-checkpoint_every = 5
-
-[run]
-mode = "async"
-max_staleness = 2
-batch_size = 4
-samples_per_prompt = 4
-steps = {steps}
-
-[cluster]
-heartbeat_s = 0.5
-heartbeat_timeout_s = {hang_s}
-max_restarts = {kills}
-"""
+#: The run's config, less its steps and what the chaos needs of the cluster (`chaos_run` adds them).
+CONFIG = {
+    "pools": {
+        "generate": {"bundles_per_node": 2, "cpus_per_bundle": 0.25},
+        "score": {"bundles_per_node": 3, "cpus_per_bundle": 0.25},
+        "train": {"cpus_per_bundle": 0.25},
+    },
+    "roles": {
+        "rollout": {"pool": "generate", "replicas": 2, "engine": {
+            "kind": "sim", "slots": 32, "step_s": 0.002,
+            "response_len": {"kind": "lognormal", "median": 32, "sigma": 1.0, "min": 1, "max": 512}}},
+        "reward": {"pool": "score", "replicas": 2, "engine": {
+            "kind": "sim", "latency_s": {"kind": "lognormal", "median": 0.002, "sigma": 0.5}}},
+        "teacher": {"pool": "score", "engine": {"kind": "sim", "s_per_token": 2e-6}},
+        "trainer": {"pool": "train", "engine": {
+            "kind": "sim", "s_per_token": 1e-4, "weights_bytes": 1048576, "checkpoint_every": 5}},
+    },
+    "run": {"mode": "async", "max_staleness": 2, "batch_size": 4, "samples_per_prompt": 4},
+    "cluster": {"heartbeat_s": 0.5},
+}
 
 VICTIMS = ("rollout", "reward", "teacher")
 
@@ -218,7 +186,8 @@ def chaos_run(work: pathlib.Path, *, kills: int, hang: bool, kill_trainer: bool,
     was done, the audit, the steps completed). `steps` None: the run goes on
     until the saboteur is done, and `STEPS_AFTER` steps more."""
     rng = random.Random(seed)
-    config = C.load(text=CONFIG.format(steps=steps or 1_000_000, kills=kills + 2, hang_s=hang_s))
+    config = C.build(CONFIG, {"run": {"steps": steps or 1_000_000},
+                              "cluster": {"heartbeat_timeout_s": hang_s, "max_restarts": kills + 2}})
     run_dir = work / "run"
     chaos = Chaos()
     thread = threading.Thread(target=sabotage, args=(chaos, rng, kills, hang, kill_trainer), daemon=True,

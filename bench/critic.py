@@ -71,16 +71,10 @@ def sim_layout(layout: str, cost: float) -> list[str]:
 
 def load_sim(overrides: list[str]):
     """examples/sim.toml without its teacher (not part of this comparison), with `overrides`."""
-    import tomllib
-
     from rlflow import config as C
 
-    raw = tomllib.loads(SIM.read_text())
-    del raw["roles"]["teacher"]
-    raw["pools"]["score"]["cpus_per_bundle"] = 0.25
-    for item in overrides:
-        C.apply_override(raw, item)
-    return C.from_dict(raw)
+    return C.build(C.read_toml(SIM), {"roles": {"teacher": None}, "pools": {"score": {"cpus_per_bundle": 0.25}}},
+                   overrides=overrides)
 
 
 def steady(run_dir: pathlib.Path, warmup: int = 3, drain: int = 2) -> dict[str, float]:

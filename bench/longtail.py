@@ -66,53 +66,34 @@ from rlflow.tools.plan import simulate, workload_from_run
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
-BASE = """
-[pools.generate]
-cpus_per_bundle = 0.5
-[pools.score]
-cpus_per_bundle = 0.25
-[pools.train]
-cpus_per_bundle = 0.5
+#: The reference layout (`Workload.config` adds the workload's, the mode's and the run's values).
+BASE = {
+    "pools": {
+        "generate": {"cpus_per_bundle": 0.5},
+        "score": {"cpus_per_bundle": 0.25},
+        "train": {"cpus_per_bundle": 0.5},
+    },
+    "roles": {
+        "rollout": {"pool": "generate", "engine": {"kind": "sim"}},
+        "reward": {"pool": "score", "engine": {"kind": "sim", "concurrency": 4096}},
+        "trainer": {"pool": "train", "engine": {"kind": "sim", "weights_bytes": 1048576}},
+    },
+    "cluster": {
+        "heartbeat_s": 0.25,
+        # --scale starts 82 processes on a machine of two cores: the last of them said hello
+        # more than 300 s after the first (2026-12-05, an AMD EPYC).
+        "handshake_timeout_s": 1200,
+    },
+}
 
-[roles.rollout]
-pool = "generate"
-replicas = {replicas}
-[roles.rollout.engine]
-kind = "sim"
-slots = {slots}
-step_s = {step_s}
-step_s_per_seq = {step_s_per_seq}
-response_len = {response_len}
+#: The synchronous baseline that gives every device to one phase at a time: one pool for both roles.
+COLOCATED = {
+    "pools": {"generate": {"cpus_per_bundle": 1.0}, "train": None},
+    "roles": {"trainer": {"pool": "generate"}},
+}
 
-[roles.reward]
-pool = "score"
-replicas = {reward_replicas}
-[roles.reward.engine]
-kind = "sim"
-concurrency = 4096
-
-[roles.trainer]
-pool = "train"
-[roles.trainer.engine]
-kind = "sim"
-s_per_token = {s_per_token}
-weights_bytes = 1048576
-
-[cluster]
-heartbeat_s = 0.25
-# --scale starts 82 processes on a machine of two cores: the last of them said hello
-# more than 300 s after the first (2026-12-05, an AMD EPYC).
-handshake_timeout_s = 1200
-
-[run]
-mode = "{mode}"
-max_staleness = {staleness}
-batch_size = {batch_size}
-samples_per_prompt = {n}
-steps = {steps}
-partial_rollout = {partial}
-staleness_check = "{check}"
-"""
+#: `Workload.spread`: the rollout replicas on one core, reward and trainer on the next.
+SPREAD = {"pools": {"generate": {"cpus_per_bundle": 1.0}, "score": {"cpus_per_bundle": 0.5}}}
 
 
 @dataclass(frozen=True)
@@ -120,7 +101,8 @@ class Workload:
     """A long-tail workload: lengths, rollout capacity, a trainer balanced against it."""
 
     name: str
-    response_len: str
+    response_len: dict
+    """The rollout's `response_len` table (a `C.Distribution`'s)."""
     slots: int = 64
     replicas: int = 1
     step_s: float = 0.001
@@ -137,7 +119,7 @@ class Workload:
     generate and score pools (0.5 and 0.25 CPUs) share the first core."""
 
     def distribution(self) -> C.Distribution:
-        return C.load(text=BASE.format(**self._fields("async", 2, 1, True))).roles.rollout.engine.response_len
+        return C.build(BASE, self._tables("async", 2, 1, True)).roles.rollout.engine.response_len
 
     def mean_len(self) -> float:
         lengths = draw_lengths(self.distribution(), np.random.default_rng(123), 200_000)
@@ -152,40 +134,34 @@ class Workload:
         # generating them at full occupancy.
         return self.balance * self.decode_s() / (self.slots * self.replicas)
 
-    def _fields(self, mode: str, staleness: int, steps: int, partial: bool, colocated: bool = False,
+    def _tables(self, mode: str, staleness: int, steps: int, partial: bool, colocated: bool = False,
                 check: str = "admission") -> dict:
+        """What the workload, the mode and the run set over `BASE`."""
         slots, s_per_token = self.slots, self.s_per_token()
         if colocated:  # every device generates, then every device trains
             slots, s_per_token = 2 * slots, s_per_token / 2
         return {
-            "replicas": self.replicas,
-            "reward_replicas": self.reward_replicas,
-            "slots": slots,
-            "step_s": self.step_s,
-            "step_s_per_seq": self.step_s_per_seq,
-            "response_len": self.response_len,
-            "s_per_token": s_per_token,
-            "mode": mode,
-            "staleness": staleness,
-            "batch_size": self.batch_size,
-            "n": self.n,
-            "steps": steps,
-            "partial": str(partial).lower(),
-            "check": check,
+            "roles": {
+                "rollout": {
+                    "replicas": self.replicas,
+                    "engine": {"slots": slots, "step_s": self.step_s, "step_s_per_seq": self.step_s_per_seq,
+                               "response_len": self.response_len},
+                },
+                "reward": {"replicas": self.reward_replicas},
+                "trainer": {"engine": {"s_per_token": s_per_token}},
+            },
+            "run": {"mode": mode, "max_staleness": staleness, "batch_size": self.batch_size,
+                    "samples_per_prompt": self.n, "steps": steps, "partial_rollout": partial,
+                    "staleness_check": check},
         }
 
     def config(self, mode: str, staleness: int, steps: int, partial: bool = True, colocated: bool = False,
                check: str = "admission") -> C.Config:
-        text = BASE.format(**self._fields(mode, staleness, steps, partial, colocated, check))
-        if colocated:  # one pool for both roles
-            text = text.replace('pool = "train"', 'pool = "generate"').replace(
-                "[pools.train]\ncpus_per_bundle = 0.5\n", "")
-            text = text.replace("[pools.generate]\ncpus_per_bundle = 0.5", "[pools.generate]\ncpus_per_bundle = 1.0")
-        spread = ["pools.generate.cpus_per_bundle=1.0", "pools.score.cpus_per_bundle=0.5"] if self.spread else []
-        return C.load(text=text, overrides=spread)
+        return C.build(BASE, self._tables(mode, staleness, steps, partial, colocated, check),
+                       COLOCATED if colocated else {}, SPREAD if self.spread else {})
 
 
-REFERENCE = Workload("reference", '{ kind = "lognormal", median = 256, sigma = 1.0, min = 1, max = 4096 }')
+REFERENCE = Workload("reference", {"kind": "lognormal", "median": 256, "sigma": 1.0, "min": 1, "max": 4096})
 
 #: The bigger simulated clusters of `--scale`: 256 slots a replica, a step
 #: of half as many groups as slots (4 samples a slot), as the sweep's
@@ -364,10 +340,10 @@ def main() -> None:
             results.append(measure(REFERENCE, "async", 2, steps_async, work, partial=False))
             results.append(measure(REFERENCE, "async", 2, steps_async, work, check="strict"))
             sweep = [
-                Workload("fixed", '{ kind = "fixed", value = 416 }'),
-                Workload("lognormal-0.5", '{ kind = "lognormal", median = 256, sigma = 0.5, min = 1, max = 4096 }'),
-                Workload("lognormal-1.5", '{ kind = "lognormal", median = 256, sigma = 1.5, min = 1, max = 4096 }'),
-                Workload("pareto", '{ kind = "pareto", scale = 128, alpha = 1.5, max = 4096 }'),
+                Workload("fixed", {"kind": "fixed", "value": 416}),
+                Workload("lognormal-0.5", {"kind": "lognormal", "median": 256, "sigma": 0.5, "min": 1, "max": 4096}),
+                Workload("lognormal-1.5", {"kind": "lognormal", "median": 256, "sigma": 1.5, "min": 1, "max": 4096}),
+                Workload("pareto", {"kind": "pareto", "scale": 128, "alpha": 1.5, "max": 4096}),
                 Workload("slots-8", REFERENCE.response_len, slots=8, batch_size=4),
                 Workload("slots-256", REFERENCE.response_len, slots=256, batch_size=128),
                 Workload("slots-1024", REFERENCE.response_len, slots=256, replicas=4, batch_size=512),

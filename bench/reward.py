@@ -35,49 +35,35 @@ from rlflow import config as C
 from rlflow.control.launch import run
 from rlflow.rundir import RunDir
 
-BASE = """
-[pools.generate]
-cpus_per_bundle = 0.5
-[pools.score]
-bundles_per_node = {replicas}
-cpus_per_bundle = {score_cpus}
-[pools.train]
-cpus_per_bundle = 0.5
+#: What every run here shares (`config_of` adds each one's values).
+BASE = {
+    "pools": {"generate": {"cpus_per_bundle": 0.5}, "score": {}, "train": {"cpus_per_bundle": 0.5}},
+    "roles": {
+        "rollout": {"pool": "generate", "engine": {"kind": "sim"}},
+        "reward": {"pool": "score", "engine": {"kind": "sim"}},
+        "trainer": {"pool": "train", "engine": {"kind": "sim", "s_per_token": 1e-7, "weights_bytes": 65536}},
+    },
+    "cluster": {"heartbeat_s": 0.25},
+    "run": {"mode": "async", "samples_per_prompt": 8},
+}
 
-[roles.rollout]
-pool = "generate"
-[roles.rollout.engine]
-kind = "sim"
-slots = {slots}
-step_s = {step_s}
-response_len = {{ kind = "lognormal", median = {median}, sigma = 0.5, min = 1, max = 1024 }}
 
-[roles.reward]
-pool = "score"
-replicas = {replicas}
-inline = {inline}
-[roles.reward.engine]
-kind = "sim"
-concurrency = {concurrency}
-latency_s = {{ kind = "lognormal", median = {latency_median}, sigma = 1.0 }}
+def config_of(*, steps: int, replicas: int, score_cpus: float, inline: bool, slots: int, step_s: float,
+              median: float, concurrency: int, latency_median: float, staleness: int, batch_size: int) -> C.Config:
+    """One run's config: `replicas` reward replicas (each a bundle of `score_cpus`) or the reward scored
+    in line, lognormal response lengths around `median` and reward latencies around `latency_median`."""
+    return C.build(BASE, {
+        "pools": {"score": {"bundles_per_node": replicas, "cpus_per_bundle": score_cpus}},
+        "roles": {
+            "rollout": {"engine": {"slots": slots, "step_s": step_s, "response_len": {
+                "kind": "lognormal", "median": median, "sigma": 0.5, "min": 1, "max": 1024}}},
+            "reward": {"replicas": replicas, "inline": inline, "engine": {
+                "concurrency": concurrency,
+                "latency_s": {"kind": "lognormal", "median": latency_median, "sigma": 1.0}}},
+        },
+        "run": {"max_staleness": staleness, "batch_size": batch_size, "steps": steps},
+    })
 
-[roles.trainer]
-pool = "train"
-[roles.trainer.engine]
-kind = "sim"
-s_per_token = 1e-7
-weights_bytes = 65536
-
-[cluster]
-heartbeat_s = 0.25
-
-[run]
-mode = "async"
-max_staleness = {staleness}
-batch_size = {batch_size}
-samples_per_prompt = 8
-steps = {steps}
-"""
 
 #: exp(sigma^2 / 2): the mean of a lognormal over its median, at sigma 1.0.
 LOGNORMAL_MEAN_OVER_MEDIAN = math.exp(0.5)
@@ -86,7 +72,7 @@ LOGNORMAL_MEAN_OVER_MEDIAN = math.exp(0.5)
 def throughput(work: pathlib.Path, name: str, *, steps: int, warmup: int = 2, drain: int = 2, **fields) -> float:
     """Steady-state samples/s of one run: after the first steps, and before
     the last ones, which drain the pipeline (nothing new hides the tail)."""
-    config = C.load(text=BASE.format(steps=steps, **fields))
+    config = config_of(steps=steps, **fields)
     run_dir = work / name
     run(config, run_dir)
     rows = RunDir(run_dir).read_metrics()
@@ -124,15 +110,15 @@ def main() -> None:
     common = dict(slots=slots, step_s=step_s, median=median, batch_size=batch_size, concurrency=concurrency)
     fields = dict(common, latency_median=latency_mean / LOGNORMAL_MEAN_OVER_MEDIAN, score_cpus=0.25, staleness=2)
     print(f"generation {generate_s:.3f} s a step; reward latency mean {1000 * latency_mean:.1f} ms, lognormal sigma 1")
-    inline = throughput(work, "inline", steps=args.steps, replicas=1, inline="true", **fields)
-    isolated = throughput(work, "isolated", steps=args.steps, replicas=1, inline="false", **fields)
+    inline = throughput(work, "inline", steps=args.steps, replicas=1, inline=True, **fields)
+    isolated = throughput(work, "isolated", steps=args.steps, replicas=1, inline=False, **fields)
     print(f"scored in line: {inline:.1f} samples/s; on its own pool: {isolated:.1f} samples/s")
     # Thirty times the latency: even four replicas score at a fraction of
     # generation's pace; credits for 8 steps ahead, so that the staleness
     # bound does not cap how many groups the replicas can work on.
     slow = dict(common, latency_median=30 * latency_mean / LOGNORMAL_MEAN_OVER_MEDIAN, score_cpus=0.25, staleness=8)
-    one = throughput(work, "scale-1", steps=args.steps, replicas=1, inline="false", **slow)
-    four = throughput(work, "scale-4", steps=args.steps, replicas=4, inline="false", **slow)
+    one = throughput(work, "scale-1", steps=args.steps, replicas=1, inline=False, **slow)
+    four = throughput(work, "scale-4", steps=args.steps, replicas=4, inline=False, **slow)
     print(f"reward-bound: 1 replica {one:.1f} samples/s, 4 replicas {four:.1f} samples/s")
     sandbox = sandbox_p50_ms()
     print(f"sandbox: a trivial program starts and exits in {sandbox:.1f} ms (median)")

@@ -62,50 +62,21 @@ TARGET = 0.02
 #: When the readings are taken, as fractions of the run: the first, early in the warm-up, then every tenth.
 MARKS = (0.01, *(k / 10 for k in range(1, 11)))
 
-CONFIG = """
-[pools.generate]
-cpus_per_bundle = 1.0
-[pools.score]
-cpus_per_bundle = 0.5
-[pools.train]
-cpus_per_bundle = 0.5
-
-[roles.rollout]
-pool = "generate"
-[roles.rollout.engine]
-kind = "sim"
-slots = 1024
-step_s = 0.0002
-response_len = {{ kind = "lognormal", median = 4, sigma = 0.5, min = 1, max = 16 }}
-
-[roles.reward]
-pool = "score"
-[roles.reward.engine]
-kind = "sim"
-concurrency = 4096
-
-[roles.teacher]
-pool = "score"
-[roles.teacher.engine]
-kind = "sim"
-
-[roles.trainer]
-pool = "train"
-[roles.trainer.engine]
-kind = "sim"
-s_per_token = 0.0
-weights_bytes = 65536
-
-[run]
-mode = "async"
-max_staleness = 2
-batch_size = {batch}
-samples_per_prompt = {spp}
-steps = {steps}
-
-[cluster]
-heartbeat_s = 0.5
-"""
+#: The run's config, less its batch and steps (`soak` adds them).
+CONFIG = {
+    "pools": {"generate": {"cpus_per_bundle": 1.0}, "score": {"cpus_per_bundle": 0.5},
+              "train": {"cpus_per_bundle": 0.5}},
+    "roles": {
+        "rollout": {"pool": "generate", "engine": {
+            "kind": "sim", "slots": 1024, "step_s": 0.0002,
+            "response_len": {"kind": "lognormal", "median": 4, "sigma": 0.5, "min": 1, "max": 16}}},
+        "reward": {"pool": "score", "engine": {"kind": "sim", "concurrency": 4096}},
+        "teacher": {"pool": "score", "engine": {"kind": "sim"}},
+        "trainer": {"pool": "train", "engine": {"kind": "sim", "s_per_token": 0.0, "weights_bytes": 65536}},
+    },
+    "run": {"mode": "async", "max_staleness": 2},
+    "cluster": {"heartbeat_s": 0.5},
+}
 
 
 class Readings:
@@ -166,7 +137,7 @@ def growth(before: dict, after: dict) -> dict[str, float]:
 def soak(batch: int, spp: int, steps: int, trace: bool) -> dict | None:
     """One run of `steps` steps of `batch` groups of `spp` samples; its readings and growth (None: it failed)."""
     tail = max(5, math.ceil(steps * TAIL_SHARE))
-    config = C.load(text=CONFIG.format(batch=batch, spp=spp, steps=steps + tail))
+    config = C.build(CONFIG, {"run": {"batch_size": batch, "samples_per_prompt": spp, "steps": steps + tail}})
     readings = Readings(steps, trace)
     if trace:
         tracemalloc.start(4)

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
+import tomli_w
 from models import tiny_model
 
 from rlflow.sandbox import check_isolation
@@ -114,23 +115,15 @@ def test_a_reward_module_beside_the_config_is_found_by_the_rlflow_command(model,
     )
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
                                                  for i in range(4)))
-    (tmp_path / "my.toml").write_text(f"""
-[pools.cpu]
-cpus_per_bundle = 1
-[roles.rollout]
-pool = "cpu"
-model = {json.dumps(str(model))}
-[roles.reward]
-pool = "cpu"
-[roles.reward.engine]
-kind = "functions"
-functions = [{{path = "user_rewards:fn"}}]
-[roles.trainer]
-pool = "cpu"
-[task]
-kind = "dataset"
-train = "data.jsonl"
-""")
+    (tmp_path / "my.toml").write_text(tomli_w.dumps({
+        "pools": {"cpu": {"cpus_per_bundle": 1}},
+        "roles": {
+            "rollout": {"pool": "cpu", "model": str(model)},
+            "reward": {"pool": "cpu", "engine": {"kind": "functions", "functions": [{"path": "user_rewards:fn"}]}},
+            "trainer": {"pool": "cpu"},
+        },
+        "task": {"kind": "dataset", "train": "data.jsonl"},
+    }))
     rlflow = pathlib.Path(sys.executable).parent / "rlflow"
     done = subprocess.run([str(rlflow), "check", "--config", "my.toml"], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path)

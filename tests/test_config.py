@@ -35,6 +35,53 @@ def test_every_shipped_config_validates(path):
     assert C.load(text=C.to_toml(config)) == config
 
 
+#: BASE as the tables `C.build` takes.
+TABLES = {
+    "pools": {"gen": {"cpus_per_bundle": 1}, "train": {"cpus_per_bundle": 0.5}},
+    "roles": {"rollout": {"pool": "gen"}, "reward": {"pool": "gen"}, "trainer": {"pool": "train"}},
+}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_a_config_built_from_a_files_tables_is_the_files(path):
+    assert C.build(C.read_toml(path)) == C.load(path)
+    sets = ["run.steps=3", "run.mode=sync"]  # the mode's implied staleness as from the file
+    assert C.build(C.read_toml(path), overrides=sets) == C.load(path, sets)
+
+
+def test_build_merges_tables_left_to_right_then_applies_the_overrides():
+    assert C.build(TABLES) == C.load(text=BASE)
+    first = {"a": {"b": 1, "c": {"d": 2}}, "xs": [1, 2], "t": {"u": 1}, "keep": "k"}
+    second = {"a": {"c": {"e": 3}, "b": 4}, "xs": [3], "t": 5}
+    drop = {"a": {"c": None}, "gone": None}
+    assert C.merged(first, second, drop) == {"a": {"b": 4}, "xs": [3], "t": 5, "keep": "k"}
+    assert C.merged(first, {"keep": {"now": "a table"}})["keep"] == {"now": "a table"}
+    assert first == {"a": {"b": 1, "c": {"d": 2}}, "xs": [1, 2], "t": {"u": 1}, "keep": "k"}  # not changed
+    sim = ROOT / "examples" / "sim.toml"
+    # None drops a role (and here its pool): the config has none.
+    assert C.load(sim).roles.teacher is not None
+    no_teacher = C.build(C.read_toml(sim), {"roles": {"teacher": None}}, overrides=["roles.rollout.replicas=2"])
+    assert no_teacher.roles.teacher is None and no_teacher.roles.rollout.replicas == 2
+    # The overrides come after every table; the tables given are left as they were.
+    config = C.build(TABLES, {"run": {"steps": 5, "batch_size": 2}}, overrides=["run.steps=3"])
+    assert (config.run.steps, config.run.batch_size) == (3, 2)
+    assert "run" not in TABLES and C.build(TABLES).run.steps == 20
+    assert C.build(TABLES, {"run": {"mode": "sync"}}) == C.load(text=BASE + "[run]\nmode = 'sync'\n")
+
+
+def test_a_bad_value_built_gets_the_same_one_line_error():
+    with pytest.raises(C.ConfigError) as loaded:
+        C.load(text=BASE, overrides=["run.batch_size=0"])
+    for tables, sets in [([TABLES, {"run": {"batch_size": 0}}], []), ([TABLES], ["run.batch_size=0"])]:
+        with pytest.raises(C.ConfigError) as info:
+            C.build(*tables, overrides=sets)
+        assert str(info.value) == str(loaded.value)
+        assert str(info.value).startswith("config error: run.batch_size = 0: expected an integer >= 1")
+        assert "\n" not in str(info.value)
+    with pytest.raises(C.ConfigError, match=r"^config error: roles.rollout.pool = 'gen': not a pool; pools: train$"):
+        C.build(TABLES, {"pools": {"gen": None}})
+
+
 def test_at_least_the_sim_example_ships():
     assert any(p.name == "sim.toml" for p in SHIPPED)
 

@@ -352,28 +352,22 @@ def test_a_batch_without_the_critics_columns_is_refused_by_a_gae_trainer(model_p
 
 # -- config, plan, report -------------------------------------------------------------------------
 
-BASE = """
-[pools.p]
-[pools.v]
-[roles.rollout]
-pool = "p"
-[roles.reward]
-pool = "p"
-[roles.trainer]
-pool = "p"
-engine = {kind = "torch", advantage = "gae"}
-"""
+BASE = {
+    "pools": {"p": {}, "v": {}},
+    "roles": {"rollout": {"pool": "p"}, "reward": {"pool": "p"},
+              "trainer": {"pool": "p", "engine": {"kind": "torch", "advantage": "gae"}}},
+}
 
 
 def test_gae_needs_a_critic_and_a_critic_needs_gae():
     with pytest.raises(C.ConfigError, match="roles.trainer.engine.advantage.*needs a critic role"):
-        C.load(text=BASE.replace("[pools.v]\n", ""))
+        C.build(BASE, {"pools": {"v": None}})
     with pytest.raises(C.ConfigError, match="would ignore the critic's advantages"):
-        C.load(text=BASE + '[roles.critic]\npool = "v"\n', overrides=["roles.trainer.engine.advantage=grpo"])
-    config = C.load(text=BASE + '[roles.critic]\npool = "v"\nengine = {kind = "torch"}\n')
+        C.build(BASE, {"roles": {"critic": {"pool": "v"}}}, overrides=["roles.trainer.engine.advantage=grpo"])
+    config = C.build(BASE, {"roles": {"critic": {"pool": "v", "engine": {"kind": "torch"}}}})
     assert [name for name, _ in config.role_items()] == ["rollout", "reward", "critic", "trainer"]
     with pytest.raises(C.ConfigError, match="roles.critic.lam"):
-        C.load(text=BASE + '[roles.critic]\npool = "v"\nlam = 1.5\n')
+        C.build(BASE, {"roles": {"critic": {"pool": "v", "lam": 1.5}}})
 
 
 def test_the_planner_ranks_a_critic_pool_against_the_critic_on_the_trainers_devices():

@@ -24,51 +24,36 @@ pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.t
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-CONFIG = """
-[pools.generate]
-cpus_per_bundle = 1.0
-[pools.train]
-cpus_per_bundle = 1.0
-
-[roles.rollout]
-pool = "generate"
-model = "{model}"
-[roles.rollout.engine]
-kind = "vllm"
-max_num_seqs = 32
-max_tokens = 24
-kv_cache_bytes = 33554432
-
-[roles.reward]
-pool = "generate"
-[roles.reward.engine]
-kind = "task"
-
-[roles.trainer]
-pool = "train"
-[roles.trainer.engine]
-kind = "torch"
-lr = 1e-3
-checkpoint_every = 2
-
-[task]
-kind = "arith"
-heldout_size = 24
-
-[eval]
-every_steps = 2
-
-[run]
-mode = "async"
-batch_size = 4
-samples_per_prompt = 4
-steps = 3
-"""
+#: The run's tables, less its model (`real_config` adds it, and what the real run changes).
+CONFIG = {
+    "pools": {"generate": {"cpus_per_bundle": 1.0}, "train": {"cpus_per_bundle": 1.0}},
+    "roles": {
+        "rollout": {"pool": "generate", "engine": {
+            "kind": "vllm", "max_num_seqs": 32, "max_tokens": 24, "kv_cache_bytes": 33554432}},
+        "reward": {"pool": "generate", "engine": {"kind": "task"}},
+        "trainer": {"pool": "train", "engine": {"kind": "torch", "lr": 1e-3, "checkpoint_every": 2}},
+    },
+    "task": {"kind": "arith", "heldout_size": 24},
+    "eval": {"every_steps": 2},
+    "run": {"mode": "async", "batch_size": 4, "samples_per_prompt": 4, "steps": 3},
+}
 
 
 #: The real run below has two trainer ranks and two rollout replicas; it resumes on one of each.
 TWO = ["roles.trainer.replicas=2", "roles.rollout.replicas=2"]
 ONE = ["roles.trainer.replicas=1", "roles.rollout.replicas=1"]
+
+
+def real_config(model: pathlib.Path) -> C.Config:
+    """`CONFIG` on `model`, its weights sent in 64 KiB pieces, on two trainer ranks and two rollout replicas."""
+    return C.build(CONFIG, {"roles": {
+        "rollout": {"model": str(model)},
+        # A format reward that some samples of most groups meet (the tiny model's
+        # arithmetic earns nothing): there is something to learn at every step.
+        "reward": {"engine": {"kind": "functions", "check_references": 0, "functions": [
+            {"path": "rlflow.rewards:regex", "kwargs": {"pattern": "^[0-4]"}, "workers": 1}]}},
+        "trainer": {"engine": {"bucket_bytes": 65536}},
+    }}, overrides=TWO)
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +65,7 @@ def real_run(ray_cluster, tmp_path_factory):
     steps) that the tests below read, and the last resumes."""
     root = tmp_path_factory.mktemp("e2e")
     model = tiny_model(root / "model", tied=False, seed=11)
-    # A format reward that some samples of most groups meet (the tiny model's
-    # arithmetic earns nothing): there is something to learn at every step.
-    text = (CONFIG.format(model=model)
-            .replace("checkpoint_every = 2", "checkpoint_every = 2\nbucket_bytes = 65536")
-            .replace('kind = "task"\n', 'kind = "functions"\ncheck_references = 0\n[[roles.reward.engine.functions]]\n'
-                     'path = "rlflow.rewards:regex"\nkwargs = { pattern = "^[0-4]" }\nworkers = 1\n'))
-    config = C.load(text=text, overrides=TWO)
+    config = real_config(model)
     run_dir = root / "run"
     summary = run(config, run_dir)
     return model, run_dir, summary
@@ -182,67 +161,30 @@ def test_a_run_resumes_from_its_last_checkpoint_detached(real_run, ray_cluster):
     assert summary.samples == sum(r.samples for r in steps)
 
 
-OWN_TASK = """
-[pools.generate]
-cpus_per_bundle = 1.0
-[pools.score]
-cpus_per_bundle = 0.5
-[pools.train]
-cpus_per_bundle = 0.5
-
-[roles.rollout]
-pool = "generate"
-model = "{model}"
-[roles.rollout.engine]
-kind = "vllm"
-max_num_seqs = 32
-max_tokens = 24
-kv_cache_bytes = 33554432
-
-[roles.reward]
-pool = "score"
-[roles.reward.engine]
-kind = "functions"
-check_references = 4
-[[roles.reward.engine.functions]]
-path = "rlflow.rewards:math"
-kwargs = {{ extract = "marker", marker = "#" }}
-workers = 1
-[[roles.reward.engine.functions]]
-path = "own_rewards:length"
-weight = 0.0
-workers = 1
-
-[roles.teacher]
-pool = "score"
-[roles.teacher.engine]
-kind = "model"
-model = "{teacher}"
-top_k = 4
-
-[roles.trainer]
-pool = "train"
-[roles.trainer.engine]
-kind = "torch"
-lr = 1e-3
-distill_coef = 0.5
-distill = "topk"
-kl_coef = 0.05
-
-[task]
-kind = "dataset"
-train = "{data}"
-eval_fraction = 0.25
-
-[eval]
-every_steps = 0
-
-[run]
-mode = "async"
-batch_size = 4
-samples_per_prompt = 4
-steps = 2
-"""
+def own_config(model: pathlib.Path, teacher: pathlib.Path, data: pathlib.Path) -> C.Config:
+    """A dataset task (`data`) scored by two reward functions, the second the user's own module's,
+    with `teacher` scoring every token for the trainer to distill from (the run of `own_run`)."""
+    return C.build({
+        "pools": {"generate": {"cpus_per_bundle": 1.0}, "score": {"cpus_per_bundle": 0.5},
+                  "train": {"cpus_per_bundle": 0.5}},
+        "roles": {
+            "rollout": {"pool": "generate", "model": str(model), "engine": {
+                "kind": "vllm", "max_num_seqs": 32, "max_tokens": 24, "kv_cache_bytes": 33554432}},
+            "reward": {"pool": "score", "engine": {"kind": "functions", "check_references": 4, "functions": [
+                {"path": "rlflow.rewards:math", "kwargs": {"extract": "marker", "marker": "#"}, "workers": 1},
+                {"path": "own_rewards:length", "weight": 0.0, "workers": 1}]}},
+            "teacher": {"pool": "score", "engine": {"kind": "model", "model": str(teacher), "top_k": 4}},
+            "trainer": {"pool": "train", "engine": {
+                "kind": "torch", "lr": 1e-3, "distill_coef": 0.5, "distill": "topk", "kl_coef": 0.05}},
+        },
+        "task": {"kind": "dataset", "train": str(data), "eval_fraction": 0.25},
+        "eval": {"every_steps": 0},
+        "run": {"mode": "async", "batch_size": 4, "samples_per_prompt": 4, "steps": 2},
+    }, overrides=[
+        f"run.steps={OWN_STEPS}", "cluster.restart_backoff_s=0.1", "cluster.handshake_timeout_s=900",
+        # A group generation made while the dying replica still counted as a member waits this long for it
+        # (a live member joins in milliseconds; the replacement joins a generation of its own once it is up).
+        "cluster.weight_timeout_s=10"])
 
 
 #: Steps of the run below. The engine core is killed once step 2 is trained; beyond the groups the
@@ -271,11 +213,7 @@ def own_run(ray_cluster, tmp_path_factory):
     data = root / "arith.jsonl"
     with open(ROOT / "examples" / "data" / "arith.jsonl") as source:
         data.write_text("".join(itertools.islice(source, 40)))
-    config = C.load(text=OWN_TASK.format(model=model, teacher=teacher, data=data), overrides=[
-        f"run.steps={OWN_STEPS}", "cluster.restart_backoff_s=0.1", "cluster.handshake_timeout_s=900",
-        # A group generation made while the dying replica still counted as a member waits this long for it
-        # (a live member joins in milliseconds; the replacement joins a generation of its own once it is up).
-        "cluster.weight_timeout_s=10"])
+    config = own_config(model, teacher, data)
     run_dir = root / "run"
     killed: list[int] = []
 

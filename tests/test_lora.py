@@ -30,31 +30,23 @@ pytestmark = pytest.mark.vllm
 #: Rank and the number of versions per request keeps (max_staleness + 1).
 RANK, STALENESS = 8, 1
 
-CONFIG = """
-[pools.p]
-[roles.rollout]
-pool = "p"
-model = "{model}"
-engine = {{ kind = "vllm", max_num_seqs = 16, max_tokens = 24, kv_cache_bytes = 67108864, kv_on_update = "{kv}" }}
-[roles.reward]
-pool = "p"
-[roles.trainer]
-pool = "p"
-engine = {{ kind = "torch", lr = 0.02, lora = {{ rank = {rank}, alpha = 16, adapter_update = "{update}", \
-transfer = "{transfer}" }} }}
-[run]
-max_staleness = {staleness}
-"""
-
-
 @pytest.fixture(scope="session")
 def base(tmp_path_factory):
     return tiny_model(tmp_path_factory.mktemp("lora") / "base", tied=False, seed=3)
 
 
 def lora_config(base, update: str = "in_place", kv: str = "recompute", transfer: str = "group") -> C.Config:
-    return C.load(text=CONFIG.format(model=base, rank=RANK, update=update, kv=kv, staleness=STALENESS,
-                                     transfer=transfer))
+    return C.build({
+        "pools": {"p": {}},
+        "roles": {
+            "rollout": {"pool": "p", "model": str(base), "engine": {
+                "kind": "vllm", "max_num_seqs": 16, "max_tokens": 24, "kv_cache_bytes": 67108864, "kv_on_update": kv}},
+            "reward": {"pool": "p"},
+            "trainer": {"pool": "p", "engine": {"kind": "torch", "lr": 0.02, "lora": {
+                "rank": RANK, "alpha": 16, "adapter_update": update, "transfer": transfer}}},
+        },
+        "run": {"max_staleness": STALENESS},
+    })
 
 
 @pytest.fixture(scope="session")
@@ -442,38 +434,20 @@ async def test_per_request_a_group_still_on_a_version_that_falls_out_is_started_
         assert np.abs(r.logprobs - trainer.logprobs(prompt, r.token_ids.tolist())).max() < 2e-3
 
 
-E2E = """
-[pools.generate]
-cpus_per_bundle = 1.0
-[pools.train]
-cpus_per_bundle = 1.0
-
-[roles.rollout]
-pool = "generate"
-model = "{model}"
-engine = {{ kind = "vllm", max_num_seqs = 32, max_tokens = 24, kv_cache_bytes = 33554432 }}
-
-[roles.reward]
-pool = "generate"
-engine = {{ kind = "task" }}
-
-[roles.trainer]
-pool = "train"
-engine = {{ kind = "torch", lr = 1e-2, checkpoint_every = 2, kl_coef = 0.05, lora = {{ rank = 8, alpha = 16 }} }}
-
-[task]
-kind = "arith"
-heldout_size = 24
-
-[eval]
-every_steps = 2
-
-[run]
-mode = "async"
-batch_size = 4
-samples_per_prompt = 4
-steps = 3
-"""
+#: The run below, less its model.
+E2E = {
+    "pools": {"generate": {"cpus_per_bundle": 1.0}, "train": {"cpus_per_bundle": 1.0}},
+    "roles": {
+        "rollout": {"pool": "generate", "engine": {
+            "kind": "vllm", "max_num_seqs": 32, "max_tokens": 24, "kv_cache_bytes": 33554432}},
+        "reward": {"pool": "generate", "engine": {"kind": "task"}},
+        "trainer": {"pool": "train", "engine": {
+            "kind": "torch", "lr": 1e-2, "checkpoint_every": 2, "kl_coef": 0.05, "lora": {"rank": 8, "alpha": 16}}},
+    },
+    "task": {"kind": "arith", "heldout_size": 24},
+    "eval": {"every_steps": 2},
+    "run": {"mode": "async", "batch_size": 4, "samples_per_prompt": 4, "steps": 3},
+}
 
 
 @pytest.mark.ray
@@ -489,7 +463,7 @@ def test_a_lora_run_end_to_end_and_its_resume_per_request_over_zeromq(ray_cluste
 
     model = tiny_model(tmp_path / "model", tied=False, seed=11)
     run_dir = tmp_path / "run"
-    summary = run(C.load(text=E2E.format(model=model)), run_dir)
+    summary = run(C.build(E2E, {"roles": {"rollout": {"model": str(model)}}}), run_dir)
     assert summary.state == "stopped", summary.error
     folder = RunDir(run_dir)
     assert [r.step for r in folder.read_metrics()] == [0, 1, 2]

@@ -86,23 +86,17 @@ def test_the_kl_reference_is_the_base_with_the_adapter_off(model_path, kl_in):
 
 
 def test_a_kl_penalty_needs_a_teacher_only_for_another_reference():
-    text = """
-[pools.p]
-[roles.rollout]
-pool = "p"
-[roles.reward]
-pool = "p"
-[roles.trainer]
-pool = "p"
-replicas = {replicas}
-engine = {{ kind = "torch", kl_coef = 0.1, kl_in = "{kl_in}", lora = {{ reference = "{reference}" }} }}
-"""
-    C.load(text=text.format(replicas=1, kl_in="loss", reference="base"))
+    base = {
+        "pools": {"p": {}},
+        "roles": {"rollout": {"pool": "p"}, "reward": {"pool": "p"}, "trainer": {"pool": "p", "replicas": 1, "engine": {
+            "kind": "torch", "kl_coef": 0.1, "kl_in": "loss", "lora": {"reference": "base"}}}},
+    }
+    C.build(base)
     with pytest.raises(C.ConfigError, match="roles.trainer.engine.kl_coef = 0.1: needs a teacher"):
-        C.load(text=text.format(replicas=1, kl_in="loss", reference="teacher"))
+        C.build(base, {"roles": {"trainer": {"engine": {"lora": {"reference": "teacher"}}}}})
     with pytest.raises(C.ConfigError, match="roles.trainer.engine.kl_in = 'reward': with lora.reference = 'base' "
                                             "and several trainer ranks"):
-        C.load(text=text.format(replicas=2, kl_in="reward", reference="base"))
+        C.build(base, {"roles": {"trainer": {"replicas": 2, "engine": {"kl_in": "reward"}}}})
 
 
 def test_a_checkpoint_is_the_adapter_in_peft_format_and_the_merged_model_on_request(model_path, tmp_path):

@@ -16,15 +16,7 @@ from rlflow import config as C
 from rlflow.control.metrics import check_trackers, open_sinks, scalars
 from rlflow.rundir import RunDir, Shares, StepRow
 
-BASE = """
-[pools.p]
-[roles.rollout]
-pool = "p"
-[roles.reward]
-pool = "p"
-[roles.trainer]
-pool = "p"
-"""
+BASE = {"pools": {"p": {}}, "roles": {"rollout": {"pool": "p"}, "reward": {"pool": "p"}, "trainer": {"pool": "p"}}}
 
 
 def rows() -> list[StepRow]:
@@ -81,7 +73,7 @@ def test_wandb_offline_gets_the_scalars_tensorboard_gets(tmp_path, monkeypatch):
         monkeypatch.setenv(name, str(tmp_path / name.lower()))
     monkeypatch.setenv("WANDB_MODE", "offline")  # no network, no account
     monkeypatch.setenv("WANDB_SILENT", "true")
-    config = C.load(text=BASE + '[metrics]\nwandb = {project = "rlflow-test", tags = ["ci"]}\n')
+    config = C.build(BASE, {"metrics": {"wandb": {"project": "rlflow-test", "tags": ["ci"]}}})
     run_dir = RunDir(tmp_path / "run-7")
     run_dir.path.mkdir()
     try:
@@ -110,7 +102,7 @@ from rlflow.rundir import RunDir
 sys.path.insert(0, sys.argv[1])
 from test_metrics import BASE, write_rows
 import trackio
-config = C.load(text=BASE + '[metrics]\\ntrackio = {project = "rlflow-test"}\\n')
+config = C.build(BASE, {"metrics": {"trackio": {"project": "rlflow-test"}}})
 run_dir = RunDir(sys.argv[2])
 run_dir.path.mkdir()
 write_rows(run_dir, config)
@@ -138,22 +130,22 @@ def test_trackio_gets_the_scalars_tensorboard_gets(tmp_path):
 def test_a_tracker_that_is_not_installed_is_a_config_error_at_launch(monkeypatch):
     import importlib.util
 
-    config = C.load(text=BASE + '[metrics]\nwandb = {project = "x"}\n')
+    config = C.build(BASE, {"metrics": {"wandb": {"project": "x"}}})
     check_trackers(config)  # installed here
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(C.ConfigError, match=r"metrics.wandb = \{project = 'x', .*\}: needs the wandb package: "
                                             r"pip install 'rlflow\[wandb\]'"):
         check_trackers(config)
-    check_trackers(C.load(text=BASE))  # none asked for
+    check_trackers(C.build(BASE))  # none asked for
 
 
 def test_metrics_tables_are_checked_like_the_rest():
     with pytest.raises(C.ConfigError, match=r"metrics.wandb.project = \(missing\): required: a string"):
-        C.load(text=BASE, overrides=["metrics.wandb.mode=offline"])
+        C.build(BASE, overrides=["metrics.wandb.mode=offline"])
     with pytest.raises(C.ConfigError,
                        match=r"metrics.wandb.mode = 'cloud': expected one of 'auto', 'offline', 'online'"):
-        C.load(text=BASE, overrides=['metrics.wandb={project = "x", mode = "cloud"}'])
+        C.build(BASE, overrides=['metrics.wandb={project = "x", mode = "cloud"}'])
 
 
 def test_trackers_write_off_the_controllers_loop_in_order_and_one_that_fails_is_let_go(caplog):

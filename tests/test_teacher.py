@@ -29,22 +29,16 @@ def teacher_path(tmp_path_factory):
 
 
 def config_for(teacher: pathlib.Path, *overrides: str) -> C.Config:
-    text = f"""
-[pools.p]
-[roles.rollout]
-pool = "p"
-model = "{teacher}"
-engine = {{ kind = "vllm", temperature = 0.7 }}
-[roles.reward]
-pool = "p"
-[roles.teacher]
-pool = "p"
-engine = {{ kind = "model", model = "{teacher}", top_k = 4, batch_tokens = 40 }}
-[roles.trainer]
-pool = "p"
-engine = {{ kind = "torch" }}
-"""
-    return C.load(text=text, overrides=list(overrides))
+    return C.build({
+        "pools": {"p": {}},
+        "roles": {
+            "rollout": {"pool": "p", "model": str(teacher), "engine": {"kind": "vllm", "temperature": 0.7}},
+            "reward": {"pool": "p"},
+            "teacher": {"pool": "p",
+                        "engine": {"kind": "model", "model": str(teacher), "top_k": 4, "batch_tokens": 40}},
+            "trainer": {"pool": "p", "engine": {"kind": "torch"}},
+        },
+    }, overrides=overrides)
 
 
 def random_batch(groups: int = 3, n: int = 3, seed: int = 0, lengths=(2, 9)):

@@ -212,20 +212,12 @@ async def test_a_version_whose_broadcast_broke_is_sent_whole_through_the_next_ge
     from rlflow.services.trainer.torch_trainer import TorchTrainerEngine
     from rlflow.services.weights import GlooGroup, receive_pieces
 
-    config = C.load(text=f"""
-[pools.p]
-[roles.rollout]
-pool = "p"
-model = "{model_path}"
-[roles.reward]
-pool = "p"
-[roles.trainer]
-pool = "p"
-engine = {{ kind = "torch" }}
-[cluster]
-handshake_timeout_s = 20
-weight_timeout_s = 20
-""")
+    config = C.build({
+        "pools": {"p": {}},
+        "roles": {"rollout": {"pool": "p", "model": str(model_path)}, "reward": {"pool": "p"},
+                  "trainer": {"pool": "p", "engine": {"kind": "torch"}}},
+        "cluster": {"handshake_timeout_s": 20, "weight_timeout_s": 20},
+    })
     serving = TorchTrainerEngine(config.roles.trainer.engine, standalone_context(config, "trainer"))
     offer, specs = serving.offer()
 

@@ -218,19 +218,15 @@ async def test_a_request_vllm_refuses_is_failed_samples_and_the_engine_goes_on(e
     from rlflow.services.rollout.vllm_engine import VllmEngine
 
     backend, _ = engine
-    config = C.load(
-        text=f"""
-[pools.p]
-[roles.rollout]
-pool = "p"
-model = "{tied_model}"
-engine = {{ kind = "vllm", max_tokens = 8, kv_cache_bytes = 67108864 }}
-[roles.reward]
-pool = "p"
-[roles.trainer]
-pool = "p"
-"""
-    )
+    config = C.build({
+        "pools": {"p": {}},
+        "roles": {
+            "rollout": {"pool": "p", "model": str(tied_model),
+                        "engine": {"kind": "vllm", "max_tokens": 8, "kv_cache_bytes": 67108864}},
+            "reward": {"pool": "p"},
+            "trainer": {"pool": "p"},
+        },
+    })
     ctx = standalone_context(config, "rollout")
     vllm = VllmEngine(config.roles.rollout.engine, ctx, backend)
     too_long = PromptGroup(group_id=1, prompt_ids=[5] * 600, n=2)  # the tiny model holds 512 positions
@@ -350,22 +346,17 @@ async def test_episodes_on_vllm_are_the_sequences_vllm_generated_over(engine, ti
     from rlflow.services.rollout.vllm_engine import VllmEngine
 
     backend, _ = engine
-    config = C.load(text=f"""
-[pools.p]
-[roles.rollout]
-pool = "p"
-model = "{tied_model}"
-engine = {{ kind = "vllm", max_tokens = 24, kv_cache_bytes = 67108864 }}
-[roles.reward]
-pool = "p"
-[roles.trainer]
-pool = "p"
-[roles.env]
-pool = "p"
-environment = {{ path = "rlflow.env.arith:SecondTry" }}
-max_turns = 2
-max_tokens = 200
-""")
+    config = C.build({
+        "pools": {"p": {}},
+        "roles": {
+            "rollout": {"pool": "p", "model": str(tied_model),
+                        "engine": {"kind": "vllm", "max_tokens": 24, "kv_cache_bytes": 67108864}},
+            "reward": {"pool": "p"},
+            "trainer": {"pool": "p"},
+            "env": {"pool": "p", "environment": {"path": "rlflow.env.arith:SecondTry"}, "max_turns": 2,
+                    "max_tokens": 200},
+        },
+    })
     ctx = standalone_context(config, "rollout")
     vllm = VllmEngine(config.roles.rollout.engine, ctx, backend)
     tokenizer = load_tokenizer(tied_model)
@@ -433,23 +424,16 @@ async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tie
     from rlflow.services.rollout.vllm_engine import VllmEngine
 
     backend, _ = engine
-    config = C.load(text=f"""
-[pools.p]
-[roles.rollout]
-pool = "p"
-model = "{tied_model}"
-engine = {{ kind = "vllm", max_tokens = 24, kv_cache_bytes = 67108864 }}
-[roles.reward]
-pool = "p"
-engine = {{ kind = "env" }}
-[roles.trainer]
-pool = "p"
-[agents]
-max_turns = 3
-max_tokens = 200
-idle_timeout_s = 2.0
-api_key = "right-key"
-""")
+    config = C.build({
+        "pools": {"p": {}},
+        "roles": {
+            "rollout": {"pool": "p", "model": str(tied_model),
+                        "engine": {"kind": "vllm", "max_tokens": 24, "kv_cache_bytes": 67108864}},
+            "reward": {"pool": "p", "engine": {"kind": "env"}},
+            "trainer": {"pool": "p"},
+        },
+        "agents": {"max_turns": 3, "max_tokens": 200, "idle_timeout_s": 2.0, "api_key": "right-key"},
+    })
     ctx = standalone_context(config, "rollout")
     vllm = VllmEngine(config.roles.rollout.engine, ctx, backend)
     tokenizer = load_tokenizer(tied_model)

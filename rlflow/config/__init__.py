@@ -11,7 +11,9 @@ One module per job:
   and `base` (what they share: `Table`, bounded numbers, distributions, and
   `RoleTable` / `StartedRole`, the fields every role's table has);
 * `loading`: `load` reads the file, applies the overrides to the same raw
-  tables and validates the whole; `to_toml` writes the resolved config;
+  tables and validates the whole; `build` does the same from dicts merged
+  onto a base (how benches and tests make configs in code); `to_toml` writes
+  the resolved config;
 * `checks`: what involves several fields (a role's pool exists, sync mode
   means no staleness, ...), run at load;
 * `environment`: the specs that name the env role's environment and tools
@@ -26,7 +28,7 @@ Everything is imported from here (``from rlflow.config import Config, load``).
 from rlflow.config.checks import check
 from rlflow.config.environment import EnvironmentSpec, ToolSpec
 from rlflow.config.errors import ConfigError
-from rlflow.config.loading import apply_override, from_dict, load, resolve_run_dir, to_toml
+from rlflow.config.loading import apply_override, build, from_dict, load, merged, read_toml, resolve_run_dir, to_toml
 from rlflow.config.base import (
     Distribution,
     Fixed,
@@ -118,10 +120,13 @@ __all__ = [
     "VllmRollout",
     "WandbConfig",
     "apply_override",
+    "build",
     "check",
     "from_dict",
     "kind_of",
     "load",
+    "merged",
+    "read_toml",
     "resolve_run_dir",
     "to_toml",
     "undocumented_fields",

@@ -1,6 +1,11 @@
 """Reading a config: TOML text, then `--set a.b=c` overrides on the same raw
 tables, then one validation of the whole (the overrides go through the same
 checks as the file); and writing the resolved config back as TOML.
+
+`build` makes a config in code the same way from plain tables (dicts merged
+onto a base, a shipped file's as read by `read_toml` or one of the caller's):
+what a bench or a test writes instead of TOML text edited by `str.format` and
+`.replace`.
 """
 
 from __future__ import annotations
@@ -8,7 +13,7 @@ from __future__ import annotations
 import datetime
 import pathlib
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -26,14 +31,73 @@ def load(path: str | pathlib.Path | None = None, overrides: Sequence[str] = (), 
     if text is None:
         if path is None:
             raise ValueError("load() needs a path or text")
-        try:
-            text = pathlib.Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError("--config", str(path), f"cannot be read ({exc.strerror})") from None
+        raw = read_toml(path)
+    else:
+        raw = _parse(text, str(path or "<config>"))
+    return _resolve(raw, overrides)
+
+
+def read_toml(path: str | pathlib.Path) -> dict[str, Any]:
+    """The raw tables of a TOML file, not yet validated: a base for `build`
+    (``build(read_toml(path), {...})``). A file that cannot be read or is not
+    TOML raises the one-line `ConfigError` that `load` would."""
     try:
-        raw = tomllib.loads(text)
+        text = pathlib.Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError("--config", str(path), f"cannot be read ({exc.strerror})") from None
+    return _parse(text, str(path))
+
+
+def _parse(text: str, name: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(str(path or "<config>"), "(file)", f"is not valid TOML: {exc}") from None
+        raise ConfigError(name, "(file)", f"is not valid TOML: {exc}") from None
+
+
+def build(*tables: Mapping[str, Any], overrides: Sequence[str] = ()) -> Config:
+    """A config made in code from plain tables: `tables` merged left to right
+    (as `merged`), then `overrides` (``a.b.c=value``, as ``--set``), then
+    validated as `load` validates a file. What benches and tests use instead
+    of TOML text: the same tables written as a TOML file and loaded with the
+    same overrides give an equal config, and a bad value raises the same
+    one-line `ConfigError` naming its key. The tables given are not changed."""
+    return _resolve(merged(*tables), overrides)
+
+
+def merged(*tables: Mapping[str, Any]) -> dict[str, Any]:
+    """`tables` deep-merged left to right into a new dict: a table (a mapping)
+    merges key by key into the table it meets; any other value (a number, a
+    string, a list) replaces what was there; a value of None removes the key,
+    so that a later table can drop an earlier one's (a role, a pool, a bound).
+    Nothing of the result is shared with the tables given."""
+    out: dict[str, Any] = {}
+    for table in tables:
+        _merge_into(out, table)
+    return out
+
+
+def _merge_into(into: dict[str, Any], table: Mapping[str, Any]) -> None:
+    for key, value in table.items():
+        if value is None:
+            into.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _merge_into(into[key], value)
+        else:
+            into[key] = _copy(value)
+
+
+def _copy(value: Any) -> Any:
+    """A copy of plain data, its tables as dicts without their None values, its arrays as lists."""
+    if isinstance(value, Mapping):
+        return {k: _copy(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list | tuple):
+        return [_copy(v) for v in value]
+    return value
+
+
+def _resolve(raw: dict[str, Any], overrides: Sequence[str]) -> Config:
+    """Apply `overrides` to `raw` (changed in place) and validate the whole."""
     mode = _mode(raw)
     keys = [apply_override(raw, item) for item in overrides]
     _refuse_renamed(raw)
