@@ -242,18 +242,27 @@ def _spawn(source: str, stdin: str, limits: Limits, status_w: int, stop_r: int) 
         )
 
 
+# Linux 5.1; the fcntl module names it from Python 3.14 on.
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+
+
 @contextlib.contextmanager
 def _sealed_memfd(data: bytes) -> Iterator[int]:
     """An in-memory file holding `data`, sealed against any change. As stdin
     it needs no writer thread and cannot deadlock; the program cannot grow
-    it to eat memory the limits do not count."""
+    it to eat memory the limits do not count.
+
+    The write seal is F_SEAL_FUTURE_WRITE: it refuses every write and every
+    writable shared mapping from then on, as F_SEAL_WRITE does, without
+    F_SEAL_WRITE's wait for the pages' transient references to drop, which
+    gives up with EBUSY on a loaded machine."""
     fd = os.memfd_create("rlflow-sandbox", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
         os.lseek(fd, 0, os.SEEK_SET)
-        seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE
+        seals = fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | F_SEAL_FUTURE_WRITE
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
         yield fd
     finally:

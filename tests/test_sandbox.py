@@ -67,6 +67,30 @@ def test_program_gets_stdin_and_returns_stdout():
 
 
 @needs_sandbox
+def test_the_program_cannot_write_grow_or_shrink_its_stdin():
+    # Its stdin is a sealed in-memory file: reopened for writing through
+    # /proc, every write, resize and writable shared mapping is refused.
+    program = (
+        "import mmap, os\n"
+        "fd = os.open('/proc/self/fd/0', os.O_RDWR)\n"
+        "for name, attempt in [\n"
+        "    ('write', lambda: os.pwrite(fd, b'X', 0)),\n"
+        "    ('grow', lambda: os.ftruncate(fd, 1 << 20)),\n"
+        "    ('shrink', lambda: os.ftruncate(fd, 0)),\n"
+        "    ('map', lambda: mmap.mmap(fd, 4, mmap.MAP_SHARED, mmap.PROT_WRITE)),\n"
+        "]:\n"
+        "    try:\n"
+        "        attempt()\n"
+        "        print(name, 'allowed')\n"
+        "    except OSError:\n"
+        "        print(name, 'refused')\n"
+        "print(os.pread(fd, 16, 0).decode())\n"
+    )
+    result = run_python(program, stdin="kept")
+    assert result.stdout == "write refused\ngrow refused\nshrink refused\nmap refused\nkept\n", result
+
+
+@needs_sandbox
 def test_nonzero_exit_and_uncaught_exception_are_errors():
     exited = run_python("import sys\nprint('partial')\nsys.exit(3)\n")
     assert (exited.status, exited.returncode, exited.stdout) == (Status.ERROR, 3, "partial\n")
