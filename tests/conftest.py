@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 import sys
 
+# Before torch is imported: its OpenMP threads sleep when they wait, as a
+# run's services do (rlflow.control.placement), rather than spin on a core
+# that the run's other processes need.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 # Helpers beside the tests (golden.py, strategies.py, peers.py) import by name.
 sys.path.insert(0, os.path.dirname(__file__))
 
