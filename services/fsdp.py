@@ -89,6 +89,10 @@ class Solo:
     def max(self, value: int) -> int:
         return value
 
+    def highest(self, values: list[float]) -> list[float]:
+        """Each of `values`, the largest over every rank."""
+        return list(values)
+
     def barrier(self) -> None:
         pass
 
@@ -183,6 +187,11 @@ class Sharded(Solo):
         tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
         return int(tensor.item())
+
+    def highest(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+        return tensor.tolist()
 
     def barrier(self) -> None:
         dist.barrier()

@@ -69,7 +69,7 @@ def test_ratio_and_clipping_without_decoupling():
 
 
 def test_decoupled_objective_clips_against_the_proximal_policy_and_reweights():
-    cfg = LossConfig(clip_low=0.2, clip_high=0.2, decoupled=True, tis_cap=2.0)
+    cfg = LossConfig(clip_low=0.2, clip_high=0.2, decoupled=True, correction="truncate", high=2.0)
     current = lp(0.5, 0.5)
     proximal = lp(0.4, 0.5)
     behaviour = lp(0.1, 0.4)
@@ -79,7 +79,7 @@ def test_decoupled_objective_clips_against_the_proximal_policy_and_reweights():
     # behaviour weights proximal / behaviour: 4.0 -> truncated to 2.0; 1.25.
     assert out.loss.item() == pytest.approx(-(2.0 * 1.2 + 1.25 * 1.0), rel=1e-5)
     assert out.truncated.item() == 1 and out.clipped.item() == 1
-    uncapped = policy_loss(current, proximal, behaviour, adv, LossConfig(clip_low=0.2, clip_high=0.2, tis_cap=0.0))
+    uncapped = policy_loss(current, proximal, behaviour, adv, LossConfig(clip_low=0.2, clip_high=0.2))
     assert uncapped.loss.item() == pytest.approx(-(1.2 + 1.0), rel=1e-5)  # no correction
 
 
@@ -90,7 +90,8 @@ def test_with_one_step_the_gradient_is_the_weighted_policy_gradient():
     targets = torch.tensor([2])
     current = token_logprobs(logits, targets)
     behaviour = current.detach() - 0.3  # proximal / behaviour = e^0.3
-    out = policy_loss(current, current.detach(), behaviour, torch.tensor([2.0]), LossConfig(tis_cap=5.0))
+    cfg = LossConfig(correction="truncate", high=5.0)
+    out = policy_loss(current, current.detach(), behaviour, torch.tensor([2.0]), cfg)
     out.loss.backward()
     probs = torch.softmax(logits.detach(), -1)[0]
     expected = -math.exp(0.3) * 2.0 * (torch.nn.functional.one_hot(targets, 3)[0] - probs)
@@ -187,3 +188,117 @@ def test_micro_batches_stay_within_the_token_budget(lengths, budget):
     assert sorted(i for part in parts for i in part) == list(range(len(lengths)))
     for part in parts:
         assert len(part) == 1 or max(lengths[i] for i in part) * len(part) <= budget
+
+
+# -- the mismatch corrections and the objectives, by hand ----------------------
+
+
+def test_a_token_mask_leaves_out_the_tokens_outside_its_bounds():
+    # Behaviour weights proximal / behaviour: 4.0, 1.25, 0.25 against bounds [0.5, 2].
+    proximal, behaviour = lp(0.4, 0.5, 0.1), lp(0.1, 0.4, 0.4)
+    current = lp(0.4, 0.5, 0.1)  # ratio 1 to the proximal policy
+    adv = torch.tensor([1.0, 1.0, -1.0])
+    decoupled = policy_loss(current, proximal, behaviour, adv,
+                            LossConfig(decoupled=True, correction="mask", low=0.5, high=2.0))
+    assert decoupled.weight.tolist() == pytest.approx([0.0, 1.25, 0.0])  # kept tokens weigh w
+    assert decoupled.loss.item() == pytest.approx(-1.25, rel=1e-5) and decoupled.masked.item() == 2
+    # Not decoupled (IcePop): the ratio is to the behaviour policy; kept tokens weigh 1.
+    plain = policy_loss(current, proximal, behaviour, adv,
+                        LossConfig(decoupled=False, clip_low=0.2, clip_high=0.28, correction="mask", low=0.5,
+                                   high=2.0))
+    assert plain.weight.tolist() == [0.0, 1.0, 0.0]
+    assert plain.loss.item() == pytest.approx(-1.25, rel=1e-5)  # ratio 1.25 to the behaviour, inside [0.8, 1.28]
+
+
+def test_a_sequence_level_weight_is_the_geometric_mean_of_its_tokens():
+    # Sample 0: token weights 4 and 1 (geometric mean 2); sample 1: 0.25 alone.
+    proximal, behaviour = lp(0.4, 0.5, 0.1), lp(0.1, 0.5, 0.4)
+    sample = torch.tensor([0, 0, 1])
+    adv = torch.tensor([1.0, 1.0, 1.0])
+    truncated = policy_loss(proximal, proximal, behaviour, adv,
+                            LossConfig(correction="truncate", level="sequence", high=1.5), sample)
+    assert truncated.weight.tolist() == pytest.approx([1.5, 1.5, 0.25])
+    assert truncated.truncated.item() == 2
+    masked = policy_loss(proximal, proximal, behaviour, adv,
+                         LossConfig(correction="mask", level="sequence", low=0.5, high=2.5), sample)
+    assert masked.weight.tolist() == pytest.approx([2.0, 2.0, 0.0]) and masked.masked.item() == 1
+    with pytest.raises(ValueError, match="needs each token's sample"):
+        policy_loss(proximal, proximal, behaviour, adv, LossConfig(correction="mask", level="sequence"))
+
+
+def test_gspo_clips_the_sequences_ratio_and_its_gradient_is_the_sequences():
+    """Sample 0 of two tokens, ratios 1.5 and 1.0 to the behaviour (geometric
+    mean 1.2247 > 1.1: clipped for a positive advantage, no gradient); sample
+    1 of one token, ratio 1.05 (inside): loss -s A, gradient -s A grad log p."""
+    logits = torch.tensor([[0.3, 0.1], [0.2, -0.4], [0.0, 0.6]], requires_grad=True)
+    targets = torch.tensor([0, 1, 1])
+    current = token_logprobs(logits, targets)
+    behaviour = current.detach() - torch.log(torch.tensor([1.5, 1.0, 1.05]))
+    sample = torch.tensor([0, 0, 1])
+    adv = torch.tensor([1.0, 1.0, 2.0])
+    out = policy_loss(current, current.detach(), behaviour, adv,
+                      LossConfig(decoupled=False, objective="gspo", clip_low=0.1, clip_high=0.1), sample)
+    s0 = math.sqrt(1.5)
+    assert out.loss.item() == pytest.approx(-(1.1 * 1 * 2 + 1.05 * 2), rel=1e-5)
+    assert out.clipped.item() == 2  # both tokens of sample 0
+    out.loss.backward()
+    probs = torch.softmax(logits.detach(), -1)
+    hand = torch.zeros(3, 2)
+    hand[2] = -1.05 * 2.0 * (torch.nn.functional.one_hot(targets[2], 2) - probs[2])
+    assert logits.grad.flatten().tolist() == pytest.approx(hand.flatten().tolist(), rel=1e-5, abs=1e-7)
+    assert s0 > 1.1
+
+
+def test_cispo_keeps_the_gradient_of_a_clipped_token():
+    """Ratios 1.5 (clipped to 1.28) and 0.5 (clipped to 0.8): the loss is
+    -sum sg(clip(r)) A log p, so both tokens keep a gradient, PPO's would not."""
+    logits = torch.tensor([[0.3, 0.1], [0.2, -0.4]], requires_grad=True)
+    targets = torch.tensor([0, 1])
+    current = token_logprobs(logits, targets)
+    behaviour = current.detach() - torch.log(torch.tensor([1.5, 0.5]))
+    adv = torch.tensor([1.0, -1.0])
+    out = policy_loss(current, current.detach(), behaviour, adv,
+                      LossConfig(decoupled=False, objective="cispo", clip_low=0.2, clip_high=0.28))
+    logp = current.detach()
+    assert out.loss.item() == pytest.approx(-(1.28 * 1.0 * logp[0] + 0.8 * -1.0 * logp[1]).item(), rel=1e-5)
+    assert out.clipped.item() == 2
+    out.loss.backward()
+    probs = torch.softmax(logits.detach(), -1)
+    onehot = torch.nn.functional.one_hot(targets, 2)
+    hand = -torch.tensor([[1.28 * 1.0], [0.8 * -1.0]]) * (onehot - probs)
+    assert logits.grad.flatten().tolist() == pytest.approx(hand.flatten().tolist(), rel=1e-5)
+    ppo = token_logprobs(logits.detach().requires_grad_(), targets)
+    assert policy_loss(ppo, ppo.detach(), behaviour, adv, LossConfig(decoupled=False)).clipped.item() == 2
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"decoupled": False, "correction": "truncate"}, "needs decoupled"),
+    ({"correction": "truncate", "low": 0.5}, "a lower bound is mask's"),
+    ({"correction": "mask", "low": 2.0, "high": 2.0}, "0 <= low < high"),
+    ({"objective": "grpo"}, "unknown objective 'grpo'"),
+    ({"correction": "clip"}, "unknown correction 'clip'"),
+])
+def test_a_correction_that_cannot_be_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LossConfig(**kwargs)
+
+
+def test_the_gap_by_hand():
+    from rlflow.algo.gap import EDGES, Gap
+    from rlflow.services.fsdp import Solo
+
+    gap = Gap()
+    # 100 tokens of two samples: 98 with a gap of 0.001, one of 0.5, one of -2.0 (log p_train - log p_behaviour).
+    diff = torch.full((100,), 0.001, dtype=torch.float64)
+    diff[10], diff[90] = 0.5, -2.0
+    behaviour = torch.zeros(100)
+    sample = torch.tensor([0] * 50 + [1] * 50)
+    gap.add(diff.float(), behaviour, sample)
+    stats = gap.stats(Solo())
+    assert stats["gap_mean"] == pytest.approx((98 * 0.001 + 0.5 + 2.0) / 100, rel=1e-5)
+    assert stats["gap_max"] == pytest.approx(2.0)
+    # The 99th of 100 sorted gaps is 0.5: within its bin's 12%.
+    assert 0.5 <= stats["gap_p99"] <= 0.5 * 1.13
+    assert stats["seq_weight_max"] == pytest.approx(math.exp((49 * 0.001 + 0.5) / 50), rel=1e-5)
+    assert stats["seq_weight_min"] == pytest.approx(math.exp((49 * 0.001 - 2.0) / 50), rel=1e-5)
+    assert len(EDGES) == 201 and Gap().stats(Solo()) == {}

@@ -272,3 +272,21 @@ def test_a_renamed_key_is_refused_with_its_new_name():
     with pytest.raises(C.ConfigError) as caught:
         C.load(text=text.replace("\nmax_steps_owed = 1", "\nmax_staleness = 1", 1))
     assert caught.value.key == "roles.critic.max_staleness" and "roles.critic.max_steps_owed" in str(caught.value)
+
+
+def test_the_mismatch_corrections_bounds_are_checked():
+    ppo = ROOT / "examples" / "ppo.toml"
+    key = "roles.trainer.engine."
+    fine = C.load(ppo, [key + "decoupled=true", key + "correction='truncate'", key + "objective='gspo'"])
+    assert (fine.roles.trainer.engine.correction, fine.roles.trainer.engine.objective) == ("truncate", "gspo")
+    for overrides, message in [
+        ([key + "correction='truncate'"], r"correction = 'truncate': truncation .* needs decoupled = true"),
+        ([key + "decoupled=true", key + "correction='truncate'", key + "correction_low=0.5"],
+         r"correction_low = 0.5: a lower bound is mask's"),
+        ([key + "correction='mask'", key + "correction_low=3.0"], r"correction_low = 3.0: must be below "
+                                                                   r"correction_high \(2.0\)"),
+        ([key + "overlong_buffer=500"], r"overlong_buffer = 500: must be below the rollout's max_tokens"),
+        ([key + "tis_cap=2.0"], r"roles.trainer.engine.tis_cap = 2.0: is now roles.trainer.engine.correction_high"),
+    ]:
+        with pytest.raises(C.ConfigError, match=message):
+            C.load(ppo, overrides)

@@ -301,7 +301,8 @@ def test_per_token_advantages_go_through_the_decoupled_loss_with_truncated_weigh
     advantage, reweighted by the truncated behaviour weight."""
     from rlflow.services.trainer.torch_engine import TorchEngine
 
-    cfg = C.TorchTrainer(advantage="gae", tis_cap=1.5, lr=1e-4, advantage_norm="whiten", decoupled=True)
+    cfg = C.TorchTrainer(advantage="gae", correction="truncate", correction_high=1.5, lr=1e-4, advantage_norm="whiten",
+                         decoupled=True)
     engine = TorchEngine(cfg, str(model_path))
     batch = _batch(lengths=((5,), (3,), (6,)), rewards=(1.0, 0.0, 1.0))
     rng = np.random.default_rng(2)

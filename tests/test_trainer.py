@@ -145,6 +145,53 @@ def test_a_sample_without_a_reward_is_refused(model_path):
         engine.train(msgspec.structs.replace(batch, rewards=Tensor.of([np.nan] + [1.0] * 7, "float32")))
 
 
+def lengths_batch(lengths: list[int], finish: list[FinishReason]):
+    """One group of samples of these response lengths, every reward 1 (no signal)."""
+    responses = [Response(np.full(n, 5, np.int32), np.full(n, -1.0, np.float32), np.zeros(n, np.int32), f)
+                 for n, f in zip(lengths, finish)]
+    batch = build_batch([(PromptGroup(group_id=0, prompt_ids=[3, 4], n=len(lengths)), responses)])
+    return msgspec.structs.replace(batch, rewards=Tensor.of([1.0] * len(lengths), "float32"))
+
+
+def test_overlong_shaping_and_filtering_by_hand(model_path):
+    stop, cut = FinishReason.STOP, FinishReason.LENGTH
+    batch = lengths_batch([2, 4, 6, 8], [stop, stop, stop, cut])
+    assert TorchEngine(TorchTrainer(), str(model_path)).prepare(batch, 1)[0]["mixed_sample_share"] == 0.0
+    # max_tokens 8, a buffer of 4: penalties 0, 0, (6 - 4) / 4 = 0.5 and 1: rewards 1, 1, 0.5, 0 now differ.
+    shaped = TorchEngine(TorchTrainer(overlong_buffer=4), str(model_path), max_tokens=8)
+    stats, (share,) = shaped.prepare(batch, 1)
+    assert stats["overlong_penalty_mean"] == pytest.approx(0.375)
+    assert stats["mixed_sample_share"] == 1.0 and stats["trained_tokens"] == 20
+    assert share.advantages.numpy()[0] > share.advantages.numpy()[2] > share.advantages.numpy()[3]
+    # Filtered: the sample the length cap cut is not trained on; the others' advantages are still
+    # computed with it in the group (scaled by the batch_tokens normaliser: 12 tokens of 20 trained, not 20).
+    filtered = TorchEngine(TorchTrainer(overlong_buffer=4, overlong_filter=True), str(model_path), max_tokens=8)
+    stats, (kept,) = filtered.prepare(batch, 1)
+    assert stats["trained_tokens"] == 12 and stats["overlong_filtered_share"] == 0.25
+    assert kept.advantages.numpy().tolist() == pytest.approx((share.advantages.numpy()[:3] * 12 / 20).tolist())
+    with pytest.raises(ValueError, match="needs the rollout's max_tokens"):
+        TorchEngine(TorchTrainer(overlong_buffer=4), str(model_path))
+
+
+def test_a_step_reports_the_gap_and_what_its_correction_did(model_path):
+    """The behaviour log-probabilities of `fixed_batch` are the trainer's own
+    (to float32 rounding): no gap; shifted by log 3 on every token, each
+    token's weight is 3: truncated at 2, or masked above 2."""
+    engine = TorchEngine(TorchTrainer(), str(model_path))
+    batch = fixed_batch(engine)
+    own = engine.train(batch)
+    assert own["gap_max"] < 1e-4 and own["gap_p99"] <= own["gap_max"]
+    assert own["seq_weight_min"] == pytest.approx(1.0, abs=1e-4)
+    shifted = msgspec.structs.replace(batch, logprobs=Tensor.from_numpy(batch.logprobs.numpy() - math.log(3)))
+    for correction, share in (("truncate", "truncated_share"), ("mask", "masked_share")):
+        cfg = TorchTrainer(decoupled=True, correction=correction, correction_high=2.0)
+        stats = TorchEngine(cfg, str(model_path)).train(shifted)
+        assert stats["gap_mean"] == pytest.approx(math.log(3), rel=1e-3)
+        assert stats["seq_weight_max"] == pytest.approx(3.0, rel=1e-3)
+        assert stats[share] == 1.0
+        assert stats["behaviour_weight_mean"] == pytest.approx(2.0 if correction == "truncate" else 0.0, rel=1e-5)
+
+
 def test_micro_batches_respect_the_token_budget(model_path):
     engine = TorchEngine(TorchTrainer(micro_batch_tokens=24), str(model_path))
     batch = fixed_batch(engine)

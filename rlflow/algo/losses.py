@@ -10,10 +10,35 @@ token of the batch weighs the same). Three policies appear in it:
 
 Decoupled (Hilton et al., 2022; AReaL): the ratio is current / proximal and
 is clipped, while the gap between proximal and behaviour is corrected by an
-importance weight proximal / behaviour, truncated at `tis_cap` (TIS). So the
-trust region is measured from weights the trainer knows, and stale samples
-are reweighted rather than clipped away. Not decoupled: the ratio is
-current / behaviour, clipped (plain off-policy PPO).
+importance weight proximal / behaviour. So the trust region is measured from
+weights the trainer knows, and stale samples are reweighted rather than
+clipped away. Not decoupled: the ratio is current / behaviour, clipped
+(plain off-policy PPO).
+
+The mismatch correction (`LossConfig.correction`) acts on the behaviour
+weight w = proximal / behaviour: the gap between the engine that sampled a
+token and the trainer that learns from it (a different kernel, precision or
+version). At token level w is each token's; at sequence level it is the
+geometric mean of its sample's token weights, one per sample.
+
+* ``truncate`` (TIS, Yao et al., 2025): decoupled, each token weighs
+  min(w, high).
+* ``mask`` (MIS; IcePop, Ling team, 2025, with a lower bound): tokens (or
+  whole samples) whose w lies outside [low, high] are left out of the loss;
+  decoupled, the others weigh w, else 1 (the ratio already holds the
+  behaviour policy).
+* ``none``: decoupled, every token weighs 1; not decoupled, nothing is done.
+
+The objective (`LossConfig.objective`):
+
+* ``ppo``: the clipped surrogate per token, as above.
+* ``gspo`` (Zheng et al., 2025): the ratio is the sequence's, the geometric
+  mean of its token ratios, clipped per sequence; per token it is
+  sg(s) * p / sg(p) (GSPO-token), so the normaliser (`loss_norm =
+  "sequences"` for the paper's) says how samples add up.
+* ``cispo`` (MiniMax-M1, 2025): the clipped ratio is a weight without
+  gradient on every token's log-probability: no token's gradient is
+  dropped by the clip, as PPO drops those outside the trust region.
 
 With one optimizer step per batch the proximal policy equals the current
 one before the step, so its log-probabilities are the current ones,
@@ -105,13 +130,36 @@ def normaliser_weights(lengths: torch.Tensor, trained: torch.Tensor, norm: str) 
     return out.to(torch.float32)
 
 
+OBJECTIVES = ("ppo", "gspo", "cispo")
+CORRECTIONS = ("none", "truncate", "mask")
+LEVELS = ("token", "sequence")
+
+
 @dataclass(frozen=True)
 class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.28
     decoupled: bool = True
-    tis_cap: float = 2.0
-    """Truncate behaviour importance weights at this; 0 turns the correction off."""
+    objective: str = "ppo"
+    correction: str = "none"
+    level: str = "token"
+    low: float = 0.0
+    """mask: the least behaviour weight kept (0: no lower bound)."""
+    high: float = 2.0
+    """truncate: the cap of the behaviour weight; mask: the most kept."""
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("objective", self.objective, OBJECTIVES),
+                                     ("correction", self.correction, CORRECTIONS), ("level", self.level, LEVELS)):
+            if value not in allowed:
+                raise ValueError(f"unknown {name} {value!r}: one of {', '.join(allowed)}")
+        if self.correction == "truncate" and not self.decoupled:
+            raise ValueError("correction 'truncate' reweights the proximal policy's gap to the behaviour "
+                             "policy: it needs decoupled (not decoupled, the ratio already holds it; use 'mask')")
+        if self.correction == "truncate" and self.low > 0:
+            raise ValueError("a lower bound is mask's: truncate only caps the weight at high")
+        if not 0 <= self.low < self.high:
+            raise ValueError(f"the bounds need 0 <= low < high, not low={self.low}, high={self.high}")
 
 
 @dataclass
@@ -119,7 +167,7 @@ class LossOutput:
     loss: torch.Tensor
     """Sum over tokens of the per-token loss (divide by the batch's token count)."""
     weight: torch.Tensor
-    """Per token, the behaviour importance weight applied (1 without the correction), detached:
+    """Per token, the behaviour weight applied (1 without the correction; 0 where masked), detached:
     other per-token terms of the objective are reweighted by it too."""
     clipped: torch.Tensor
     """Tokens whose ratio was clipped (count)."""
@@ -127,8 +175,20 @@ class LossOutput:
     behaviour_weight_mean: torch.Tensor
     truncated: torch.Tensor
     """Tokens whose behaviour weight hit the cap (count)."""
+    masked: torch.Tensor
+    """Tokens left out by the mask (count)."""
     approx_kl: torch.Tensor
     """Sum over tokens of ``behaviour - proximal`` log-probability (a KL estimate times tokens)."""
+
+
+def sample_mean(values: torch.Tensor, sample: torch.Tensor) -> torch.Tensor:
+    """Per token, the mean of `values` over the tokens of its sample (`sample`:
+    each token's sample, any integers)."""
+    _, index = torch.unique(sample, return_inverse=True)
+    size = int(index.max()) + 1 if len(index) else 0
+    total = torch.zeros(size, dtype=values.dtype, device=values.device).index_add_(0, index, values)
+    count = torch.zeros(size, dtype=values.dtype, device=values.device).index_add_(0, index, torch.ones_like(values))
+    return (total / count)[index]
 
 
 def policy_loss(
@@ -137,38 +197,65 @@ def policy_loss(
     behaviour: torch.Tensor,
     advantages: torch.Tensor,
     cfg: LossConfig,
+    sample: torch.Tensor | None = None,
 ) -> LossOutput:
-    """PPO-clip surrogate summed over tokens (all arguments per token).
+    """The objective summed over tokens (all arguments per token).
 
     `proximal` and `behaviour` are log-probabilities without gradients; the
     caller divides `loss` by the number of tokens in the whole batch, so that
-    micro-batches add up to a token-mean.
+    micro-batches add up to a token-mean. `sample` (each token's sample) is
+    needed by what works per sequence: GSPO, and a sequence-level correction.
     """
     proximal = proximal.detach()
     behaviour = behaviour.detach()
+    if sample is None and (cfg.objective == "gspo" or (cfg.level == "sequence" and cfg.correction != "none")):
+        raise ValueError(f"objective {cfg.objective!r} at level {cfg.level!r} needs each token's sample")
     anchor = proximal if cfg.decoupled else behaviour
-    ratio = torch.exp(logprobs - anchor)
+    log_ratio = logprobs - anchor
+    if cfg.objective == "gspo":
+        assert sample is not None
+        sequence = sample_mean(log_ratio.detach(), sample)
+        log_ratio = sequence + logprobs - logprobs.detach()  # sg(s) * p / sg(p): the value is s
+    ratio = torch.exp(log_ratio)
     clipped_ratio = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
-    surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
-    if cfg.decoupled and cfg.tis_cap > 0:
-        raw = torch.exp(proximal - behaviour)
-        weight = raw.clamp(max=cfg.tis_cap)
-        truncated = (raw > cfg.tis_cap).sum()
+    if cfg.objective == "cispo":
+        surrogate = clipped_ratio.detach() * advantages * logprobs
+        was_clipped = (ratio.detach() != clipped_ratio.detach()).sum()
     else:
-        weight = torch.ones_like(ratio)
-        truncated = torch.zeros((), dtype=torch.long)
+        surrogate = torch.minimum(ratio * advantages, clipped_ratio * advantages)
+        with torch.no_grad():
+            was_clipped = ((ratio * advantages) > (clipped_ratio * advantages)).sum()
+    weight, truncated, masked = behaviour_weight(proximal, behaviour, cfg, sample)
     loss = -(weight * surrogate).sum()
-    with torch.no_grad():
-        was_clipped = ((ratio * advantages) > (clipped_ratio * advantages)).sum()
     return LossOutput(
         loss=loss,
-        weight=weight.detach(),
+        weight=weight,
         clipped=was_clipped,
         ratio_mean=ratio.detach().mean() if ratio.numel() else torch.zeros(()),
         behaviour_weight_mean=weight.mean() if weight.numel() else torch.zeros(()),
         truncated=truncated,
+        masked=masked,
         approx_kl=(behaviour - proximal).sum(),
     )
+
+
+def behaviour_weight(proximal: torch.Tensor, behaviour: torch.Tensor, cfg: LossConfig,
+                     sample: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per token, the weight the mismatch correction gives the token's loss,
+    and the counts of tokens it truncated and masked."""
+    none = torch.zeros((), dtype=torch.long)
+    if cfg.correction == "none":
+        return torch.ones_like(proximal), none, none
+    log_w = proximal - behaviour
+    if cfg.level == "sequence":
+        assert sample is not None
+        log_w = sample_mean(log_w, sample)
+    w = torch.exp(log_w)
+    if cfg.correction == "truncate":
+        return w.clamp(max=cfg.high), (w > cfg.high).sum(), none
+    kept = (w >= cfg.low) & (w <= cfg.high)
+    weight = (w if cfg.decoupled else torch.ones_like(w)) * kept
+    return weight, none, (~kept).sum()
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:

@@ -73,6 +73,35 @@ def check(config: Config) -> None:
     if config.roles.critic is not None:
         _check_ranks(config, "critic")
     _check_critic(config)
+    _check_correction(config)
+
+
+def _check_correction(config: Config) -> None:
+    """The mismatch correction's bounds, and the over-long shaping's buffer
+    inside the rollout's longest response."""
+    trainer = config.roles.trainer.engine
+    if not isinstance(trainer, TorchTrainer):
+        return
+    key = "roles.trainer.engine."
+    if trainer.correction == "truncate" and not trainer.decoupled:
+        raise ConfigError(key + "correction", "truncate", "truncation reweights the gap from the trainer's proximal "
+                          "policy to the behaviour policy: it needs decoupled = true (not decoupled, the ratio "
+                          "already holds the behaviour policy: 'mask' leaves the tokens of a large gap out)")
+    if trainer.correction == "truncate" and trainer.correction_low > 0:
+        raise ConfigError(key + "correction_low", trainer.correction_low,
+                          "a lower bound is mask's (correction = 'mask'): truncate only caps the weight")
+    if trainer.correction_low >= trainer.correction_high:
+        raise ConfigError(key + "correction_low", trainer.correction_low,
+                          f"must be below correction_high ({trainer.correction_high})")
+    if trainer.overlong_buffer > 0:
+        max_tokens = getattr(config.roles.rollout.engine, "max_tokens", None)
+        if max_tokens is None:
+            raise ConfigError(key + "overlong_buffer", trainer.overlong_buffer,
+                              f"the rollout engine {kind_of(config.roles.rollout.engine)!r} has no max_tokens to "
+                              "measure a response's length against")
+        if trainer.overlong_buffer >= max_tokens:
+            raise ConfigError(key + "overlong_buffer", trainer.overlong_buffer,
+                              f"must be below the rollout's max_tokens ({max_tokens})")
 
 
 def _check_filter(config: Config) -> None:

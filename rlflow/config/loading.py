@@ -108,18 +108,23 @@ def _resolve(raw: dict[str, Any], overrides: Sequence[str]) -> Config:
 
 
 #: Keys given a new name (old key -> new key): a config with the old one is refused with the new one named.
-RENAMED = {"roles.critic.max_staleness": "roles.critic.max_steps_owed"}
+#: Keys renamed: old -> (new, why). A config with the old name is refused, naming the new.
+RENAMED = {
+    "roles.critic.max_staleness": ("roles.critic.max_steps_owed",
+                                   "one name per meaning: run.max_staleness is the policy's bound"),
+    "roles.trainer.engine.tis_cap": ("roles.trainer.engine.correction_high",
+                                     "with correction = 'truncate' and decoupled = true; 0 was correction = 'none'"),
+}
 
 
 def _refuse_renamed(raw: dict[str, Any]) -> None:
-    for old, new in RENAMED.items():
+    for old, (new, why) in RENAMED.items():
         *path, last = old.split(".")
         table: Any = raw
         for part in path:
             table = table.get(part) if isinstance(table, dict) else None
         if isinstance(table, dict) and last in table:
-            raise ConfigError(old, table[last], f"is now {new} (one name per meaning: run.max_staleness is the "
-                              "policy's bound); rename the key")
+            raise ConfigError(old, table[last], f"is now {new} ({why}); rename the key")
 
 
 def _mode(raw: dict[str, Any]) -> Any:

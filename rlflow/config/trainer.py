@@ -108,12 +108,40 @@ class TorchTrainer(Table, tag_field="kind", tag="torch", frozen=True):
     """PPO clip range above 1."""
     decoupled: bool = False
     """false: clip the ratio to the behaviour policy that generated each token (PPO's trust region,
-    around the samples, however many versions old). true: decoupled PPO, clip against a proximal policy
-    (the trainer's weights before the step) and correct for the behaviour policy with importance
-    weights truncated at tis_cap. With one optimizer step per batch, as here, the proximal ratio is 1
-    and nothing is clipped: stale samples move the policy as far as fresh ones."""
-    tis_cap: NonNegFloat = 2.0
-    """Truncate behaviour importance weights at this (0: no correction)."""
+    around the samples, however many versions old). true: decoupled PPO (Hilton et al., 2022), clip
+    against a proximal policy (the trainer's weights before the step) and weigh each token by
+    proximal / behaviour, as `correction` says. With one optimizer step per batch, as here, the
+    proximal ratio is 1 and nothing is clipped: stale samples move the policy as far as fresh ones."""
+    objective: Literal["ppo", "gspo", "cispo"] = "ppo"
+    """The policy loss. ppo: the clipped surrogate per token. gspo (Zheng et al., 2025, Group Sequence
+    Policy Optimization): the ratio is the sample's geometric mean of its token ratios, clipped per
+    sample (the paper clips at 3e-4 below and 4e-4 above, with loss_norm = "sequences"). cispo
+    (MiniMax-M1, 2025): the clipped ratio weighs every token's log-probability without a gradient of
+    its own, so no token's gradient is dropped by the clip (the paper leaves clip_low wide)."""
+    correction: Literal["none", "truncate", "mask"] = "none"
+    """The correction of the gap between the engine that sampled a token and the trainer (a different
+    kernel, precision or version), by the behaviour weight w = proximal / behaviour. truncate (TIS, Yao
+    et al., 2025, "Your efficient RL framework secretly brings you off-policy RL training"; needs
+    decoupled): each token weighs min(w, correction_high). mask (masked importance sampling; with a
+    lower bound, IcePop of Ring-1T, 2025): tokens whose w lies outside [correction_low,
+    correction_high] are left out of the loss, the others weigh w if decoupled, else 1. none: no
+    weight (decoupled: every token weighs 1)."""
+    correction_level: Literal["token", "sequence"] = "token"
+    """token: each token's own weight; sequence: one weight per sample, the geometric mean of its token
+    weights (a whole sample truncated or masked at once)."""
+    correction_low: NonNegFloat = 0.0
+    """mask: the least weight kept (0: no lower bound; IcePop keeps [0.5, 2])."""
+    correction_high: PosFloat = 2.0
+    """truncate: the weights' cap; mask: the most weight kept."""
+    overlong_buffer: NonNegInt = 0
+    """DAPO's soft over-long punishment (Yu et al., 2025): a response longer than the rollout's
+    max_tokens minus this many tokens loses overlong_penalty x (its tokens over that) / this from its
+    reward, the whole penalty at max_tokens (0: none)."""
+    overlong_penalty: NonNegFloat = 1.0
+    """The most reward the over-long punishment takes."""
+    overlong_filter: bool = False
+    """DAPO's over-long filtering: responses cut at max_tokens are left out of the loss (their group's
+    advantages are still computed with them)."""
     micro_batch_tokens: PosInt = 8192
     """Tokens per forward / backward pass (samples are packed up to this)."""
     dtype: Literal["float32", "bfloat16"] = "float32"

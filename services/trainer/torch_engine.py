@@ -37,7 +37,7 @@ from typing import Any
 import msgspec
 import numpy as np
 import torch
-from rlflow.protocol import SampleBatch, Tensor, samples, take
+from rlflow.protocol import FinishReason, SampleBatch, Tensor, samples, take
 from rlflow.services.fsdp import Solo, autocast, bf16_passes
 from rlflow.services.trainer import checkpoint
 from rlflow.services.trainer.lora import AdapterWeights
@@ -46,6 +46,7 @@ from rlflow.services.trainer.schedule import learning_rate
 from rlflow.services.trainer.trained import TrainedWeights, WholeWeights
 
 from rlflow.algo.balance import deal, micro_batches
+from rlflow.algo.gap import Gap
 from rlflow.algo.values import centre_by_returns, own_count, own_tokens, whiten
 from rlflow.algo.losses import (
     LossConfig,
@@ -63,17 +64,18 @@ from rlflow.config import TorchTrainer
 __all__ = ["TorchEngine", "learning_rate"]
 
 #: Sums a step's passes add to, over every rank (divided by its tokens at the end).
-SUMS = ("loss", "clipped", "truncated", "kl", "ratio", "weight", "kl_loss", "distill_loss")
+SUMS = ("loss", "clipped", "truncated", "masked", "kl", "ratio", "weight", "kl_loss", "distill_loss")
 
 
 class TorchEngine:
     """Holds the policy (this rank's shards of it) and its optimizer."""
 
     def __init__(self, cfg: TorchTrainer, model_path: str, *, temperature: float = 1.0, seed: int = 0,
-                 ranks: Solo | None = None, total_steps: int = 0, adapter: str = ""):
+                 ranks: Solo | None = None, total_steps: int = 0, adapter: str = "",
+                 max_tokens: int = 0):
         """`total_steps`: the run's steps, which a decaying learning rate needs (unless its own
         `lr_decay_steps` says how many it spans); `adapter`: with LoRA, the PEFT adapter directory to start
-        from (empty: a new adapter)."""
+        from (empty: a new adapter); `max_tokens`: the rollout's longest response (over-long shaping)."""
         from transformers import AutoModelForCausalLM
 
         #: The steps the learning rate's schedule spans.
@@ -107,8 +109,14 @@ class TorchEngine:
             weight_decay=cfg.weight_decay,
         )
         self.loss_cfg = LossConfig(
-            clip_low=cfg.clip_low, clip_high=cfg.clip_high, decoupled=cfg.decoupled, tis_cap=cfg.tis_cap
+            clip_low=cfg.clip_low, clip_high=cfg.clip_high, decoupled=cfg.decoupled, objective=cfg.objective,
+            correction=cfg.correction, level=cfg.correction_level, low=cfg.correction_low,
+            high=cfg.correction_high,
         )
+        if cfg.overlong_buffer and not max_tokens:
+            raise ValueError("overlong_buffer needs the rollout's max_tokens")
+        #: The rollout's longest response, which the over-long shaping measures against.
+        self.max_tokens = max_tokens
         self.steps = 0
         #: The layout of what leaves the trainer, and its size in bytes.
         self.specs, self.nbytes = self.weights.specs, self.weights.nbytes
@@ -153,6 +161,13 @@ class TorchEngine:
             ])
             rewards = rewards - cfg.kl_coef * penalty
             stats["kl_penalty_mean"] = float(penalty.mean()) if len(rows) else 0.0
+        if cfg.overlong_buffer > 0:
+            # DAPO's soft over-long punishment, linear over the buffer before max_tokens.
+            lengths = torch.tensor([len(r.response_ids) for r in rows], dtype=torch.float32)
+            over = (lengths - (self.max_tokens - cfg.overlong_buffer)).clamp(min=0) / cfg.overlong_buffer
+            penalty = cfg.overlong_penalty * over.clamp(max=1)
+            rewards = rewards - penalty
+            stats["overlong_penalty_mean"] = float(penalty.mean()) if len(rows) else 0.0
         if cfg.advantage == "gae":
             return self._prepare_gae(batch, rows, ranks, stats)
         group = torch.tensor([r.group.group_id for r in rows])
@@ -163,6 +178,10 @@ class TorchEngine:
         # Tokens trained on per sample: an episode's observations (loss mask 0) are not.
         responses = torch.tensor([own_count(r) for r in rows], dtype=torch.long)
         trained_mask = ~uniform & (responses > 0)
+        if cfg.overlong_filter:  # DAPO's over-long filtering: what the length cap cut is not trained on
+            cut = torch.tensor([r.finish_reason == FinishReason.LENGTH for r in rows], dtype=torch.bool)
+            trained_mask &= ~cut
+            stats["overlong_filtered_share"] = float(cut.float().mean()) if len(rows) else 0.0
         chosen = trained_mask.nonzero().flatten().tolist()
         stats["mixed_sample_share"] = float((~uniform).float().mean()) if len(rows) else 0.0
         if uniform.any():
@@ -226,12 +245,14 @@ class TorchEngine:
             self.steps += 1
             return {"loss": 0.0, "grad_norm": 0.0, "lr": self._lr()}
         sums = dict.fromkeys(SUMS, 0.0)
+        gap = Gap()
         for i in range(passes):
             if i < len(micro):
-                self._pass([rows[j] for j in micro[i]], advantages[micro[i]], tokens, sums)
+                self._pass([rows[j] for j in micro[i]], advantages[micro[i]], tokens, sums, gap)
             else:
                 self._idle_pass()
         sums = dict(zip(SUMS, self.ranks.sum(list(sums.values()))))
+        gap_stats = gap.stats(self.ranks)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
@@ -242,6 +263,8 @@ class TorchEngine:
             "loss": sums["loss"] / tokens,
             "clipped_share": sums["clipped"] / tokens,
             "truncated_share": sums["truncated"] / tokens,
+            "masked_share": sums["masked"] / tokens,
+            **gap_stats,
             "behaviour_kl": sums["kl"] / tokens,
             "behaviour_weight_mean": sums["weight"] / tokens,
             "grad_norm": float(norm),
@@ -254,7 +277,7 @@ class TorchEngine:
             out["distill_loss"] = sums["distill_loss"] / tokens
         return out
 
-    def _pass(self, part: list, advantages: torch.Tensor, tokens: float, sums: dict[str, float]) -> None:
+    def _pass(self, part: list, advantages: torch.Tensor, tokens: float, sums: dict[str, float], gap: Gap) -> None:
         """Forward and backward over one micro-batch, its loss scaled by 1 / `tokens`."""
         cfg, w, device = self.cfg, self.cfg.distill_coef, self.ranks.device
         ids, mask, targets, where = pack(part)
@@ -283,7 +306,9 @@ class TorchEngine:
         if w > 0 and cfg.distill == "sampled":
             # The sampled token's reverse KL to the teacher, as an advantage.
             adv = (1 - w) * adv + w * (column(part, "teacher_logprobs", keep).to(device) - behaviour)
-        out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg)
+        sample = where[0].to(device)
+        out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg, sample)
+        gap.add(logprobs, behaviour, sample)
         loss = out.loss
         if w > 0 and cfg.distill == "topk":
             per_token = topk_reverse_kl(student, column(part, "teacher_topk_logprobs", keep).to(device))
@@ -300,6 +325,7 @@ class TorchEngine:
         sums["loss"] += loss.item()
         sums["clipped"] += out.clipped.item()
         sums["truncated"] += float(out.truncated)
+        sums["masked"] += float(out.masked)
         sums["kl"] += out.approx_kl.item()
         sums["ratio"] += out.ratio_mean.item() * len(adv)
         sums["weight"] += out.behaviour_weight_mean.item() * len(adv)
