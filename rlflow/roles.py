@@ -96,7 +96,9 @@ ROLES: tuple[RoleSpec, ...] = (
              curves_title="critic (on each step's samples, before it trained on them)",
              plan="rlflow.services.critic.plan:costs"),
     RoleSpec("trainer", 4, "rlflow.services.trainer.service:TrainerService", takes="samples", hands_on="weights",
-             busy="training", versioned=True, stateful=True),
+             busy="training", versioned=True, stateful=True, report="rlflow.services.trainer.report:line",
+             curves=(("gap_p99", "p99"), ("gap_mean", "mean")),
+             curves_title="engine-trainer gap |log p_train - log p_rollout| per token"),
 )
 
 #: Role name -> its spec.

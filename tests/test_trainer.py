@@ -297,3 +297,27 @@ async def test_a_version_whose_broadcast_broke_is_sent_whole_through_the_next_ge
     assert set(received) == {s.name for s in specs}, set(received) ^ {s.name for s in specs}
     whole = {name: getattr(w, "full_tensor", lambda w=w: w)().detach() for name, w in weights.items()}
     assert all(torch.equal(received[name], whole[name]) for name in received)
+
+
+def test_the_report_names_a_gap_that_grows_and_the_status_and_curves_carry_it():
+    from rlflow.control.stats import TRENDS
+    from rlflow.roles import BY_NAME
+    from rlflow.rundir import StepRow
+    from rlflow.services.trainer.report import line
+    from rlflow.tools.report import role_lines
+
+    def rows(p99s: list[float]) -> list[StepRow]:
+        return [StepRow(step=i, version=i + 1, time_s=float(i),
+                        train={"gap_p99": p, "gap_mean": p / 10, "gap_max": 2 * p, "masked_share": 0.0})
+                for i, p in enumerate(p99s)]
+
+    steady = rows([0.1] * 20)
+    assert line(steady) == ("engine-trainer gap |log p_train - log p_rollout| per token: p99 0.1 over the first 10 "
+                            "steps, 0.1 over the last 10; largest 0.2")
+    grows = rows([0.05] * 10 + [0.2] * 10)
+    assert line(grows).endswith("The gap grows (4.0x): the rollout and the trainer drift apart; see the "
+                                "corrections in docs/training.md")
+    assert not line(rows([1e-6] * 10 + [1e-5] * 10)).count("grows")  # tenfold, but float32 rounding
+    assert line([StepRow(step=0, version=1, time_s=0.0)]) == ""
+    assert role_lines(grows) == [line(grows)]  # the report reaches it through the registry
+    assert {"gap_p99", "gap_mean"} <= set(TRENDS) and BY_NAME["trainer"].curves_title
