@@ -47,6 +47,26 @@ def test_the_first_grant_fills_the_staleness_bound_and_no_more():
         assert ledger.grant({0: 1000}, version=0) == {}
 
 
+def test_a_run_that_drops_batch_after_batch_and_never_trains_fails_naming_why():
+    """Four batches' worth of groups dropped (for want of signal aside) with no step trained in
+    between fail the run, naming the reasons and the last drop's detail."""
+    ledger = GroupLedger(batch_size=2, max_staleness=10, steps=100)
+    assert len(ledger.grant({0: 100}, 0)[0]) == 22
+    ledger.drop([0], NO_SIGNAL)  # the signal filter's work, not a fault: never counted
+    ledger.drop([1, 2, 3], "abandoned")
+    ledger.generated(0, [4, 5])
+    ledger.trained(0, [4, 5])  # a step trained: the count starts again
+    ledger.drop([6, 7], "abandoned")
+    ledger.drop([8, 9, 10], "reward failed", ["timeout", "timeout", "the function raised"])
+    ledger.drop([11, 12], POISON, ["granted 3 times"] * 2)
+    with pytest.raises(RunFailed) as failed:
+        ledger.drop([13], POISON, ["rollout-0: its engine died"])
+    assert str(failed.value) == (
+        "8 groups dropped (3 reward failed, 3 poison, 2 abandoned) since step 0: the run cannot train; the last: "
+        "rollout-0: its engine died (see the roles' logs)"
+    )
+
+
 def test_sync_is_a_barrier_one_step_at_a_time():
     ledger = GroupLedger(batch_size=2, max_staleness=0, steps=3)
     assert [g.group_id for g in ledger.grant({0: 10}, 0)[0]] == [0, 1]

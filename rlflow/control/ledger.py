@@ -71,6 +71,7 @@ from dataclasses import dataclass
 import msgspec
 
 # `Event.reason` of a group the trainer dropped for having no signal (`run.filter`) is the wire's reason.
+from rlflow.errors import RunFailed
 from rlflow.protocol import NO_SIGNAL
 
 
@@ -156,6 +157,10 @@ PACE_STARVED = 0.05
 PACE_PATIENCE = 3
 #: Steps' worth of dropped groups whose reason the ledger remembers (see `GroupLedger._drop_reasons`).
 DROPS_KEPT = 64
+#: Batches' worth of groups dropped for good (for want of signal aside) with no step trained in
+#: between, after which the run fails: a rollout whose engine serves nothing, or a reward that fails
+#: on everything, would otherwise drop group after group and never train, nor end.
+STUCK_BATCHES = 4
 
 
 def min_version(group_id: int, batch_size: int, max_staleness: int) -> int:
@@ -192,6 +197,10 @@ class GroupLedger:
         #: Of the latest groups the trainer received or dropped for want of signal: 1 for each dropped.
         self._no_signal: collections.deque[int] = collections.deque(maxlen=4 * batch_size)
         self._said_no_signal = False
+        #: Groups dropped (for want of signal aside) since the last step trained, by reason, and the
+        #: last one's detail.
+        self._dropped_since_step: collections.Counter[str] = collections.Counter()
+        self._last_drop = ""
         #: Steps ahead of the trainer that groups are made for (`pace`; the bound unless paced).
         self.lead = max_staleness
         self._fed = 0
@@ -323,6 +332,7 @@ class GroupLedger:
         done = [g for g in group_ids if self.groups.pop(g, None) is not None]
         self._unqueue(done)
         self.trained_count += len(done)
+        self._dropped_since_step.clear()
         self.journal.append(Event(event="trained", groups=list(group_ids), step=step))
 
     def drop(self, group_ids: list[int], reason: str, details: Sequence[str] = ()) -> list[int]:
@@ -342,7 +352,21 @@ class GroupLedger:
                 self._tell_no_signal()
             self.journal.append(Event(event="dropped", groups=gone, reason=reason or "dropped",
                                       details=[said.get(g, "") for g in gone] if said else []))
+            if reason != NO_SIGNAL:
+                self._stuck(gone, reason or "dropped", said)
         return gone
+
+    def _stuck(self, gone: list[int], reason: str, said: dict[int, str]) -> None:
+        """Fail the run once `STUCK_BATCHES` batches' worth of groups were dropped with no step trained."""
+        self._dropped_since_step[reason] += len(gone)
+        self._last_drop = said.get(gone[-1], "") or self._last_drop
+        total = sum(self._dropped_since_step.values())
+        if total >= STUCK_BATCHES * self.batch_size:
+            reasons = ", ".join(f"{n} {why}" for why, n in self._dropped_since_step.most_common())
+            since = f"since step {self.steps_done - 1}" if self.steps_done else "and no step trained yet"
+            last = f"; the last: {self._last_drop}" if self._last_drop else ""
+            raise RunFailed(f"{total} groups dropped ({reasons}) {since}: the run cannot train{last} "
+                            "(see the roles' logs)")
 
     def end(self) -> list[int]:
         """The run is over: the groups never trained on are abandoned."""

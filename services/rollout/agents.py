@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -63,6 +64,7 @@ import trio
 from rlflow.env.render import EpisodeText, RenderError
 from rlflow.protocol import FinishReason, PromptGroup, Response
 from rlflow.services.rollout import http
+from rlflow.services.rollout.engine import EngineDead
 from rlflow.services.rollout.episodes import Trajectory, episode_metrics, failed, stamps
 
 #: Reason of a group dropped because an agent never ended one of its episodes.
@@ -145,7 +147,9 @@ class AgentEndpoint:
         # a thread before the first request, so that the replica's loop (its heartbeats) goes on meanwhile
         await trio.to_thread.run_sync(_requests)
         async with self._send, self._abandoned_send, trio.open_nursery() as nursery:
-            await nursery.start(http.serve, self.handle, self._sock)
+            # A dead engine ends the endpoint, and with it the replica, which is restarted (its groups granted
+            # again), rather than answering 500 to every turn while handing out episodes that cannot be played.
+            await nursery.start(functools.partial(http.serve, fatal=(EngineDead,)), self.handle, self._sock)
             nursery.start_soon(self._reap)
             for copy in range(self.rank, self.cfg.copies if self.cfg.command else 0, self.replicas):
                 nursery.start_soon(self._agent, copy)

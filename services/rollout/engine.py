@@ -18,6 +18,11 @@ import trio
 
 from rlflow.protocol import Adapter, EngineLoad, ParamSpec, PromptGroup, Response, WeightTransfer
 
+class EngineDead(RuntimeError):
+    """The engine is gone (vLLM's engine core died): the replica can serve no request more, and ends, to
+    be restarted. Raised out of whatever waited on the engine, an agent's turn too."""
+
+
 #: What an engine hands the service: a group and one response per sample.
 Finished = tuple[PromptGroup, list[Response]]
 

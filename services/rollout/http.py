@@ -5,7 +5,9 @@ A handler gets one `HttpRequest` (its whole body read, at most `MAX_BODY`
 bytes) and returns an `HttpResponse`, or a `Streamed` one whose body is
 written in chunks as they come (server-sent events). Connections are kept
 alive between requests, as HTTP clients (httpx, under the `openai` package)
-expect. A handler that raises answers 500; a request h11 cannot parse, 400.
+expect. A handler that raises answers 500, unless what it raised is one of
+`serve`'s `fatal` exceptions: that ends the server (the replica's engine
+died: no request can be served any more); a request h11 cannot parse, 400.
 """
 
 from __future__ import annotations
@@ -75,16 +77,26 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(handler: Handler, sock: socket.socket, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Serve `handler` on the listening socket `sock` (see `bind`) until cancelled."""
+async def serve(handler: Handler, sock: socket.socket, *, fatal: tuple[type[Exception], ...] = (),
+                task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve `handler` on the listening socket `sock` (see `bind`) until cancelled, or until the handler
+    raises one of `fatal`, which `serve` raises then."""
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
-    async with listener, trio.open_nursery() as nursery:
-        task_status.started()
-        await trio.serve_listeners(lambda stream: _connection(stream, handler), [listener],
-                                   handler_nursery=nursery)
+    try:
+        async with listener, trio.open_nursery() as nursery:
+            task_status.started()
+            await trio.serve_listeners(lambda stream: _connection(stream, handler, fatal), [listener],
+                                       handler_nursery=nursery)
+    except BaseExceptionGroup as group:
+        ended = group.subgroup(fatal) if fatal else None
+        if ended is None:
+            raise
+        while isinstance(ended, BaseExceptionGroup):  # the first, as it was raised
+            ended = ended.exceptions[0]
+        raise ended from None
 
 
-async def _connection(stream: trio.SocketStream, handler: Handler) -> None:
+async def _connection(stream: trio.SocketStream, handler: Handler, fatal: tuple[type[Exception], ...]) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 << 10)
     try:
         while True:
@@ -93,6 +105,8 @@ async def _connection(stream: trio.SocketStream, handler: Handler) -> None:
                 return
             try:
                 answer = await handler(request)
+            except fatal:
+                raise
             except Exception as exc:  # the handler's fault: the client hears of it, the endpoint stays up
                 log.exception("[agents] %s %s failed", request.method, request.path)
                 answer = HttpResponse.of(500, {"error": {"message": f"{type(exc).__name__}: {exc}",

@@ -45,7 +45,7 @@ from rlflow.protocol.batch import N_STAGES
 from rlflow.services import compat
 from rlflow.services.base import EngineContext
 from rlflow.errors import WeightGroupBroken
-from rlflow.services.rollout.engine import VersionWait
+from rlflow.services.rollout.engine import EngineDead, VersionWait
 from rlflow.services.rollout.vllm_lora import AdapterVersions, WholeWeights, adapter_slots
 from rlflow.services.vllm_client import EVAL_PRIORITY, IN_PLACE_ID, NCCL, VllmBackend
 
@@ -317,10 +317,6 @@ class VllmEngine:
                 )
             )
         return out
-
-
-class EngineDead(RuntimeError):
-    """vLLM's engine core is gone: the replica cannot serve any request."""
 
 
 def check_offer(backend: str, transfer: WeightTransfer) -> None:
