@@ -138,6 +138,24 @@ async def test_requests_the_endpoint_cannot_serve_get_an_error_that_names_what_i
             [(group, [response])] = await endpoint.finished.receive()
             assert group.group_id == 5 and response.finish_reason.name == "TURNS"
             assert (await post(f"/rlflow/episodes/{episode['id']}/end", {"reward": 1.0})).status_code == 410
+            # The run ends: an agent waiting for an episode, and any request after, hears why.
+            waited: list[httpx.Response] = []
+
+            async def wait_for_episode() -> None:
+                waited.append(await post("/rlflow/episodes", {"wait_s": 30}))
+
+            nursery.start_soon(wait_for_episode)
+            while endpoint.drain.busy < 1:  # the agent is waiting
+                await trio.sleep(0.01)
+            await endpoint.close("6 steps done")
+            assert endpoint.drain.busy == 0  # its answer was written before close returned
+            while not waited:  # and its client, in a thread, reads it
+                await trio.sleep(0.01)
+            assert waited[0].status_code == 410
+            assert waited[0].json()["error"] == {"message": "the run is over (6 steps done): stop", "type": "run_over",
+                                                 "code": "run_over"}
+            after = await post(turn, {"model": "policy", "prompt": "p"})
+            assert after.status_code == 410 and after.json()["error"]["code"] == "run_over"
             nursery.cancel_scope.cancel()
 
 

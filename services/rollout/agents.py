@@ -132,6 +132,12 @@ class AgentEndpoint:
         self._parsers: dict[str, Any] = {}
         self.groups = 0
         self.url = ""
+        #: Why the run ended, once it has (`close`): every request is answered 410 `run_over` then.
+        self.over = ""
+        #: The scopes of the turns under way, which `close` cancels so that their agents hear why.
+        self._turning: set[trio.CancelScope] = set()
+        #: The requests under way, until their answers are written.
+        self.drain = http.Drain()
 
     # -- the replica's side -------------------------------------------------------------------------
 
@@ -149,12 +155,23 @@ class AgentEndpoint:
         async with self._send, self._abandoned_send, trio.open_nursery() as nursery:
             # A dead engine ends the endpoint, and with it the replica, which is restarted (its groups granted
             # again), rather than answering 500 to every turn while handing out episodes that cannot be played.
-            await nursery.start(functools.partial(http.serve, fatal=(EngineDead,)), self.handle, self._sock)
+            await nursery.start(functools.partial(http.serve, fatal=(EngineDead,), drain=self.drain), self.handle,
+                                self._sock)
             nursery.start_soon(self._reap)
             for copy in range(self.rank, self.cfg.copies if self.cfg.command else 0, self.replicas):
                 nursery.start_soon(self._agent, copy)
             task_status.started()
             await trio.sleep_forever()
+
+    async def close(self, reason: str, grace_s: float = 2.0) -> None:
+        """The run is over: requests under way and to come are answered 410 `run_over` (naming `reason`),
+        those under way within `grace_s`, rather than cut with the connection."""
+        self.over = reason or "stopped"
+        for scope in self._turning:
+            scope.cancel()
+        self._queued.set()  # agents waiting for an episode hear it too
+        with trio.move_on_after(grace_s):
+            await self.drain.idle()
 
     @property
     def sessions(self) -> int:
@@ -263,6 +280,8 @@ class AgentEndpoint:
             return _error(401, "no valid API key: send the run's key (agents.json) as 'Authorization: Bearer KEY'",
                           "invalid_api_key")
         try:
+            if self.over:
+                raise _Refused(410, f"the run is over ({self.over}): stop", "run_over")
             return await self._route(request, path)
         except _Refused as refused:
             self.counters["agents.refused"] += 1
@@ -294,8 +313,10 @@ class AgentEndpoint:
         if not isinstance(wait, (int, float)) or not math.isfinite(wait):
             raise _Refused(400, f"wait_s {wait!r}: expected a number of seconds")
         with trio.move_on_after(max(0.0, min(wait, 300.0))):
-            while not self._queue:
+            while not self._queue and not self.over:
                 await self._queued.wait()
+        if self.over:
+            raise _Refused(410, f"the run is over ({self.over}): stop", "run_over")
         if not self._queue:
             return http.HttpResponse(204)
         episode = self._queue.popleft()
@@ -473,12 +494,19 @@ class AgentEndpoint:
         cap = min(self.turn_tokens, room, asked or self.turn_tokens)
         prompt = first + episode.path.ids + added
         episode.busy = True
+        scope = trio.CancelScope()
+        self._turning.add(scope)
         try:
             held = episode.group.group.min_version if episode.group is not None else 0
-            out = await self.engine.generate(prompt, max_tokens=cap, min_version=held, temperature=episode.temperature)
+            with scope:
+                out = await self.engine.generate(prompt, max_tokens=cap, min_version=held,
+                                                 temperature=episode.temperature)
         finally:
+            self._turning.discard(scope)
             episode.busy = False
             episode.last = trio.current_time()
+        if scope.cancelled_caught:
+            raise _Refused(410, f"the run is over ({self.over}): stop", "run_over")
         if out.error is not None:
             self.counters["agents.failed_turns"] += 1
             raise _Refused(500, f"the engine failed on this turn: {out.error}", "engine_error")

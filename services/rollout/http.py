@@ -63,6 +63,28 @@ class Streamed:
 Handler = Callable[[HttpRequest], Awaitable[HttpResponse | Streamed]]
 
 
+class Drain:
+    """Requests of a server under way, from read to answer written: `idle` waits until there are none,
+    so that answers given while a server stops reach their clients before it does."""
+
+    def __init__(self) -> None:
+        self.busy = 0
+        self._idle = trio.Event()
+
+    def start(self) -> None:
+        self.busy += 1
+
+    def done(self) -> None:
+        self.busy -= 1
+        if not self.busy:
+            self._idle.set()
+            self._idle = trio.Event()
+
+    async def idle(self) -> None:
+        while self.busy:
+            await self._idle.wait()
+
+
 def bind(host: str, port: int) -> socket.socket:
     """A socket listening on (host, port) (port 0: one the system picks), for `serve`: clients that
     connect before it serves wait in its backlog."""
@@ -78,14 +100,14 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(handler: Handler, sock: socket.socket, *, fatal: tuple[type[Exception], ...] = (),
-                task_status=trio.TASK_STATUS_IGNORED) -> None:
+                drain: Drain | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve `handler` on the listening socket `sock` (see `bind`) until cancelled, or until the handler
-    raises one of `fatal`, which `serve` raises then."""
+    raises one of `fatal`, which `serve` raises then; `drain` counts the requests under way."""
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
     try:
         async with listener, trio.open_nursery() as nursery:
             task_status.started()
-            await trio.serve_listeners(lambda stream: _connection(stream, handler, fatal), [listener],
+            await trio.serve_listeners(lambda stream: _connection(stream, handler, fatal, drain or Drain()), [listener],
                                        handler_nursery=nursery)
     except BaseExceptionGroup as group:
         ended = group.subgroup(fatal) if fatal else None
@@ -96,22 +118,27 @@ async def serve(handler: Handler, sock: socket.socket, *, fatal: tuple[type[Exce
         raise ended from None
 
 
-async def _connection(stream: trio.SocketStream, handler: Handler, fatal: tuple[type[Exception], ...]) -> None:
+async def _connection(stream: trio.SocketStream, handler: Handler, fatal: tuple[type[Exception], ...],
+                      drain: Drain) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 << 10)
     try:
         while True:
             request = await _read(stream, conn)
             if request is None:
                 return
+            drain.start()
             try:
-                answer = await handler(request)
-            except fatal:
-                raise
-            except Exception as exc:  # the handler's fault: the client hears of it, the endpoint stays up
-                log.exception("[agents] %s %s failed", request.method, request.path)
-                answer = HttpResponse.of(500, {"error": {"message": f"{type(exc).__name__}: {exc}",
-                                                         "type": "internal_error"}})
-            await _write(stream, conn, answer)
+                try:
+                    answer = await handler(request)
+                except fatal:
+                    raise
+                except Exception as exc:  # the handler's fault: the client hears of it, the endpoint stays up
+                    log.exception("[agents] %s %s failed", request.method, request.path)
+                    answer = HttpResponse.of(500, {"error": {"message": f"{type(exc).__name__}: {exc}",
+                                                             "type": "internal_error"}})
+                await _write(stream, conn, answer)
+            finally:
+                drain.done()
             if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                 return
             conn.start_next_cycle()

@@ -159,6 +159,8 @@ class RolloutService(Service):
                             nursery.start_soon(self.evaluate, msg, task, control)
                         case Shutdown(reason=reason):
                             self.say("shutting down (%s)", reason)
+                            if agents is not None:
+                                await agents.close(reason)
                             break
                 nursery.cancel_scope.cancel()
         finally:
