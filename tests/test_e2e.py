@@ -27,6 +27,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 #: The run's tables, less its model (`real_config` adds it, and what the real run changes).
 CONFIG = {
     "pools": {"generate": {"cpus_per_bundle": 1.0}, "train": {"cpus_per_bundle": 1.0}},
+    # Two vLLM engines took 193 s to start on a 2-core machine busy with other work (8.5 s alone).
+    "cluster": {"handshake_timeout_s": 900},
     "roles": {
         "rollout": {"pool": "generate", "engine": {
             "kind": "vllm", "max_num_seqs": 32, "max_tokens": 24, "kv_cache_bytes": 33554432}},
