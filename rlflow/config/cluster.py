@@ -50,7 +50,8 @@ class ClusterConfig(Table, frozen=True):
     """A collective weight group that breaks (a member died mid-broadcast) is made anew and the newest
     version moved again; after this many breaks in a row with no round completed, the run fails."""
     placement_timeout_s: PosFloat = 60.0
-    """How long to wait for the placement groups of all pools."""
+    """How long to wait for the placement groups of all pools (first, for the resources that a run just
+    ended gives back)."""
     dashboard: bool = False
     """Start Ray's dashboard with a local Ray (needs ray[default]; serves Ray's state API on :8265)."""
     curve: Literal["auto", "on"] = "auto"

@@ -178,9 +178,9 @@ class PoolManager:
         alive = [n for n in ray.nodes() if n.get("Alive")]
         nodes, labels = [n["Resources"] for n in alive], [n.get("Labels") or {} for n in alive]
         check_resources(self.config, ray.cluster_resources(), nodes, labels)
-        # The pools fit the cluster: wait a little for resources a run that just ended gives back (Ray
-        # frees a removed placement group's bundles a moment later).
-        deadline = time.monotonic() + 10.0
+        # The pools fit the cluster: wait for resources a run that just ended gives back (Ray frees a
+        # removed placement group's bundles a moment later; on a busy machine, longer than 10 s).
+        deadline = time.monotonic() + self.config.cluster.placement_timeout_s
         while True:
             try:
                 check_resources(self.config, ray.available_resources(), nodes, labels)
