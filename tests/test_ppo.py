@@ -16,7 +16,8 @@ from rlflow import config as C
 from rlflow.control.launch import run
 from rlflow.rundir import RunDir
 
-pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow]
+# Timeout: a whole real-vLLM run, whose start alone took minutes on a busy machine.
+pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 PPO = pathlib.Path(__file__).resolve().parent.parent / "examples" / "ppo.toml"
 STEPS = 24  # a warm-up step of the critic's, then the actor's
@@ -35,7 +36,8 @@ def test_the_ppo_example_warms_its_critic_up_then_its_policy_learns(ray_cluster,
     # learning policy's reach, making the critic's and the trainer's steps twelve times as long).
     config = C.load(PPO, [f"run.steps={STEPS}", "roles.critic.warmup_steps=1", "eval.every_steps=0",
                           "eval.before=false", "eval.after=false", "run.batch_size=32", "roles.trainer.engine.lr=1e-3",
-                          f"roles.rollout.engine.max_tokens={MAX_TOKENS}", REWARD])
+                          f"roles.rollout.engine.max_tokens={MAX_TOKENS}", REWARD,
+                          "cluster.handshake_timeout_s=900"])  # vLLM starts slowly on a busy machine
     summary = run(config, run_dir)
     assert summary.state == "stopped", summary.error
     folder = RunDir(run_dir)

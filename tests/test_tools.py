@@ -41,7 +41,8 @@ def test_a_short_run_parses_the_models_tool_calls_and_runs_them_on_the_env_pool(
     from rlflow.control.launch import run
     from rlflow.rundir import RunDir
 
-    config = C.load(TOOLS, ["run.steps=1", "run.batch_size=8"])  # 32 episodes: some call parses
+    # 32 episodes: some call parses; the hellos wait for vLLM's start about as long as the test does.
+    config = C.load(TOOLS, ["run.steps=1", "run.batch_size=8", "cluster.handshake_timeout_s=800"])
     summary = run(config, tmp_path / "run")
     assert summary.state == "stopped", summary.error
     folder = RunDir(tmp_path / "run")
