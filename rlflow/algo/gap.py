@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from rlflow.algo.losses import sample_mean
+
 #: Upper edges of the histogram's bins, 1e-8 to 1e2; one more bin takes what lies above.
 EDGES = torch.logspace(-8, 2, 201, dtype=torch.float64)
 
@@ -40,11 +42,7 @@ class Gap:
         self.counts += torch.bincount(torch.bucketize(gap, EDGES), minlength=len(EDGES) + 1).double()
         self.total += float(gap.sum())
         self.largest = max(self.largest, float(gap.max()))
-        _, index = torch.unique(sample.cpu(), return_inverse=True)
-        size = int(index.max()) + 1
-        sums = torch.zeros(size, dtype=torch.float64).index_add_(0, index, diff)
-        counts = torch.zeros(size, dtype=torch.float64).index_add_(0, index, torch.ones_like(diff))
-        log_seq = sums / counts
+        log_seq = sample_mean(diff, sample.cpu())  # per token, its sample's: the extremes are the same
         self.seq_low = min(self.seq_low, float(log_seq.min()))
         self.seq_high = max(self.seq_high, float(log_seq.max()))
 
