@@ -417,6 +417,41 @@ async def test_a_stuck_replica_is_queued_as_lost_not_lost_inside_the_post_that_f
         nursery.cancel_scope.cancel()
 
 
+async def test_the_farewell_keeps_the_version_and_counts_of_each_replicas_last_heartbeat():
+    """A role that takes the steps it owes at shutdown ends ahead of its last heartbeat in the run: the
+    farewell takes the version of the beat it sends before its Bye (the run's status ends on it)."""
+    from rlflow.control.outbox import farewell
+    from rlflow.data import transport
+    from rlflow.protocol import Bye, Shutdown
+
+    roster = Roster({("critic", 0), ("critic", 1)})
+    async with (
+        transport.open_router(bind="tcp://127.0.0.1:*", hwm=16) as router,
+        transport.open_dealer(connect=transport.bound_address(router), identity=b"critic-0", hwm=16) as first,
+        transport.open_dealer(connect=transport.bound_address(router), identity=b"critic-1", hwm=16) as second,
+        trio.open_nursery() as nursery,
+    ):
+        with trio.fail_after(30):
+            for dealer in (first, second):
+                await dealer.send(hello(Role.CRITIC, rank=int(dealer is second)))
+                identity, msg = await router.recv()
+                roster.join(identity, msg, secret="s", schema_version=SCHEMA_VERSION, now=0.0,
+                            samples_per_prompt=2)
+            heard = []
+
+            async def last_steps(dealer, version: int) -> None:
+                assert isinstance(await dealer.recv(), Shutdown)
+                await dealer.send(Heartbeat(seq=9, version=version, counters=Counters(critic_steps=version)))
+                await dealer.send(Bye(reason="shutdown"))
+
+            nursery.start_soon(last_steps, first, 4)
+            nursery.start_soon(last_steps, second, 3)
+            await farewell(router, roster, "run ended", heard=lambda r, beat: heard.append((r.name, beat.counters)))
+        assert {r.name: (r.version, r.state) for r in roster} == {"critic-0": (4, State.GONE),
+                                                                  "critic-1": (3, State.GONE)}
+        assert sorted(heard) == [("critic-0", Counters(critic_steps=4)), ("critic-1", Counters(critic_steps=3))]
+
+
 def test_a_replaced_incarnation_is_told_the_kind_the_spec_names():
     from rlflow.protocol import CONTROLLER_ERROR_KINDS
 

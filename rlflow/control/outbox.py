@@ -188,9 +188,11 @@ class Outboxes:
 async def farewell(router: transport.Router, roster: Any, reason: str, wait_s: float = 10.0,
                    heard: Callable[[Any, Heartbeat], None] | None = None) -> None:
     """Tell every registered replica of `roster` to stop (directly, not through
-    the outboxes: this is the end), and wait up to `wait_s` for their goodbyes;
-    `heard(replica, beat)` takes each heartbeat meanwhile (a replica's last, with
-    its final counts, comes just before its `Bye`)."""
+    the outboxes: this is the end), and wait up to `wait_s` for their goodbyes.
+    A replica's last heartbeat, with its final counts and the version it ended
+    at, comes just before its `Bye`: the version goes on the replica (a role
+    that takes the steps it owes at shutdown ends ahead of its last beat in
+    the run), and `heard(replica, beat)` takes the rest."""
     targets = [r for r in roster if r.registered]
     with trio.move_on_after(wait_s):
         for replica in targets:
@@ -204,5 +206,7 @@ async def farewell(router: transport.Router, roster: Any, reason: str, wait_s: f
             replica = roster.by_identity.get(identity)
             if replica is not None and isinstance(msg, Bye | ErrorReport):
                 replica.state = State.GONE
-            elif replica is not None and isinstance(msg, Heartbeat) and heard is not None:
-                heard(replica, msg)
+            elif replica is not None and isinstance(msg, Heartbeat):
+                replica.version = max(replica.version, msg.version)
+                if heard is not None:
+                    heard(replica, msg)
