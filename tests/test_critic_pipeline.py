@@ -18,7 +18,8 @@ from rlflow.rundir import RunDir
 from rlflow.tools.plan import plan, workload_from_run
 from rlflow.tools.report import report
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# 19 s alone; a run and its resume of seven processes each took over 300 s under two busy loops.
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(900)]
 
 SIM = pathlib.Path(__file__).resolve().parent.parent / "examples" / "sim.toml"
 
@@ -27,6 +28,7 @@ def critic_config(model: pathlib.Path, *overrides: str) -> C.Config:
     """The simulated pipeline (its tokens within the tiny model's vocabulary) with a torch critic of two ranks."""
     return C.load(SIM, [
         "cluster.heartbeat_s=0.2",
+        "cluster.handshake_timeout_s=600",
         f'roles.rollout.model="{model}"',
         "roles.rollout.engine.response_len={kind='lognormal', median=12, sigma=0.5, min=1, max=40}",
         "task.vocab_size=17",
