@@ -126,6 +126,21 @@ class RewardPool:
         """`combine` with this pool's specs."""
         return combine(scored, self.specs)
 
+    async def pass_rate(self, samples: Sequence[Sample], pass_reward: float) -> dict[str, float]:
+        """Held-out answers under these functions: ``accuracy`` (and ``pass_rate``) the share whose reward
+        reaches `pass_reward` (those not scored count as not passed), ``reward_mean`` over those scored."""
+        rewards = [self.combine(scored).reward for scored in await self.score_many(samples)]
+        scored = [r for r in rewards if r is not None]
+        passed = sum(r >= pass_reward for r in scored)
+        n = len(samples)
+        return {
+            "accuracy": passed / n if n else 0.0,
+            "pass_rate": passed / n if n else 0.0,
+            "reward_mean": float(sum(scored) / len(scored)) if scored else 0.0,
+            "problems": float(n),
+            "failed": float(n - len(scored)),
+        }
+
 
 @asynccontextmanager
 async def open_pool(

@@ -25,7 +25,6 @@ import contextlib
 import math
 import time
 
-import numpy as np
 import trio
 
 from rlflow.config import FunctionsReward, SimRollout, VllmRollout
@@ -388,25 +387,8 @@ class RolloutService(Service):
         await control.send(EvalDone(version=version, metrics=metrics, seconds=seconds, version_end=self.engine.version))
 
     async def _scored_metrics(self, answers: list) -> dict[str, float]:
-        """Mean reward and pass rate of held-out answers under the run's reward
-        functions (``accuracy`` is the pass rate; failed ones count as not passed)."""
-        rewards: list[float | None] = [None] * len(answers)
-
-        async def one(i: int) -> None:
-            rewards[i] = self.eval_pool.combine(await self.eval_pool.score(answers[i])).reward
-
-        async with trio.open_nursery() as nursery:
-            for i in range(len(answers)):
-                nursery.start_soon(one, i)
-        scored = [r for r in rewards if r is not None]
-        passed = sum(r >= self.config.eval.pass_reward for r in scored)
-        return {
-            "accuracy": passed / len(answers) if answers else 0.0,
-            "pass_rate": passed / len(answers) if answers else 0.0,
-            "reward_mean": float(np.mean(scored)) if scored else 0.0,
-            "problems": float(len(answers)),
-            "failed": float(len(answers) - len(scored)),
-        }
+        """Mean reward and pass rate of held-out answers under the run's reward functions."""
+        return await self.eval_pool.pass_rate(answers, self.config.eval.pass_reward)
 
 
 def make_engine(ctx: EngineContext) -> RolloutEngine:
