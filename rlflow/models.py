@@ -29,6 +29,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -147,7 +148,7 @@ def _tiny_qwen2(tokenizer, *, tied: bool, positions: int):
 def _save(out: pathlib.Path, model, tokenizer) -> pathlib.Path:
     from transformers import GenerationConfig
 
-    with _building(out) as tmp:
+    with building(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id).save_pretrained(tmp)
@@ -214,7 +215,7 @@ def tiny_text_tokenizer():
 
 
 @contextlib.contextmanager
-def _building(out: pathlib.Path) -> Iterator[pathlib.Path]:
+def building(out: pathlib.Path) -> Iterator[pathlib.Path]:
     """A folder to write a model into, beside `out`; it replaces `out` whole
     when the block ends without error, and is removed either way (a build
     that fails or is killed leaves the model there before untouched)."""
@@ -231,20 +232,20 @@ def _building(out: pathlib.Path) -> Iterator[pathlib.Path]:
 
 
 @contextlib.contextmanager
-def _deterministic(threads: int) -> Iterator[None]:
+def deterministic(threads: int) -> Iterator[None]:
     """Torch on a fixed thread count with deterministic kernels (sums added in
     the same order everywhere), as it was afterwards."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
         torch.set_num_threads(before)
-        torch.use_deterministic_algorithms(deterministic)
+        torch.use_deterministic_algorithms(was)
 
 
 #: The chat template of the tiny chat model: Qwen's markers, and each tool shown as its name and arguments.
@@ -284,7 +285,7 @@ def build_tiny_chat(out: pathlib.Path, steps: int = 120, batch: int = 8, lr: flo
     it writes a well-formed call nearly every time, but rarely copies the
     question's numbers into it: its answers are mostly wrong. Seeded, on a
     fixed thread count with deterministic kernels: the same model everywhere."""
-    with _deterministic(threads=2):
+    with deterministic(threads=2):
         return _build_tiny_chat(out, steps, batch, lr, seed)
 
 
@@ -391,30 +392,39 @@ def _config(recipe: Recipe, tokenizer):
 
 def greedy_accuracy(model, tokenizer, problems: list[tuple[int, int]], max_new_tokens: int = 100) -> float:
     """Share of `problems` whose greedy answer is right (transformers, no vLLM)."""
-    import torch
-
     from rlflow.tasks.arith import Arith
 
-    tokenizer.padding_side = "left"
-    prompts = [Arith.prompt_text(a, b) for a, b in problems]
-    right = 0
+    answers = greedy_answers(model, tokenizer, [Arith.prompt_text(a, b) for a, b in problems], max_new_tokens)
+    return sum(Arith.check(str(a + b), text)[0] == 1.0 for (a, b), text in zip(problems, answers)) / len(problems)
+
+
+def greedy_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, chunk: int = 100) -> list[str]:
+    """Each prompt's greedy answer (transformers, no vLLM, `chunk` prompts at a time), as text."""
+    import torch
+
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    out: list[str] = []
     model.eval()
     with torch.no_grad():
-        for start in range(0, len(prompts), 100):
-            chunk = prompts[start : start + 100]
-            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
-            out = model.generate(
-                **enc,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
-            for (a, b), text in zip(problems[start : start + 100], texts):
-                right += Arith.check(str(a + b), text)[0] == 1.0
+        for start in range(0, len(prompts), chunk):
+            enc = tokenizer(prompts[start : start + chunk], return_tensors="pt", padding=True,
+                            add_special_tokens=False)
+            made = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            out += tokenizer.batch_decode(made[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     model.train()
-    return right / len(problems)
+    tokenizer.padding_side = side
+    return out
+
+
+class StoppingRule(Protocol):
+    """What a warm start stops by (`Recipe`, `rlflow.taskmodel.TaskRecipe`)."""
+
+    @property
+    def target_accuracy(self) -> float: ...
+
+    @property
+    def max_steps(self) -> int: ...
 
 
 class BuildProgress:
@@ -423,7 +433,7 @@ class BuildProgress:
     fraction never goes back: dev accuracy is noisy, so the best so far
     counts (the stopping rule itself reads the accuracy of the moment)."""
 
-    def __init__(self, recipe: Recipe):
+    def __init__(self, recipe: StoppingRule):
         self.recipe = recipe
         self.best = 0.0
 
@@ -450,7 +460,7 @@ def build_default(
     and a stopping rule by steps and accuracy, never by time.
     """
     report = progress or (lambda text, fraction: None)
-    with _deterministic(recipe.threads):
+    with deterministic(recipe.threads):
         return _build(out or default_model_dir(), recipe, report)
 
 
@@ -511,7 +521,7 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
         if accuracy >= recipe.target_accuracy or step >= recipe.max_steps:
             break
 
-    with _building(out) as tmp:
+    with building(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         GenerationConfig(

@@ -28,7 +28,9 @@ Everything is imported from here (``from rlflow.config import Config, load``).
 from rlflow.config.checks import check
 from rlflow.config.environment import EnvironmentSpec, ToolSpec
 from rlflow.config.errors import ConfigError
-from rlflow.config.loading import apply_override, build, from_dict, load, merged, read_toml, resolve_run_dir, to_toml
+from rlflow.config.loading import (
+    apply_override, build, default_config_path, from_dict, load, merged, read_toml, resolve_run_dir, to_toml,
+)
 from rlflow.config.base import (
     Distribution,
     Fixed,
@@ -72,6 +74,7 @@ __all__ = [
     "CriticEngine",
     "CriticRole",
     "DatasetTask",
+    "default_config_path",
     "Distribution",
     "RoleTable",
     "StartedRole",

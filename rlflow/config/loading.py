@@ -25,6 +25,11 @@ from rlflow.config.explain import explain, walk
 from rlflow.config.schema import Config
 
 
+def default_config_path() -> pathlib.Path:
+    """The embedded default config (`rlflow up` with no --config)."""
+    return pathlib.Path(__file__).resolve().parent.parent / "defaults" / "default.toml"
+
+
 def load(path: str | pathlib.Path | None = None, overrides: Sequence[str] = (), *,
          text: str | None = None) -> Config:
     """Read, override and validate a config (from `path`, or `text`)."""

@@ -81,5 +81,6 @@ class RolloutRole(StartedRole, frozen=True):
     """The inference engine and its settings."""
     model: str = "default"
     """Hugging Face model directory the policy starts from ("default": the
-    embedded default model, built and cached on first use). The launcher
+    embedded default model; "task": the model `rlflow model build --task`
+    built for this config's task and reward functions). The launcher
     resolves it to an absolute path that every service gets."""

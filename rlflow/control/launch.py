@@ -33,6 +33,7 @@ from rlflow.control.metrics import check_trackers
 from rlflow.data import transport
 from rlflow.data.net import is_loopback
 from rlflow.models import resolve_model
+from rlflow.taskmodel import TASK_MODEL, resolve_task_model
 from rlflow.roles import NAMES
 from rlflow.rundir import RunDir, Status, Summary
 from rlflow.runstate import RUN_ID_VAR
@@ -53,7 +54,8 @@ def resolve(config: Config) -> Config:
     rollout = config.roles.rollout
     if config.needs_model:
         try:
-            model = str(resolve_model(rollout.model).resolve())
+            found = resolve_task_model(config) if rollout.model == TASK_MODEL else resolve_model(rollout.model)
+            model = str(found.resolve())
         except FileNotFoundError as exc:
             raise ConfigError("roles.rollout.model", rollout.model, str(exc)) from None
         rollout = msgspec.structs.replace(rollout, model=model)

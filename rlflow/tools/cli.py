@@ -7,6 +7,7 @@ cannot hold it (one line, no traceback), 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -14,8 +15,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 from rlflow import __version__
+from rlflow.config.loading import default_config_path
 from rlflow.roles import EXTERNAL, spoken
 
 
@@ -29,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start a run (in the foreground unless --detach)")
     up.add_argument("--config", type=pathlib.Path, help="TOML config (default: the embedded default)")
+    up.add_argument("--task", metavar="DATASET",
+                    help="the embedded default on a reasoning-gym dataset, scored by its own verifier, from the model "
+                         "`rlflow model build --task DATASET` builds for it (built first if need be)")
     up.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                     help="override one config value (repeatable)")
     up.add_argument("--steps", type=int, help="optimizer steps (same as --set run.steps=N)")
@@ -54,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     path_cmd = model_sub.add_parser("path", help="print where a model is (the default: where rlflow ships it; "
                                                  "another: where it is built)")
     path_cmd.add_argument("name", nargs="?", default="default", choices=sorted(BUILT), help="which")
+    for cmd in (build, path_cmd):
+        cmd.add_argument("--task", metavar="CONFIG|DATASET",
+                         help="a model for a task instead: a TOML config's (its [task] and reward functions), or a "
+                              "reasoning-gym dataset's name; a config names it with roles.rollout.model = \"task\"")
+        cmd.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
+                         help="with --task: override one config value, e.g. task.options.max_terms=3 (repeatable)")
 
     chk = sub.add_parser("check", help="load a config's task and reward functions and show what the model will see")
     chk.add_argument("--config", type=pathlib.Path, help="TOML config (default: the embedded default)")
@@ -122,12 +134,14 @@ def _load_config(args: argparse.Namespace):
             raise ConfigError("--resume", str(args.resume), "has no complete checkpoint under checkpoints/")
         overrides.append(f'run.resume="{checkpoint}"')
         return load(folder.config, overrides)
+    if getattr(args, "task", None):
+        from rlflow.taskmodel import task_config
+
+        if args.config:
+            raise ConfigError("--task", args.task, "goes without --config (set a config's [task] there instead)")
+        return task_config(args.task, [*overrides, 'roles.rollout.model="task"'])
     path = args.config or default_config_path()
     return load(path, overrides)
-
-
-def default_config_path() -> pathlib.Path:
-    return pathlib.Path(__file__).resolve().parent.parent / "defaults" / "default.toml"
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -240,6 +254,8 @@ def _detach(args: argparse.Namespace, run_dir: pathlib.Path) -> int:
         argv += ["--run-dir", str(run_dir)]
     if args.config:
         argv += ["--config", str(args.config)]
+    if args.task:
+        argv += ["--task", args.task]
     for item in args.overrides:
         argv += ["--set", item]
     if args.steps is not None:
@@ -302,7 +318,10 @@ def cmd_join(args: argparse.Namespace) -> int:
 def _build_models(config) -> None:
     """Build the models rlflow makes itself that a role's engine in `config`
     names and that are not cached yet (the default policy ships with rlflow)."""
+    from rlflow.config import ConfigError
     from rlflow.models import BUILT
+    from rlflow.taskmodel import TASK_MODEL, TaskModelError, build_task_model, task_model_dir
+    from rlflow.tasks.dataset import DatasetError
 
     if not config.needs_model:
         return
@@ -310,21 +329,36 @@ def _build_models(config) -> None:
         model = getattr(getattr(role, "engine", None), "model", None)
         if model in BUILT and model != "default":
             build_model(force=False, name=model)
+    if config.roles.rollout.model == TASK_MODEL and not (task_model_dir(config) / "config.json").exists():
+        print(f"[rlflow] building the model of the task into {task_model_dir(config)} (once; a few minutes)",
+              file=sys.stderr)
+        try:
+            with _build_progress() as report:
+                build_task_model(config, progress=report)
+        except (TaskModelError, DatasetError) as exc:
+            raise ConfigError("roles.rollout.model", TASK_MODEL, f"the task's model cannot be built: {exc}") from None
 
 
 def build_model(force: bool, name: str = "default") -> pathlib.Path:
     """A model rlflow builds itself (`rlflow.models.BUILT`); built first (with
     a progress bar) if needed."""
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     from rlflow.models import BUILT, build_default, default_model_dir
 
     path = default_model_dir(name)
     if (path / "config.json").exists() and not force:
         return path
-    recipe = BUILT[name][1]
     print(f"[rlflow] building the {name} model into {path} (once; a few minutes)", file=sys.stderr)
-    if not sys.stderr.isatty():  # a log, not a terminal: a line every 15 s
+    with _build_progress() as report:
+        build_default(path, BUILT[name][1], progress=report)
+    return path
+
+
+@contextlib.contextmanager
+def _build_progress() -> Iterator[Callable[[str, float], None]]:
+    """What a build reports its progress to: a bar on a terminal, else (a log) a line every 15 s."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if not sys.stderr.isatty():
         last = [0.0]
 
         def log_line(text: str, fraction: float) -> None:
@@ -332,18 +366,11 @@ def build_model(force: bool, name: str = "default") -> pathlib.Path:
                 last[0] = time.monotonic()
                 print(f"[rlflow] {100 * fraction:3.0f}% {text}", file=sys.stderr, flush=True)
 
-        build_default(path, recipe, progress=log_line)
-        return path
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), transient=False
-    ) as progress:
+        yield log_line
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(), transient=False) as progress:
         task = progress.add_task("warm start", total=1.0)
-
-        def report(text: str, fraction: float) -> None:
-            progress.update(task, completed=fraction, description=text)
-
-        build_default(path, recipe, progress=report)
-    return path
+        yield lambda text, fraction: progress.update(task, completed=fraction, description=text)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -435,6 +462,10 @@ def cmd_model(args: argparse.Namespace) -> int:
     from rlflow.models import default_model_dir, resolve_model
 
     name = args.name
+    if args.task is not None:
+        return _task_model(args)
+    if args.overrides:
+        raise SystemExit("rlflow model: --set goes with --task (the config of the task whose model to build)")
     if args.model_command == "path":
         print(resolve_model(name) if name == "default" else default_model_dir(name))
         return 0
@@ -449,6 +480,37 @@ def cmd_model(args: argparse.Namespace) -> int:
         f"({info['seconds']:.0f} s)",
         file=sys.stderr,
     )
+    return 0
+
+
+def _task_model(args: argparse.Namespace) -> int:
+    """`rlflow model build|path --task`: the model of a task (`rlflow.taskmodel`)."""
+    from rlflow.config import ConfigError
+    from rlflow.taskmodel import TaskModelError, build_task_model, task_config, task_model_dir
+    from rlflow.tasks.dataset import DatasetError
+
+    try:
+        config = task_config(args.task, args.overrides)
+        path = task_model_dir(config)
+    except (ConfigError, TaskModelError) as exc:
+        print(f"rlflow model: {exc}", file=sys.stderr)
+        return 2
+    if args.model_command == "path":
+        print(path)
+        return 0
+    if not (path / "config.json").exists() or args.force:
+        print(f"[rlflow] building the model of the task into {path} (a few minutes)", file=sys.stderr)
+        try:
+            with _build_progress() as report:
+                build_task_model(config, out=path, progress=report)
+        except (TaskModelError, DatasetError) as exc:
+            print(f"rlflow model: {exc}", file=sys.stderr)
+            return 2
+    info = json.loads((path / "rlflow_build.json").read_text())
+    print(f"[rlflow] the task's model at {path}: {info['parameters']:,} parameters, development-set accuracy "
+          f"{info['dev_accuracy']:.1%} after {info['steps']} warm-start steps ({info['seconds']:.0f} s); a config "
+          f"with this task names it with roles.rollout.model = \"task\"", file=sys.stderr)
+    print(path)
     return 0
 
 
