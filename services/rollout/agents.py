@@ -124,6 +124,9 @@ class AgentEndpoint:
         self.counters, self.key = counters, api_key
         self.rank, self.replicas, self.takes_reward = rank, replicas, takes_reward
         self.import_dir, self.log = import_dir, log
+        # Unbounded by count, bounded by the grants: a group comes out of one of the two once, and only a
+        # group granted to this replica (the controller's credits bound those) goes in; sending never waits,
+        # so that a request's handler never blocks on the replica's loop.
         self._send, self.finished = trio.open_memory_channel(math.inf)
         self._abandoned_send, self.abandoned = trio.open_memory_channel(math.inf)
         self.episodes: dict[str, _Episode] = {}

@@ -97,6 +97,9 @@ class EpisodeRunner:
         self.text, self.counters = text, counters
         self.strict, self.staleness = strict, staleness
         self._send, self.finished = trio.open_memory_channel(2)
+        # Unbounded by count, bounded by the grants: a group granted to this replica (the controller's
+        # credits bound those) is lost at most once; sending never waits, so that a failing episode's
+        # task ends at once.
         self._lost_send, self.lost = trio.open_memory_channel(math.inf)
         self._nursery: trio.Nursery | None = None
         self.groups = 0
