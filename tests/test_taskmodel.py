@@ -95,3 +95,6 @@ def test_the_cli_names_a_task_it_cannot_build_in_one_line(tmp_path):
     assert done.returncode == 2 and "not task.kind = 'arith'" in done.stderr
     done = model("build", "--set", "task.size=3")
     assert done.returncode != 0 and "--set goes with --task" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "rlflow", "up", "--task", "spell_backward", "--config",
+                           str(default_config_path())], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 2 and "--task" in done.stderr and "goes without --config" in done.stderr
