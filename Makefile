@@ -67,7 +67,7 @@ bench: venv
 # rlflow's version.
 PEER := .venv-peer
 PEER_TORCH := torch==2.13.0+cpu
-PEER_PACKAGES := trl==1.16.0 transformers==5.19.0 accelerate==1.16.0 datasets==5.2.0 numpy
+PEER_PACKAGES := trl==1.16.0 transformers==5.19.0 accelerate==1.16.0 datasets==5.2.0 numpy reasoning-gym==0.1.25
 
 peer: $(PEER)/.installed
 

@@ -91,16 +91,18 @@ REWARD_WINDOW = (40, 55)
 
 
 def run_one(variant: str, seed: int, steps: int, every: int, extra: list[str], folder: pathlib.Path,
-            timeout_s: float) -> None:
-    """`rlflow up` of the default config as `variant` with `seed`, into `folder`
-    (no evaluation during the run; a checkpoint every `every` steps)."""
+            timeout_s: float, task: str = "") -> None:
+    """`rlflow up` of the default config as `variant` with `seed` (on the reasoning-gym dataset `task`
+    with its built model, `rlflow up --task`, where given), into `folder` (no evaluation during the
+    run; a checkpoint every `every` steps)."""
     if folder.exists():
         shutil.rmtree(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
     overrides = [*VARIANTS[variant], f"run.seed={seed}", f"run.steps={steps}",
                  f"roles.trainer.engine.checkpoint_every={every}",
                  "eval.before=false", "eval.after=false", "eval.every_steps=0", *extra]
-    command = [sys.executable, "-m", "rlflow", "up", "--run-dir", str(folder), "--no-display"]
+    command = [sys.executable, "-m", "rlflow", "up", "--run-dir", str(folder), "--no-display",
+               *(["--task", task] if task else [])]
     for o in overrides:
         command += ["--set", o]
     print(f"[learning] {variant} seed {seed}: rlflow up {' '.join(overrides)}", flush=True)
@@ -129,6 +131,7 @@ def evaluate(folder: pathlib.Path) -> list[dict]:
     from rlflow import config as C
     from rlflow.data.net import free_port
     from rlflow.protocol import WeightsGloo
+    from rlflow.rewards import open_pool
     from rlflow.rundir import TRAINER_OPTIMIZER
     from rlflow.services.base import standalone_context
     from rlflow.services.rollout.vllm_engine import VllmBackend, VllmEngine
@@ -171,7 +174,12 @@ def evaluate(folder: pathlib.Path) -> list[dict]:
         async with trio.open_nursery() as nursery:
             for i in range(len(prompts)):
                 nursery.start_soon(one, i)
-        return task.heldout_metrics(responses)
+        if not task.scored_by_functions:
+            return task.heldout_metrics(responses)
+        reward = config.roles.reward.engine  # a task of rows: its reward functions judge, as in a run
+        async with open_pool(reward.functions, start_timeout_s=reward.start_timeout_s,
+                             import_dir=config.run.import_dir) as pool:
+            return await pool.pass_rate(task.heldout_samples(responses), config.eval.pass_reward)
 
     async def load(step: int, path: pathlib.Path) -> None:
         weights = load_file(path / "model.safetensors")

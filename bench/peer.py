@@ -1,7 +1,9 @@
 """Side by side with the peer: rlflow `sync`, the shipped default and TRL's GRPOTrainer.
 
-The same model (the embedded default's), task stream (each seed's prompts,
-in the order rlflow grants them), held-out set, batch (32 prompts x 8
+The same model (the embedded default's; on a reasoning-gym dataset given
+with `--task`, the one `rlflow model build --task` builds for it, and the
+dataset's own verifier as the reward in all three), task stream (each
+seed's prompts, in the order rlflow grants them), held-out set, batch (32 prompts x 8
 samples), sampling (temperature 1, top-p 1, 100 tokens), optimizer (AdamW
 at rlflow's lr and betas, no weight decay, the gradient's norm clipped at
 1.0), schedule (rlflow's, over the default run's 120 steps) and loss (the
@@ -33,16 +35,21 @@ rlflow's vLLM evaluator (`bench/learning.py`'s): one evaluator for all
 three, each reading one policy version. Clocks count training only (from
 the first step's start; engine start-up and the marks' writing excluded).
 
-Writes `bench/results/peer[-TAG].{json,md,png}` and ends with
+Writes `bench/results/peer[-TAG][-TASK].{json,md,png}` and ends with one
+line per task (`--task`, comma-separated; the default task's name is
+"default"):
 
-    RESULT peer sync_vs_peer_points=A async_vs_sync_points=D time_to_peer_ratio=R peer_samples_per_s=P samples_per_s=S
+    RESULT peer task=NAME sync_vs_peer_points=A async_vs_sync_points=D time_to_peer_ratio=R
+        time_to_peer_ratio_high=H peer_samples_per_s=P samples_per_s=S      (one line)
 
 A: rlflow sync's held-out accuracy minus the peer's, the worst over the
 step marks up to `--steps` (means over seeds); D: the default's minus
 sync's at the same marks (worst); R: the default's wall time to the peer's
 accuracy at `--peer-time` seconds of training (the first of its marks whose
-mean over seeds reaches it), over `--peer-time`; P, S: the peer's and the
-default's samples per second. Targets: A >= -1.5, D >= -1.5, R <= 0.5.
+mean over seeds reaches it), over `--peer-time`; H: the upper end of R's
+90% bootstrap interval over seeds (`ratio_high`; "na" where a draw never
+reaches it); P, S: the peer's and the default's samples per second.
+Targets: A >= -1.5, D >= -1.5, H <= 0.5.
 """
 
 from __future__ import annotations
@@ -73,24 +80,27 @@ TARGETS = {"A": -1.5, "D": -1.5, "R": 0.5}
 # -- running -------------------------------------------------------------------------------
 
 
-def default_config(seed: int):
-    """The embedded default, resolved, with `seed`."""
+def default_config(seed: int, task: str = "default"):
+    """The embedded default with `seed`: on its own task, or (`rlflow up --task`) on the reasoning-gym
+    dataset `task` with the model built for it."""
     from rlflow import config as C
-    from rlflow.tools.cli import default_config_path
+    from rlflow.taskmodel import task_config
 
-    return C.load(default_config_path(), [f"run.seed={seed}"])
+    if task == "default":
+        return C.load(C.default_config_path(), [f"run.seed={seed}"])
+    return task_config(task, [f"run.seed={seed}", 'roles.rollout.model="task"'])
 
 
 def peer_plan(seed: int, args, folder: pathlib.Path) -> dict:
     """What the peer needs: the model, the prompts in rlflow's order, and rlflow's settings."""
     import torch
 
-    from rlflow.models import resolve_model
+    from rlflow.control.launch import resolve
     from rlflow.services.fsdp import bf16_passes
     from rlflow.tasks.core import load_tokenizer, make_task
 
-    config = default_config(seed)
-    model = str(resolve_model(config.roles.rollout.model))
+    config = resolve(default_config(seed, args.task))
+    model = config.roles.rollout.model
     tokenizer = load_tokenizer(model)
     task = make_task(config, tokenizer)
     trainer, rollout, run = config.roles.trainer.engine, config.roles.rollout.engine, config.run
@@ -99,7 +109,8 @@ def peer_plan(seed: int, args, folder: pathlib.Path) -> dict:
     prompts = [task.prompt_text(g) for g in groups]
     return {
         "out": str(folder), "model": model, "seed": seed, "threads": args.peer_threads,
-        "prompts": prompts, "answers": [task.prompt(g, 1).reference for g in groups],
+        "task": args.task, "prompts": prompts, "answers": [task.prompt(g, 1).reference for g in groups],
+        "rows": [json.dumps(dict(task.row(g))) for g in groups],
         "prompt_ids": [tokenizer.encode(p, add_special_tokens=False) for p in prompts[:8]],
         "batch_size": run.batch_size, "samples_per_prompt": run.samples_per_prompt,
         "accumulation": args.peer_accumulation,
@@ -121,13 +132,12 @@ def run_peer(seed: int, args, folder: pathlib.Path) -> None:
     folder.mkdir(parents=True)
     plan = peer_plan(seed, args, folder)
     (folder / "plan.json").write_text(json.dumps(plan))
-    # The evaluator reads the run's config: the default's, with this seed.
+    # The evaluator reads the run's config: the default's (on the task), with this seed.
     from rlflow import config as C
 
-    from rlflow.tools.cli import default_config_path
-
-    (folder / "config.toml").write_text(C.to_toml(C.load(default_config_path(), [
-        f"run.seed={seed}", f'roles.rollout.model="{plan["model"]}"'])))
+    config = default_config(seed, args.task)
+    (folder / "config.toml").write_text(C.to_toml(C.load(text=C.to_toml(config), overrides=[
+        f'roles.rollout.model="{plan["model"]}"'])))
     print(f"[peer] peer seed {seed}: TRL's GRPOTrainer, {args.steps} steps and {args.peer_time} s at least", flush=True)
     started = time.monotonic()
     with open(folder.parent / f"{folder.name}.log", "w") as log:
@@ -139,10 +149,11 @@ def run_peer(seed: int, args, folder: pathlib.Path) -> None:
 
 
 def run_rlflow(system: str, seed: int, args, folder: pathlib.Path) -> None:
-    steps = args.steps if system == "sync" else args.default_steps or default_config(seed).run.steps
+    steps = args.steps if system == "sync" else args.default_steps or default_config(seed, args.task).run.steps
     extra = [*args.set, *(args.default_set if system == "default" else []),
              f"roles.trainer.engine.lr_decay_steps={args.horizon}"]
-    learning.run_one(VARIANT[system], seed, steps, args.every, extra, folder, args.timeout)
+    learning.run_one(VARIANT[system], seed, steps, args.every, extra, folder, args.timeout,
+                     task="" if args.task == "default" else args.task)
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -229,9 +240,30 @@ def summarise(results: dict[str, dict[int, dict]], args) -> dict:
         out["target"] = target
         out["time_to_target_s"] = reached["time_s"] if reached else None
         out["R"] = reached["time_s"] / args.peer_time if reached else None
+    out["H"] = ratio_high(results, args) if out["R"] is not None else None
     out["P"] = systems["peer"]["samples_per_s"] if "peer" in systems else None
     out["S"] = systems["default"]["samples_per_s"] if "default" in systems else None
     return out
+
+
+def ratio_high(results: dict[str, dict[int, dict]], args, draws: int = 2000) -> float:
+    """The upper end of R's 90% bootstrap interval: seeds drawn with replacement (a draw takes a seed's
+    peer and default runs together: they saw the same prompts); a draw whose default never reaches its
+    peer's accuracy counts as infinite."""
+    import random
+
+    seeds = sorted(set(results["peer"]) & set(results["default"]))
+    rng = random.Random(0)
+    ratios = []
+    for _ in range(draws):
+        drawn = [rng.choice(seeds) for _ in seeds]
+        peers = [results["peer"][s] for s in drawn]
+        target = statistics.fmean(r["at_time"][args.peer_time] if args.peer_time in r["at_time"]
+                                  else accuracy_at_time(r["curve"], args.peer_time) for r in peers)
+        reached = learning.first_reaching(learning.mean_curve([results["default"][s] for s in drawn]), target)
+        ratios.append(math.inf if reached is None else reached["time_s"] / args.peer_time)
+    ratios.sort()
+    return ratios[min(len(ratios) - 1, math.ceil(0.95 * len(ratios)) - 1)]
 
 
 def table(summary: dict) -> str:
@@ -305,6 +337,9 @@ def plot(results: dict[str, dict[int, dict]], summary: dict, path: pathlib.Path,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one seed (0)")
+    parser.add_argument("--task", default="default",
+                        help="comma-separated: 'default' (the embedded default's task) and reasoning-gym datasets, "
+                             "each on the model `rlflow model build --task` builds for it (built first)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--steps", type=int, default=40, help="compare by steps up to this (sync runs this long)")
@@ -332,9 +367,24 @@ def main() -> None:
     if "peer" in systems and not PEER_PYTHON.exists():
         parser.error(f"the peer's environment is missing ({PEER_PYTHON}): run `make peer` first")
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
-    name = "peer" + (f"-{args.tag}" if args.tag else "")
-    runs = RUNS / (args.tag or "default")
     print(f"[peer] on {cpu_name()}", flush=True)
+    lines = [run_task(task.strip(), seeds, systems, args) for task in args.task.split(",") if task.strip()]
+    print("\n".join(lines))
+
+
+def run_task(task: str, seeds: list[int], systems: list[str], args) -> str:
+    """Every system and seed on `task` ("default": the embedded default's; else a reasoning-gym dataset,
+    its model built first); the tables and plot written; its RESULT line."""
+    args.task = task
+    if task != "default":
+        from rlflow.taskmodel import build_task_model, task_model_dir
+
+        config = default_config(0, task)
+        if not (task_model_dir(config) / "config.json").exists():
+            print(f"[peer] building the model of {task}", flush=True)
+            build_task_model(config)
+    name = "peer" + (f"-{args.tag}" if args.tag else "") + ("" if task == "default" else f"-{task}")
+    runs = RUNS / (args.tag or "default") / ("" if task == "default" else task)
 
     results: dict[str, dict[int, dict]] = {}
     for seed in seeds:
@@ -353,7 +403,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps({"args": vars(args), "summary": summary, "runs": {
         s: {str(k): r for k, r in by_seed.items()} for s, by_seed in results.items()}}, indent=1))
-    title = f"the default task, 32 x 8 a step, on {summary['machine']}"
+    title = (f"the {'default task' if task == 'default' else task}, 32 x 8 a step, on {summary['machine']}")
     plot(results, summary, RESULTS / f"{name}.png", title, args.peer_time)
     text = table(summary)
     (RESULTS / f"{name}.md").write_text(f"# {title}\n\n{text}")
@@ -365,13 +415,13 @@ def main() -> None:
     print(f"wrote {RESULTS / name}.{{json,md,png}}")
 
     def fmt(key: str, spec: str) -> str:
-        return "na" if summary[key] is None else format(summary[key], spec)
+        return "na" if summary[key] is None or summary[key] == math.inf else format(summary[key], spec)
 
-    print("RESULT peer " + " ".join([
-        f"sync_vs_peer_points={fmt('A', '.1f')}", f"async_vs_sync_points={fmt('D', '.1f')}",
-        f"time_to_peer_ratio={fmt('R', '.2f')}", f"peer_samples_per_s={fmt('P', '.1f')}",
-        f"samples_per_s={fmt('S', '.1f')}",
-    ]))
+    return "RESULT peer " + " ".join([
+        f"task={task}", f"sync_vs_peer_points={fmt('A', '.1f')}", f"async_vs_sync_points={fmt('D', '.1f')}",
+        f"time_to_peer_ratio={fmt('R', '.2f')}", f"time_to_peer_ratio_high={fmt('H', '.2f')}",
+        f"peer_samples_per_s={fmt('P', '.1f')}", f"samples_per_s={fmt('S', '.1f')}",
+    ])
 
 
 if __name__ == "__main__":

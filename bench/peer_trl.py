@@ -25,6 +25,7 @@ rlflow's checkpoints.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import pathlib
@@ -164,10 +165,21 @@ def main() -> None:
                                   weight_decay=plan["weight_decay"], eps=1e-8)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, plan))
 
-    def correct(completions, answer, **kwargs):
-        return [Arith.check(a, c)[0] for c, a in zip(completions, answer, strict=True)]
+    @functools.cache
+    def score_fn(source: str):
+        import reasoning_gym
 
-    dataset = Dataset.from_dict({"prompt": plan["prompts"], "answer": plan["answers"]})
+        return reasoning_gym.get_score_answer_fn(source)
+
+    def correct(completions, answer, row, **kwargs):
+        if plan["task"] == "default":
+            return [Arith.check(a, c)[0] for c, a in zip(completions, answer, strict=True)]
+        # A reasoning-gym dataset: its own verifier, as rlflow's `rlflow.rewards:reasoning_gym` asks it.
+        rows = [json.loads(r) for r in row]
+        return [float(score_fn(r["metadata"]["source_dataset"])(c, r))
+                for c, r in zip(completions, rows, strict=True)]
+
+    dataset = Dataset.from_dict({"prompt": plan["prompts"], "answer": plan["answers"], "row": plan["rows"]})
     marks = Marks(plan, out)
     trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config, train_dataset=dataset,
                           processing_class=tokenizer, optimizers=(optimizer, schedule), callbacks=[marks])
