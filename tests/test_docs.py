@@ -36,6 +36,8 @@ RUN_BY = {
     "rlflow join --role --rank":
         "tests/test_external.py::test_join_prints_what_an_external_replica_needs_and_spec_md_names_each",
     "rlflow model build": "tests/test_models.py",
+    "rlflow model build --task": "tests/test_taskmodel.py::test_the_cli_names_a_task_it_cannot_build_in_one_line",
+    "rlflow up --task": "bench/peer.py (run_task: each rlflow system through bench/learning.py's run_one)",
     "rlflow config show": SHOW,
     "rlflow config show --config --set": SHOW,
 }
