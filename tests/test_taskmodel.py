@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -80,21 +78,21 @@ def test_a_build_is_the_same_twice_loads_as_it_is_and_a_config_runs_on_it(tmp_pa
     assert named.roles.rollout.model == str(task_model_dir(config).resolve())
 
 
-@pytest.mark.slow  # three processes that import rlflow
-def test_the_cli_names_a_task_it_cannot_build_in_one_line(tmp_path):
-    def model(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "rlflow", "model", *args], capture_output=True, text=True,
-                              cwd=tmp_path, timeout=120)
+def test_the_cli_names_a_task_it_cannot_build_in_one_line(tmp_path, capsys):
+    from rlflow.tools.cli import main
 
-    done = model("path", "--task", "no_such_dataset_here")
-    assert done.returncode == 0 and "task-reasoning_gym-no_such_dataset_here-" in done.stdout
-    done = model("build", "--task", "no_such_dataset_here")
-    assert done.returncode == 2 and "reasoning-gym dataset 'no_such_dataset_here'" in done.stderr
-    assert "Traceback" not in done.stderr
-    done = model("build", "--task", str(default_config_path()))  # the embedded default: the arith task
-    assert done.returncode == 2 and "not task.kind = 'arith'" in done.stderr
-    done = model("build", "--set", "task.size=3")
-    assert done.returncode != 0 and "--set goes with --task" in done.stderr
-    done = subprocess.run([sys.executable, "-m", "rlflow", "up", "--task", "spell_backward", "--config",
-                           str(default_config_path())], capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert done.returncode == 2 and "--task" in done.stderr and "goes without --config" in done.stderr
+    def model(*args: str) -> tuple[int, str, str]:
+        code = main(["model", *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, _ = model("path", "--task", "no_such_dataset_here")
+    assert code == 0 and "task-reasoning_gym-no_such_dataset_here-" in out
+    code, _, err = model("build", "--task", "no_such_dataset_here")
+    assert code == 2 and "reasoning-gym dataset 'no_such_dataset_here'" in err and "Traceback" not in err
+    code, _, err = model("build", "--task", str(default_config_path()))  # the embedded default: the arith task
+    assert code == 2 and "not task.kind = 'arith'" in err
+    with pytest.raises(SystemExit, match="--set goes with --task"):
+        model("build", "--set", "task.size=3")
+    assert main(["up", "--task", "spell_backward", "--config", str(default_config_path())]) == 2
+    assert "--task" in (err := capsys.readouterr().err) and "goes without --config" in err
