@@ -19,6 +19,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rlflow.config", "rlflow.runstate", "rlflow.timeline"),
     ("rlflow.tasks", "rlflow.distributions", "rlflow.startup"),
     ("rlflow.env", "rlflow.models"),
+    ("rlflow.taskmodel",),  # a model for a task: the task, its reward functions, the default model's parts
     ("rlflow.control",),
     ("rlflow.tools",),
     ("rlflow.__main__",),
