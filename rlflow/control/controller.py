@@ -171,7 +171,7 @@ class Controller:
                         self._nursery = self.outboxes.nursery = nursery
                         nursery.start_soon(self._receive)
                         nursery.start_soon(self._watch)
-                        nursery.start_soon(self._take_losses)
+                        nursery.start_soon(self.outboxes.take_losses, self._lose)
                         nursery.start_soon(self.door.run, router)
                         await trio.to_thread.run_sync(self.launcher.start, self.address)
                         await self._handshake()
@@ -461,13 +461,6 @@ class Controller:
                 self.supervisor.restarting(replica)
                 assert self._nursery is not None  # the watch runs in the nursery
                 self._nursery.start_soon(self._restart, replica, replica.launched)
-
-    async def _take_losses(self) -> None:
-        """The replicas the outboxes found unreachable or stuck, lost one after another once the handler
-        that found them is done (a loss found while handling another is taken in the next round)."""
-        while True:
-            for replica, why, kill in await self.outboxes.losses():
-                self._lose(replica, why, kill=kill)
 
     def _lose(self, replica: Replica, why: str, *, kill: bool = False) -> None:
         """A replica died or hangs: retire the incarnation, give its work back,

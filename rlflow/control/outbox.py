@@ -146,6 +146,13 @@ class Outboxes:
         return [(replica, why, kill) for replica, incarnation, why, kill in lost
                 if replica.incarnation == incarnation and replica.registered]
 
+    async def take_losses(self, lose: Callable[..., None]) -> None:
+        """Forever: `lose(replica, why, kill=...)` for each replica found unreachable or stuck, one after
+        another once the handler that found them is done (one found meanwhile is taken the next round)."""
+        while True:
+            for replica, why, kill in await self.losses():
+                lose(replica, why, kill=kill)
+
     def open(self, replica: Any) -> None:
         """An outbox for `replica`'s registered incarnation."""
         assert self.router is not None and self.nursery is not None  # set by the controller before any hello
