@@ -137,11 +137,22 @@ class StepRow(Record, frozen=True):
     controller_msgs: int = 0
     """Messages the controller had received by then."""
 
+    def learning(self) -> dict[str, Any]:
+        """What the step learned from, and how: the row without what measures time or load (the
+        seconds, the roles' shares, the engines' queues, the controller's messages, the trainer's
+        statistics in seconds, named `*_s`). Two runs with `run.deterministic` write the same."""
+        row = msgspec.to_builtins(self)
+        for key in _MEASURED:
+            row.pop(key, None)
+        row["train"] = {k: v for k, v in self.train.items() if not k.endswith("_s")}
+        return row
+
 
 class EvalRow(Record, frozen=True):
     """One held-out evaluation (a line of evals.jsonl)."""
 
     step: int
+    """Steps trained when it ended (the trainer goes on while it runs)."""
     version: int
     """Policy version held when it started."""
     version_end: int
@@ -153,6 +164,18 @@ class EvalRow(Record, frozen=True):
     @property
     def accuracy(self) -> float | None:
         return self.metrics.get("accuracy")
+
+    def learning(self) -> dict[str, Any]:
+        """The evaluation without what measures time: its seconds, and the step at which it ended
+        (`StepRow.learning`)."""
+        row = msgspec.to_builtins(self)
+        row.pop("seconds")
+        row.pop("step")
+        return row
+
+
+#: A `StepRow`'s fields that measure time or load, which no two runs share.
+_MEASURED = ("time_s", "train_s", "occupancy", "roles", "engine", "controller_msgs")
 
 
 class Placed(Record, frozen=True):

@@ -140,11 +140,12 @@ class VllmBackend:
     """
 
     def __init__(self, cfg: VllmRollout, model_path: str, seed: int = 0, *, max_logprobs: int = 20,
-                 weights: str | None = None, lora_rank: int = 0, lora_slots: int = 1):
+                 weights: str | None = None, lora_rank: int = 0, lora_slots: int = 1, seeded: bool = False):
         """`weights`: the weight-transfer backend, vLLM's "nccl" or rlflow's
         gloo one (`vllm_worker.BACKEND`); None: "nccl" on CUDA, else gloo.
         `lora_rank`: serve LoRA adapters of up to this rank, `lora_slots` of
-        them at once (0: no LoRA)."""
+        them at once (0: no LoRA). `seeded`: requests come with seeds of their own
+        (`generate`'s `seed`), and each prompt is computed whole (see `engine_args`)."""
         self.cfg = cfg
         self.lora_rank, self.lora_slots = lora_rank, lora_slots
         #: Asyncio side: requests running per adapter, and adapters to let go of once none does.
@@ -154,6 +155,7 @@ class VllmBackend:
         self.weights = weights
         self.model_path = model_path
         self.seed = seed
+        self.seeded = seeded
         self.max_logprobs = max_logprobs
         self.bridge: AsyncioBridge | None = None
         self.llm = None
@@ -186,6 +188,10 @@ class VllmBackend:
             enable_prefix_caching=False,
             # An evaluation's requests go first (`complete`), so that it reads its version quickly.
             scheduling_policy="priority",
+            # A request's own generator is wound back when a prompt's chunk is computed without a
+            # token to keep, which a CPU generator cannot do (vLLM's engine dies: "CPU Generator does not
+            # use offset"): seeded requests get their prompts computed whole.
+            enable_chunked_prefill=False if self.seeded else None,
             **self.lora_args(),
         )
 
@@ -361,11 +367,14 @@ class VllmBackend:
         first_token: trio.Event | None = None,
         lora_id: int = 0,
         priority: int = 0,
+        seed: int | None = None,
     ):
         """The final RequestOutput of one request with `n` samples (`ignore_eos`:
         run to `max_tokens` without changing the sampling distribution;
         `first_token` is set once every sample has its first token; `lora_id`:
-        under that adapter, 0: the base alone; `priority`: lower goes first)."""
+        under that adapter, 0: the base alone; `priority`: lower goes first;
+        `seed`: the request's own random stream, sample i's seed + i (None: the engine's,
+        shared with whatever else it runs))."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -379,6 +388,7 @@ class VllmBackend:
             # Only the final output, unless someone waits for the first tokens.
             output_kind=RequestOutputKind.FINAL_ONLY if first_token is None else RequestOutputKind.CUMULATIVE,
             detokenize=False,  # the roles downstream read token ids
+            seed=seed,
         )
         request_id = uuid.uuid4().hex
         llm = self.llm

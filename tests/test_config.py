@@ -142,6 +142,16 @@ def test_cross_field_checks():
         C.load(text=BASE + "[pools.spare]\n")
 
 
+def test_a_reproducible_run_is_sync_and_plays_no_episodes():
+    assert C.load(text=BASE, overrides=["run.mode=sync", "run.deterministic=true"]).run.deterministic
+    for mode in ("async", "one_step"):
+        with pytest.raises(C.ConfigError, match=rf"run.deterministic = true: .* 'sync' alone \(here '{mode}'"):
+            C.load(text=BASE, overrides=[f"run.mode={mode}", "run.deterministic=true"])
+    env = BASE + '[roles.env]\npool = "gen"\nenvironment = { path = "envs:Count" }\n'
+    with pytest.raises(C.ConfigError, match=r"run.deterministic = true: episodes .* not reproducible"):
+        C.load(text=env, overrides=["run.mode=sync", "run.deterministic=true"])
+
+
 def test_the_signal_filter_needs_groups_that_can_differ():
     assert C.load(text=BASE, overrides=["run.filter=signal"]).run.filter == "signal"
     with pytest.raises(C.ConfigError,

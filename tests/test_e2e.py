@@ -50,12 +50,15 @@ def real_config(model: pathlib.Path) -> C.Config:
     """`CONFIG` on `model`, its weights sent in 64 KiB pieces, on two trainer ranks and two rollout replicas."""
     return C.build(CONFIG, {"roles": {
         "rollout": {"model": str(model)},
-        # A format reward that some samples of most groups meet (the tiny model's
-        # arithmetic earns nothing): there is something to learn at every step.
-        "reward": {"engine": {"kind": "functions", "check_references": 0, "functions": [
-            {"path": "rlflow.rewards:regex", "kwargs": {"pattern": "^[0-4]"}, "workers": 1}]}},
+        "reward": FORMAT_REWARD,
         "trainer": {"engine": {"bucket_bytes": 65536}},
     }}, overrides=TWO)
+
+
+#: A format reward that some samples of most groups meet (the tiny model's
+#: arithmetic earns nothing): there is something to learn at every step.
+FORMAT_REWARD = {"engine": {"kind": "functions", "check_references": 0, "functions": [
+    {"path": "rlflow.rewards:regex", "kwargs": {"pattern": "^[0-4]"}, "workers": 1}]}}
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +164,27 @@ def test_a_run_resumes_from_its_last_checkpoint_detached(real_run, ray_cluster):
     summary = folder.read_summary()
     assert (summary.steps, summary.sessions, summary.session.first_step, summary.session.steps) == (4, 2, 3, 1)
     assert summary.samples == sum(r.samples for r in steps)
+
+
+def test_a_deterministic_sync_run_writes_the_same_record_twice(ray_cluster, tmp_path_factory):
+    """`run.deterministic` in sync mode: two runs of one config on two vLLM replicas (which replica
+    generates a group is the race of the day) write the same metrics and evaluations, but for what
+    measures time; the runs sample (temperature 1) and learn (the rewards and weights move)."""
+    root = tmp_path_factory.mktemp("deterministic")
+    model = tiny_model(root / "model", tied=False, seed=11)
+    config = C.build(CONFIG, {"roles": {"rollout": {"model": str(model)}, "reward": FORMAT_REWARD}}, overrides=[
+        "run.mode=sync", "run.deterministic=true", "roles.rollout.replicas=2", "eval.every_steps=0",
+        "roles.trainer.engine.checkpoint_every=0"])
+    records = []
+    for name in ("first", "second"):
+        summary = run(config, root / name)
+        assert summary.state == "stopped", summary.error
+        folder = RunDir(root / name)
+        records.append(([r.learning() for r in folder.read_metrics()], [e.learning() for e in folder.read_evals()]))
+    (steps, evals), (steps_again, evals_again) = records
+    assert [r["step"] for r in steps] == [0, 1, 2] and len(evals) == 2
+    assert steps == steps_again and evals == evals_again
+    assert len({r["reward_mean"] for r in steps}) > 1 and len({r["train"]["loss"] for r in steps}) == 3
 
 
 def own_config(model: pathlib.Path, teacher: pathlib.Path, data: pathlib.Path) -> C.Config:

@@ -50,6 +50,13 @@ def check(config: Config) -> None:
                 "run.max_staleness", run.max_staleness_given,
                 f"must be {implied} (or left out) when run.mode = {run.mode!r}"
             )
+    if run.deterministic and run.mode != "sync":
+        raise ConfigError("run.deterministic", True, f"a run is reproducible in run.mode = 'sync' alone (here "
+                                                     f"{run.mode!r}: which weights generate a token depends on "
+                                                     "when they arrive)")
+    if run.deterministic and (config.agents is not None or config.roles.env is not None):
+        raise ConfigError("run.deterministic", True, "episodes played by an environment or outside agents are "
+                                                     "not reproducible (their turns come in their own order)")
     _check_teacher(config)
     _check_filter(config)
     reward = config.roles.reward.engine

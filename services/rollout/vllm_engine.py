@@ -78,10 +78,13 @@ class VllmEngine:
         run = ctx.config.run
         self.staleness = run.max_staleness
         self.strict = run.staleness_check == "strict"
+        #: A reproducible run's seed of its requests' own (None: the engine's stream, shared by all).
+        self.seed = run.seed if run.deterministic else None
         lora = ctx.config.lora
         slots = adapter_slots(lora.adapter_update, run.max_staleness) if lora else 1
         self.backend = backend or VllmBackend(cfg, ctx.config.policy_path, run.seed + ctx.rank,
-                                              lora_rank=lora.rank if lora else 0, lora_slots=slots)
+                                              lora_rank=lora.rank if lora else 0, lora_slots=slots,
+                                              seeded=run.deterministic)
         self._owns_backend = backend is None
         self.version = 0
         self.pending: deque[_Group] = deque()
@@ -245,7 +248,8 @@ class VllmEngine:
                 started = time.time()
                 try:
                     output = await self.backend.generate(item.group.prompt_ids, item.group.n, self.cfg.temperature,
-                                                         lora_id=self.served.lora_id(item.submitted_version))
+                                                         lora_id=self.served.lora_id(item.submitted_version),
+                                                         seed=self._seed(group_id))
                     responses = self._responses(output, item, started)
                 except Exception as exc:
                     if compat.engine_dead(exc):  # nothing more can be served: the replica ends, to be restarted
@@ -291,8 +295,15 @@ class VllmEngine:
     async def complete(self, prompt_ids: list[int], temperature: float) -> list[int]:
         """One answer to `prompt_ids` (for evaluation: not a training sample; served before training's)."""
         output = await self.backend.generate(prompt_ids, 1, temperature, lora_id=self.served.lora_id(self.version),
-                                             priority=EVAL_PRIORITY)
+                                             priority=EVAL_PRIORITY, seed=self._seed(self.version, *prompt_ids))
         return list(output.outputs[0].token_ids)
+
+    def _seed(self, *key: int) -> int | None:
+        """A reproducible run's seed of the request `key` names (a prompt group; an evaluation's version
+        and prompt): the same in every run with the run's seed, whichever replica serves it."""
+        if self.seed is None:
+            return None
+        return int(np.random.SeedSequence([self.seed % 2**32, *key]).generate_state(1)[0]) >> 1
 
     def _responses(self, output, item: _Group, started: float) -> list[Response]:
         out = []

@@ -343,7 +343,8 @@ class TrainerService(Service):
                 await self._arrived.wait()
         self.buffer.sort(key=self._oldest)
         taken, self.buffer = self.buffer[:want], self.buffer[want:]
-        taken.sort(key=lambda h: (h.seq, h.index))
+        # A reproducible run trains a step's groups in one order, whatever order they came in.
+        taken.sort(key=(lambda h: h.group_id) if self.config.run.deterministic else (lambda h: (h.seq, h.index)))
         return taken
 
     def _oldest(self, held: Held) -> int:

@@ -72,10 +72,11 @@ class TorchEngine:
 
     def __init__(self, cfg: TorchTrainer, model_path: str, *, temperature: float = 1.0, seed: int = 0,
                  ranks: Solo | None = None, total_steps: int = 0, adapter: str = "",
-                 max_tokens: int = 0):
+                 max_tokens: int = 0, deterministic: bool = False):
         """`total_steps`: the run's steps, which a decaying learning rate needs (unless its own
         `lr_decay_steps` says how many it spans); `adapter`: with LoRA, the PEFT adapter directory to start
-        from (empty: a new adapter); `max_tokens`: the rollout's longest response (over-long shaping)."""
+        from (empty: a new adapter); `max_tokens`: the rollout's longest response (over-long shaping);
+        `deterministic`: torch's deterministic kernels only (`run.deterministic`)."""
         from transformers import AutoModelForCausalLM
 
         #: The steps the learning rate's schedule spans.
@@ -84,6 +85,8 @@ class TorchEngine:
             raise ValueError(f"lr_decay = {cfg.lr_decay!r} needs the run's step count")
 
         torch.manual_seed(seed)
+        if deterministic:
+            torch.use_deterministic_algorithms(True)
         threads = int(os.environ.get("RLFLOW_NUM_THREADS", "0") or 0)
         if threads:
             torch.set_num_threads(threads)

@@ -58,6 +58,7 @@ class TorchTrainerEngine:
             total_steps=config.run.steps,
             adapter=config.adapter_path,
             max_tokens=getattr(rollout, "max_tokens", 0),
+            deterministic=config.run.deterministic,
         )
         #: With LoRA, the adapter its weight updates carry (its `Hello.adapter`).
         self.adapter: Adapter | None = adapter_offer(cfg.lora, config.run.max_staleness) if cfg.lora else None
