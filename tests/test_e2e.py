@@ -37,7 +37,8 @@ CONFIG = {
     },
     "task": {"kind": "arith", "heldout_size": 24},
     "eval": {"every_steps": 2},
-    "run": {"mode": "async", "batch_size": 4, "samples_per_prompt": 4, "steps": 3},
+    # Reproducible (sync, run.deterministic): the test of that runs it a second time.
+    "run": {"mode": "sync", "deterministic": True, "batch_size": 4, "samples_per_prompt": 4, "steps": 3},
 }
 
 
@@ -50,15 +51,12 @@ def real_config(model: pathlib.Path) -> C.Config:
     """`CONFIG` on `model`, its weights sent in 64 KiB pieces, on two trainer ranks and two rollout replicas."""
     return C.build(CONFIG, {"roles": {
         "rollout": {"model": str(model)},
-        "reward": FORMAT_REWARD,
+        # A format reward that some samples of most groups meet (the tiny model's
+        # arithmetic earns nothing): there is something to learn at every step.
+        "reward": {"engine": {"kind": "functions", "check_references": 0, "functions": [
+            {"path": "rlflow.rewards:regex", "kwargs": {"pattern": "^[0-4]"}, "workers": 1}]}},
         "trainer": {"engine": {"bucket_bytes": 65536}},
     }}, overrides=TWO)
-
-
-#: A format reward that some samples of most groups meet (the tiny model's
-#: arithmetic earns nothing): there is something to learn at every step.
-FORMAT_REWARD = {"engine": {"kind": "functions", "check_references": 0, "functions": [
-    {"path": "rlflow.rewards:regex", "kwargs": {"pattern": "^[0-4]"}, "workers": 1}]}}
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +64,9 @@ def real_run(ray_cluster, tmp_path_factory):
     """3 steps of two real vLLM replicas' samples trained by the torch trainer
     on 2 ranks (FSDP2 over gloo), its weights broadcast to both replicas in
     one group, in 64 KiB pieces; held-out evaluations and checkpoints every 2
-    steps. One run (a start of Ray actors and vLLM engines costs more than its
-    steps) that the tests below read, and the last resumes."""
+    steps; reproducible (sync, `run.deterministic`). One run (a start of Ray
+    actors and vLLM engines costs more than its steps) that the tests below
+    read, one runs again, and the last resumes."""
     root = tmp_path_factory.mktemp("e2e")
     model = tiny_model(root / "model", tied=False, seed=11)
     config = real_config(model)
@@ -166,23 +165,22 @@ def test_a_run_resumes_from_its_last_checkpoint_detached(real_run, ray_cluster):
     assert summary.samples == sum(r.samples for r in steps)
 
 
-def test_a_deterministic_sync_run_writes_the_same_record_twice(ray_cluster, tmp_path_factory):
-    """`run.deterministic` in sync mode: two runs of one config on two vLLM replicas (which replica
-    generates a group is the race of the day) write the same metrics and evaluations, but for what
-    measures time; the runs sample (temperature 1) and learn (the rewards and weights move)."""
-    root = tmp_path_factory.mktemp("deterministic")
-    model = tiny_model(root / "model", tied=False, seed=11)
-    config = C.build(CONFIG, {"roles": {"rollout": {"model": str(model)}, "reward": FORMAT_REWARD}}, overrides=[
-        "run.mode=sync", "run.deterministic=true", "roles.rollout.replicas=2", "eval.every_steps=0",
-        "roles.trainer.engine.checkpoint_every=0"])
-    records = []
-    for name in ("first", "second"):
-        summary = run(config, root / name)
-        assert summary.state == "stopped", summary.error
-        folder = RunDir(root / name)
-        records.append(([r.learning() for r in folder.read_metrics()], [e.learning() for e in folder.read_evals()]))
-    (steps, evals), (steps_again, evals_again) = records
-    assert [r["step"] for r in steps] == [0, 1, 2] and len(evals) == 2
+def test_a_deterministic_sync_run_writes_the_same_record_twice(real_run, tmp_path_factory):
+    """`run.deterministic` in sync mode: the real run made again (which of the two vLLM replicas
+    generates a group is the race of the day; the trainer's two ranks reduce their gradients) writes
+    the same metrics and evaluations, but for what measures time; the run samples (temperature 1) and
+    learns (the rewards and the loss move). Its first three steps alone: another test resumes it."""
+    model, run_dir, _ = real_run
+    again = tmp_path_factory.mktemp("again") / "run"
+    summary = run(real_config(model), again)
+    assert summary.state == "stopped", summary.error
+
+    def record(folder: RunDir) -> tuple[list[dict], list[dict]]:
+        return ([r.learning() for r in folder.read_metrics() if r.step < 3],
+                [e.learning() for e in folder.read_evals() if e.version <= 3])
+
+    (steps, evals), (steps_again, evals_again) = record(RunDir(run_dir)), record(RunDir(again))
+    assert [r["step"] for r in steps] == [0, 1, 2] and [e["version"] for e in evals] == [0, 2, 3]
     assert steps == steps_again and evals == evals_again
     assert len({r["reward_mean"] for r in steps}) > 1 and len({r["train"]["loss"] for r in steps}) == 3
 
