@@ -380,6 +380,23 @@ def test_observations_are_rendered_once_after_the_model_turn_with_the_template_g
                                                   add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
+def test_a_turn_stops_before_its_first_stop_string_at_a_token_boundary():
+    tokenizer = chat_tokenizer()
+    text = EpisodeText(tokenizer)
+    ids = tokenizer.encode("think\nAction: add\nObservation: 5", add_special_tokens=False)
+    keep = text.before_stop(ids, ["Observation:", "\nAct"])
+    # The first stop string in the text wins, whichever is listed first; what is kept reads as the text before it.
+    assert text.decode(ids[:keep]) == "think"
+    assert text.decode(ids[:text.before_stop(ids, ["Observation:"])]) == "think\nAction: add\n"
+    assert text.before_stop(ids, ["nowhere", ""]) is None and text.before_stop(ids, []) is None
+    assert text.before_stop(ids, ["think"]) == 0
+    # A token that runs into the stop string goes with it: what is kept never holds part of it.
+    tokenizer.add_tokens(["ab"])
+    joined = tokenizer.encode("xabc", add_special_tokens=False)
+    assert len(joined) == 3 and text.decode(joined[1:2]) == "ab"
+    assert text.before_stop(joined, ["bc"]) == 1
+
+
 @pytest.mark.slow  # imports vLLM (tens of seconds here)
 async def test_tool_calls_are_read_by_vllms_parser_and_a_broken_one_is_said_unparsed():
     """The parser is made once, off the loop's thread (vLLM's parsers are a heavy import)."""

@@ -402,22 +402,12 @@ time.sleep(600)
 """
 
 
-async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tied_model):
-    """Outside agents on the real `openai` client against a vLLM replica's endpoint: every token of an
-    episode's sample at loss mask 1 is a token the endpoint returned (with its log-probability), each
-    turn was generated over exactly the recorded tokens before it, a weight update between two turns
-    labels the second turn with the new version, chat completions (streamed, with tools) and
-    completions share one group, a wrong key is refused, and a killed agent's group is abandoned."""
-    import subprocess
-    import sys
-    import time
-
-    import httpx
-    import openai
-
+def agents_endpoint(engine, tied_model, *, max_turns: int):
+    """The agents' endpoint of a vLLM replica on the shared engine, its episodes scored by their agents
+    (key "right-key"), a chat template on the arith tokenizer: (replica's engine, endpoint, tokenizer,
+    service context)."""
     from rlflow import config as C
     from rlflow.env.render import EpisodeText
-    from rlflow.protocol import PromptGroup
     from rlflow.services import compat
     from rlflow.services.base import standalone_context
     from rlflow.services.rollout.agents import AgentEndpoint
@@ -432,7 +422,7 @@ async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tie
             "reward": {"pool": "p", "engine": {"kind": "env"}},
             "trainer": {"pool": "p"},
         },
-        "agents": {"max_turns": 3, "max_tokens": 200, "idle_timeout_s": 2.0, "api_key": "right-key"},
+        "agents": {"max_turns": max_turns, "max_tokens": 200, "idle_timeout_s": 2.0, "api_key": "right-key"},
     })
     ctx = standalone_context(config, "rollout")
     vllm = VllmEngine(config.roles.rollout.engine, ctx, backend)
@@ -449,6 +439,25 @@ async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tie
     endpoint = AgentEndpoint(vllm, Task(), config.agents, text=EpisodeText(tokenizer), turn_tokens=24,
                              make_parser=lambda tools: compat.tool_parser("hermes", tokenizer, tools),
                              counters=ctx.counters, api_key="right-key", rank=0, replicas=1, takes_reward=True)
+    return vllm, endpoint, tokenizer, ctx
+
+
+async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tied_model):
+    """Outside agents on the real `openai` client against a vLLM replica's endpoint: every token of an
+    episode's sample at loss mask 1 is a token the endpoint returned (with its log-probability), each
+    turn was generated over exactly the recorded tokens before it, a weight update between two turns
+    labels the second turn with the new version, chat completions (streamed, with tools) and
+    completions share one group, a wrong key is refused, and a killed agent's group is abandoned."""
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    import openai
+
+    from rlflow.protocol import PromptGroup
+
+    vllm, endpoint, tokenizer, ctx = agents_endpoint(engine, tied_model, max_turns=3)
     url = endpoint.bind()
     key = {"Authorization": "Bearer right-key"}
     newer = hf_model(tied_model, seed=11)
@@ -563,3 +572,57 @@ async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tie
         reply.choices[0].model_extra["token_ids"] + last.model_extra["token_ids"] + third.choices[0].model_extra[
             "token_ids"]
     assert ctx.counters["agents.abandoned"] == 1 and ctx.counters["agents.refused_key"] == 1
+
+
+async def test_agents_stop_strings_cut_the_trained_turn_and_what_the_endpoint_cannot_do_is_refused(engine, tied_model):
+    """`stop`: a turn ends before its first stop string, and the trainer gets the tokens the agent read
+    and no more; `tool_choice` other than auto or none (forcing a call), a prompt that fills the model's
+    context and a temperature other than the run's are each answered 400 naming why."""
+    import time
+
+    import httpx
+
+    from rlflow.protocol import PromptGroup
+
+    vllm, endpoint, tokenizer, _ = agents_endpoint(engine, tied_model, max_turns=2)
+    url = endpoint.bind()
+    key = {"Authorization": "Bearer right-key"}
+    stops = ["#", "=="]  # the tiny model writes "#" among its digits
+
+    async def post(path: str, body: dict) -> httpx.Response:
+        return await trio.to_thread.run_sync(functools.partial(httpx.post, f"{url}{path}", json=body, headers=key))
+
+    with trio.fail_after(180):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(vllm.run)
+            await nursery.start(endpoint.run)
+            prompt = tokenizer.encode("57+68=", add_special_tokens=False)
+            endpoint.submit(PromptGroup(group_id=0, prompt_ids=prompt, n=1, reference="125"), time.time())
+            episode = (await post("/rlflow/episodes", {"wait_s": 10})).json()
+            base = episode["base_url"].removeprefix(url)
+            forced = await post(f"{base}/chat/completions", {
+                "model": "policy", "messages": [{"role": "user", "content": "57+68"}], "tool_choice": "required",
+                "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]})
+            assert forced.status_code == 400 and "tool_choice 'required'" in forced.json()["error"]["message"]
+            long = await post(f"{base}/completions", {"model": "policy", "prompt": [5] * 512, "max_tokens": 4})
+            assert long.status_code == 400, long.text
+            assert long.json()["error"]["code"] == "context_length_exceeded" and "context 512" in long.text
+            colder = await post(f"{base}/completions", {"model": "policy", "prompt": "1", "temperature": 0.2})
+            assert colder.status_code == 400 and "temperature 0.2: this run samples at temperature 1.0" in colder.text
+            said = (await post(f"{base}/completions", {"model": "policy", "prompt": episode["prompt"], "stop": stops,
+                                                        "temperature": 1.0, "return_token_ids": True})).json()
+            assert "system_fingerprint" not in said  # the run's own temperature: nothing overridden
+            said = said["choices"][0]
+            ended = await post(f"/rlflow/episodes/{episode['id']}/end", {"reward": 1.0})
+            assert ended.status_code == 200, ended.text
+            [(group, [played])] = await endpoint.finished.receive()
+            nursery.cancel_scope.cancel()
+
+    assert not any(stop in said["text"] for stop in stops)
+    assert said["finish_reason"] == "stop" or len(said["token_ids"]) == 24
+    assert tokenizer.decode(said["token_ids"], skip_special_tokens=True) == said["text"]
+    # The trained turn is the returned one, token for token.
+    sample = list(group.prompt_ids) + played.token_ids.tolist()
+    own = np.flatnonzero(played.loss_mask)
+    assert [sample[len(group.prompt_ids) + i] for i in own] == said["token_ids"]
+    assert len(played.logprobs[own]) == len(said["token_ids"])

@@ -95,6 +95,11 @@ class AgentsConfig(Table, frozen=True):
     `max_tokens` may ask for fewer."""
     tool_parser: str = "hermes"
     """vLLM's tool-call parser that reads tool calls out of a turn, for requests that give `tools`."""
+    sampling: Literal["refuse", "run"] = "refuse"
+    """A request that asks to sample otherwise than the run does (`temperature`, `top_p`, `top_k`,
+    `min_p`, penalties, `logit_bias` other than the run's): refuse: answered 400 naming the field (the
+    trainer learns from the run's sampling, so another would be a silent change); run: sampled as the
+    run does anyway, and the answer's `system_fingerprint` says "rlflow-run-sampling"."""
 
 
 class WandbConfig(Table, frozen=True):

@@ -22,7 +22,7 @@ UTF-8 bytes, one token each.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -106,6 +106,23 @@ class EpisodeText:
     def decode(self, ids: list[int]) -> str:
         """A model turn as the environment reads it (special tokens left out)."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def before_stop(self, ids: list[int], stops: Sequence[str]) -> int | None:
+        """How many of a turn's tokens `ids` to keep so that its text ends before the first of the
+        `stops` strings in it, as vLLM applies `stop` (None: none is in it). A token that runs into
+        the stop string goes with it, so that the kept tokens' text is what the agent reads."""
+        text = self.decode(ids)
+        at = min((i for i in (text.find(stop) for stop in stops if stop) if i >= 0), default=-1)
+        if at < 0:
+            return None
+        low, high = 0, len(ids)  # the longest prefix whose text stays within text[:at]
+        while low < high:
+            mid = (low + high + 1) // 2
+            if len(self.decode(ids[:mid])) <= at:
+                low = mid
+            else:
+                high = mid - 1
+        return low
 
     async def calls(self, ids: list[int], tools: list[str]) -> tuple[list[ToolCall], str]:
         """The tool calls of a model turn, and why they could not be parsed (empty: they could,

@@ -35,7 +35,9 @@ response, not trained on.
 An episode with no request for `idle_timeout_s` after it was taken is
 abandoned: its group is dropped (reason ``abandoned``), and requests for its
 episodes are answered 410. Sampling is the run's (its temperature: the policy
-trains on what it samples); a request's ``max_tokens`` may ask for fewer.
+trains on what it samples); a request's ``max_tokens`` may ask for fewer, and
+its ``stop`` strings end a turn early (the tokens after are neither returned
+nor trained on).
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ from rlflow.protocol import FinishReason, PromptGroup, Response
 from rlflow.services.rollout import http
 from rlflow.services.rollout.engine import EngineDead
 from rlflow.services.rollout.episodes import Trajectory, episode_metrics, failed, stamps
+
+#: The fingerprint of an answer sampled as the run does where the request asked otherwise (`agents.sampling`).
+RUN_SAMPLING = "rlflow-run-sampling"
+#: Sampling fields a request may give, with the values that change nothing (top_p and temperature: the run's).
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"top_k": (-1, 0), "min_p": (0,), "presence_penalty": (0,),
+                                        "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},)}
 
 #: Reason of a group dropped because an agent never ended one of its episodes.
 ABANDONED = "abandoned"
@@ -384,8 +392,13 @@ class AgentEndpoint:
     async def _chat(self, body: dict[str, Any], episode_id: str) -> http.HttpResponse | http.Streamed:
         request = _validated(_requests()[0], body)
         episode = self._episode(episode_id or request.user or "")
+        fingerprint = self._sampling(body, episode)
         messages = [_message(m) for m in request.messages]
         tools = [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
+        choice = "auto" if request.tool_choice is None else getattr(request.tool_choice, "type", request.tool_choice)
+        if tools and choice not in ("auto", "none"):
+            raise _Refused(400, f"tool_choice {request.tool_choice!r}: the model's tool calls are read from what it "
+                                "says, never forced; send \"auto\" or \"none\"")
         try:
             whole = self.text.encode(self.text.render(messages, tools, generation=True))
             if episode.first is None:
@@ -400,11 +413,12 @@ class AgentEndpoint:
                     self.counters["agents.template_mismatch"] += 1
         except RenderError as exc:
             raise _Refused(400, str(exc)) from None
-        prompt_ids, out = await self._turn(episode, added, body.get("max_completion_tokens") or body.get("max_tokens"))
+        prompt_ids, out = await self._turn(episode, added, body.get("max_completion_tokens") or body.get("max_tokens"),
+                                           _stops(request.stop))
         episode.seen = len(messages) + 1
         ids = out.token_ids.tolist()
         content, calls = self.text.decode(ids), []
-        if tools and self.cfg.tool_parser and self.make_parser is not None:
+        if tools and choice == "auto" and self.cfg.tool_parser and self.make_parser is not None:
             parse = await self._parser(tools)
             found, _, rest = parse(self.text.tokenizer.decode(ids, skip_special_tokens=False))
             if found:
@@ -420,11 +434,11 @@ class AgentEndpoint:
         if not request.stream:
             message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             return http.HttpResponse.of(200, {
-                "id": reply_id, "object": "chat.completion", "created": created, "model": model,
+                "id": reply_id, "object": "chat.completion", "created": created, "model": model, **fingerprint,
                 "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish,
                              **({"token_ids": ids} if tokens else {})}],
                 "usage": usage, **({"prompt_token_ids": prompt_ids} if tokens else {})})
-        chunk = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        chunk = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model, **fingerprint}
         deltas = [{"role": "assistant", "content": ""}]
         if content:
             deltas.append({"content": content})
@@ -441,6 +455,7 @@ class AgentEndpoint:
     async def _complete(self, body: dict[str, Any], episode_id: str) -> http.HttpResponse | http.Streamed:
         request = _validated(_requests()[1], body)
         episode = self._episode(episode_id or request.user or "")
+        fingerprint = self._sampling(body, episode)
         if (request.n or 1) != 1:
             raise _Refused(400, "n must be 1: an episode is one sequence")
         prompt = request.prompt
@@ -459,7 +474,7 @@ class AgentEndpoint:
             added = prompt[_common(held_ids, prompt):]
         else:
             raise _Refused(400, "prompt: one text, or one list of token ids")
-        prompt_ids, out = await self._turn(episode, added, request.max_tokens)
+        prompt_ids, out = await self._turn(episode, added, request.max_tokens, _stops(request.stop))
         ids = out.token_ids.tolist()
         said = self.text.decode(ids)
         episode.text = (prompt if isinstance(prompt, str) else self.text.decode(prompt)) + said
@@ -470,7 +485,7 @@ class AgentEndpoint:
         choice = {"index": 0, "text": said, "logprobs": logprobs, "finish_reason": finish,
                   **({"prompt_token_ids": prompt_ids, "token_ids": ids} if request.return_token_ids else {})}
         reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                 "model": request.model or "policy", "choices": [choice]}
+                 "model": request.model or "policy", **fingerprint, "choices": [choice]}
         if not request.stream:
             return http.HttpResponse.of(200, {**reply, "usage": usage})
         events = [reply]
@@ -478,9 +493,27 @@ class AgentEndpoint:
             events.append({**reply, "choices": [], "usage": usage})
         return http.Streamed(_sse(events))
 
-    async def _turn(self, episode: _Episode, added: list[int], asked: int | None) -> tuple[list[int], Response]:
-        """Generate one turn of `episode` after the tokens `added` (the agent's since its last turn);
-        the tokens it was generated over, and the turn."""
+    def _sampling(self, body: dict[str, Any], episode: _Episode) -> dict[str, str]:
+        """Check that a request asks for the run's sampling or none (`agents.sampling`); the answer's
+        fingerprint where it asked for another and is sampled as the run does anyway."""
+        engine = getattr(self.engine, "cfg", None)
+        temperature = episode.temperature if episode.temperature is not None else getattr(engine, "temperature", 1.0)
+        run = {**_NEUTRAL, "top_p": (getattr(engine, "top_p", 1.0),), "temperature": (temperature,)}
+        other = [key for key, value in body.items() if key in run and value is not None and value not in run[key]]
+        if not other:
+            return {}
+        if self.cfg.sampling == "run":
+            self.counters["agents.sampling_ignored"] += 1
+            return {"system_fingerprint": RUN_SAMPLING}
+        key = other[0]
+        raise _Refused(400, f"{key} {body[key]!r}: this run samples at {key} {run[key][0]!r}, the policy trains on "
+                            "what it samples; leave it out (or set agents.sampling = \"run\" to be sampled as the "
+                            "run does)")
+
+    async def _turn(self, episode: _Episode, added: list[int], asked: int | None,
+                    stops: Sequence[str] = ()) -> tuple[list[int], Response]:
+        """Generate one turn of `episode` after the tokens `added` (the agent's since its last turn), ended
+        before the first of `stops` in its text; the tokens it was generated over, and the turn."""
         if episode.turns >= self.cfg.max_turns:
             episode.cut = FinishReason.TURNS
             raise _Refused(400, f"episode {episode.id} has had its {self.cfg.max_turns} turns (agents.max_turns): "
@@ -496,6 +529,11 @@ class AgentEndpoint:
                                 f"{self.cfg.max_tokens}): end it", "episode_over")
         cap = min(self.turn_tokens, room, asked or self.turn_tokens)
         prompt = first + episode.path.ids + added
+        if context := getattr(self.engine, "context", None):  # the longest sequence the engine takes
+            if len(prompt) >= context:
+                raise _Refused(400, f"the prompt is {len(prompt)} tokens, the model's context {context}: nothing "
+                                    "is left to generate; shorten it", "context_length_exceeded")
+            cap = min(cap, context - len(prompt))
         episode.busy = True
         scope = trio.CancelScope()
         self._turning.add(scope)
@@ -515,6 +553,8 @@ class AgentEndpoint:
             raise _Refused(500, f"the engine failed on this turn: {out.error}", "engine_error")
         if episode.result is not None or episode.id not in self.episodes:
             raise _Refused(410, f"episode {episode.id} was abandoned while its turn ran", "episode_gone")
+        if stops and (keep := self.text.before_stop(out.token_ids.tolist(), stops)) is not None:
+            out = _cut(out, keep)  # what followed was sampled, but neither the agent nor the trainer sees it
         if episode.first is None:
             episode.first = first
             episode.path.started = time.time()
@@ -555,6 +595,18 @@ def _assemble(held: _Group, version: int) -> tuple[PromptGroup, list[Response]]:
                 versions=np.concatenate([np.full(len(rest), start, np.int32), result.versions]),
                 loss_mask=np.concatenate([np.zeros(len(rest), np.uint8), result.loss_mask]))
     return msgspec.structs.replace(held.group, prompt_ids=list(shared)), responses
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    """A request's `stop`, as strings."""
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
+def _cut(out: Response, keep: int) -> Response:
+    """A turn's first `keep` tokens, stopped (at a stop string)."""
+    mask = out.loss_mask[:keep] if out.loss_mask is not None else None
+    return dataclasses.replace(out, token_ids=out.token_ids[:keep], logprobs=out.logprobs[:keep],
+                               versions=out.versions[:keep], loss_mask=mask, finish_reason=FinishReason.STOP)
 
 
 def _usage(prompt_ids: list[int], ids: list[int]) -> dict[str, int]:

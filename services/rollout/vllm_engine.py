@@ -176,6 +176,12 @@ class VllmEngine:
 
     # -- called by the service ----------------------------------------------------
 
+    @property
+    def context(self) -> int | None:
+        """The longest sequence (prompt and response) the engine takes; None before it has started."""
+        llm = self.backend.llm
+        return llm.model_config.max_model_len if llm is not None else None
+
     def submit(self, group: PromptGroup, issued_at: float) -> None:
         self.pending.append(_Group(group, issued_at))
         self._wake.set()
