@@ -192,6 +192,8 @@ class VllmBackend:
             # token to keep, which a CPU generator cannot do (vLLM's engine dies: "CPU Generator does not
             # use offset"): seeded requests get their prompts computed whole.
             enable_chunked_prefill=False if self.seeded else None,
+            # Whole prompts: a step then takes the longest (vLLM refuses a smaller budget without chunks).
+            max_num_batched_tokens=max(UNCHUNKED_BATCH_TOKENS, longest(self.model_path)) if self.seeded else None,
             **self.lora_args(),
         )
 
@@ -445,6 +447,18 @@ def engine_dtype(setting: str) -> str:
     if not current_platform.is_cpu():
         return "auto"
     return "bfloat16" if compat.cpu_multiplies_bf16() else "float32"
+
+
+#: The tokens a step of the engine takes when prompts are computed whole (`VllmBackend.seeded`), at least
+#: (vLLM's own budget on a CPU with chunks).
+UNCHUNKED_BATCH_TOKENS = 4096
+
+
+def longest(model_path: str) -> int:
+    """The longest sequence the model at `model_path` takes (its positions)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path).get_text_config().max_position_embeddings
 
 
 def kv_cache_bytes(cfg: VllmRollout, model_path: str) -> int | None:
