@@ -6,10 +6,13 @@ dataset's own verifier as the reward in all three), task stream (each
 seed's prompts, in the order rlflow grants them), held-out set, batch (32 prompts x 8
 samples), sampling (temperature 1, top-p 1, 100 tokens), optimizer (AdamW
 at rlflow's lr and betas, no weight decay, the gradient's norm clipped at
-1.0), schedule (rlflow's, over the default run's 120 steps) and loss (the
-clipped surrogate at 0.2 / 0.28, no KL, summed over tokens over every
-response token of the batch) in three trainers, one run at a time with
-nothing else running, each seed:
+1.0), schedule (rlflow's shape, over the steps each trainer makes: the
+default run's 120; the peer's over its `--peer-time` budget, however many
+steps that is, `--peer-schedule`) and loss (the clipped surrogate at 0.2 /
+0.28, no KL, summed over tokens over every response token of the batch) in
+three trainers, one run at a time with nothing else running, each seed. The
+peer in the configuration a TRL user picks (`--peer-generation`,
+`--peer-precision`; docs/benchmarks.md lists what each gave):
 
     peer     Hugging Face TRL's GRPOTrainer (`bench/peer_trl.py`, in the
              virtual environment `make peer` makes): transformers `generate`,
@@ -43,7 +46,9 @@ line per task (`--task`, comma-separated; the default task's name is
         time_to_peer_ratio_high=H peer_samples_per_s=P samples_per_s=S      (one line)
 
 A: rlflow sync's held-out accuracy minus the peer's, the worst over the
-step marks up to `--steps` (means over seeds); D: the default's minus
+step marks of the whole run where both have one (means over seeds; the
+peer's schedule spans its budget, sync's the default's steps, so A holds the
+schedules' difference too: `--peer-schedule steps` puts both on one); D: the default's minus
 sync's at the same marks (worst); R: the default's wall time to the peer's
 accuracy at `--peer-time` seconds of training (the first of its marks whose
 mean over seeds reaches it), over `--peer-time`; H: the upper end of R's
@@ -75,6 +80,10 @@ SYSTEMS = ("peer", "sync", "default")
 #: rlflow's variant (bench/learning.py) of each rlflow system.
 VARIANT = {"sync": "sync", "default": "default"}
 TARGETS = {"A": -1.5, "D": -1.5, "R": 0.5}
+#: With its schedule over its time budget, the prompts the peer is given: this many times the
+#: schedule's steps (it stops at the end of its budget: 89-100 steps in 420 s on the default task, 1.2-2.7 s a
+#: step on spell_backward).
+PEER_STEPS_OVER = 5
 
 
 # -- running -------------------------------------------------------------------------------
@@ -105,7 +114,10 @@ def peer_plan(seed: int, args, folder: pathlib.Path) -> dict:
     task = make_task(config, tokenizer)
     trainer, rollout, run = config.roles.trainer.engine, config.roles.rollout.engine, config.run
     horizon = trainer.lr_decay_steps or run.steps
-    groups = range(horizon * run.batch_size)
+    # Over its time budget, the peer's schedule spans the steps it makes in it, however many.
+    by_time = args.peer_schedule == "time"
+    max_steps = max(horizon * PEER_STEPS_OVER, args.steps) if by_time else horizon
+    groups = range(max_steps * run.batch_size)
     prompts = [task.prompt_text(g) for g in groups]
     return {
         "out": str(folder), "model": model, "seed": seed, "threads": args.peer_threads,
@@ -118,10 +130,13 @@ def peer_plan(seed: int, args, folder: pathlib.Path) -> dict:
         "lr": trainer.lr, "betas": list(trainer.betas), "weight_decay": trainer.weight_decay,
         "grad_clip": trainer.grad_clip, "clip_low": trainer.clip_low, "clip_high": trainer.clip_high,
         "warmup_steps": trainer.warmup_steps, "lr_decay": trainer.lr_decay, "lr_final": trainer.lr_final,
-        "lr_decay_steps": horizon,
-        "bf16": bf16_passes(trainer.mixed_precision, torch.device("cpu")),
+        "lr_decay_steps": horizon, "max_steps": max_steps, "schedule_s": args.peer_time if by_time else 0,
+        "bf16": (bf16_passes(trainer.mixed_precision, torch.device("cpu")) if args.peer_precision == "auto"
+                 else args.peer_precision == "bf16"),
+        "generation": args.peer_generation,
         "every": args.every, "time_marks": list(range(args.time_every, args.peer_time + 1, args.time_every)),
-        "min_steps": args.steps, "min_time_s": args.peer_time,
+        # Over its time budget the peer stops at its end; over --horizon steps, once it has made --steps too.
+        "min_steps": 0 if by_time else args.steps, "min_time_s": args.peer_time,
     }
 
 
@@ -138,7 +153,8 @@ def run_peer(seed: int, args, folder: pathlib.Path) -> None:
     config = default_config(seed, args.task)
     (folder / "config.toml").write_text(C.to_toml(C.load(text=C.to_toml(config), overrides=[
         f'roles.rollout.model="{plan["model"]}"'])))
-    print(f"[peer] peer seed {seed}: TRL's GRPOTrainer, {args.steps} steps and {args.peer_time} s at least", flush=True)
+    print(f"[peer] peer seed {seed}: TRL's GRPOTrainer ({args.peer_generation}, {args.peer_precision}), "
+          f"{args.peer_time} s of training", flush=True)
     started = time.monotonic()
     with open(folder.parent / f"{folder.name}.log", "w") as log:
         done = subprocess.run([str(PEER_PYTHON), str(ROOT / "bench" / "peer_trl.py"), str(folder / "plan.json")],
@@ -205,7 +221,9 @@ def mean_at(runs: list[dict], step: int) -> float | None:
 
 
 def summarise(results: dict[str, dict[int, dict]], args) -> dict:
-    marks = list(range(args.mark_every, args.steps + 1, args.mark_every))
+    # Every mark of the whole run: each pair compared where both have evaluated (the peer stops at its budget).
+    last = max((p["step"] for by_seed in results.values() for r in by_seed.values() for p in r["curve"]), default=0)
+    marks = list(range(args.mark_every, last + 1, args.mark_every))
     time_marks = list(range(args.time_every, args.peer_time + 1, args.time_every))
     out: dict = {"marks": marks, "time_marks": time_marks, "systems": {}}
     for system, by_seed in results.items():
@@ -342,7 +360,8 @@ def main() -> None:
                              "each on the model `rlflow model build --task` builds for it (built first)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
-    parser.add_argument("--steps", type=int, default=40, help="compare by steps up to this (sync runs this long)")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="steps sync runs (0: as many as the default): A and D are read at every mark of them")
     parser.add_argument("--default-steps", type=int, default=0, help="steps the default runs (0: as it ships)")
     parser.add_argument("--every", type=int, default=5, help="write the weights every this many steps")
     parser.add_argument("--mark-every", type=int, default=10, help="the step marks A and D are read at")
@@ -351,6 +370,15 @@ def main() -> None:
     parser.add_argument("--horizon", type=int, default=120, help="steps the learning-rate schedule spans")
     parser.add_argument("--peer-accumulation", type=int, default=1,
                         help="the peer's gradient accumulation steps per optimizer step (its micro-batches)")
+    parser.add_argument("--peer-generation", choices=("padded", "continuous"), default="padded",
+                        help="TRL's generation: transformers `generate` over a padded batch, or its continuous "
+                             "batching (use_transformers_continuous_batching)")
+    parser.add_argument("--peer-precision", choices=("auto", "float32", "bf16"), default="auto",
+                        help="TRL's bf16 (autocast): auto as rlflow's trainer (bf16 passes where the CPU "
+                             "multiplies bf16)")
+    parser.add_argument("--peer-schedule", choices=("time", "steps"), default="time",
+                        help="the peer's learning-rate schedule spans its --peer-time (the steps it makes in "
+                             "it) or --horizon steps")
     parser.add_argument("--peer-threads", type=int, default=len(__import__("os").sched_getaffinity(0)))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for both rlflow systems (repeatable)")
@@ -367,6 +395,7 @@ def main() -> None:
     if "peer" in systems and not PEER_PYTHON.exists():
         parser.error(f"the peer's environment is missing ({PEER_PYTHON}): run `make peer` first")
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
+    args.steps_given = args.steps
     print(f"[peer] on {cpu_name()}", flush=True)
     lines = [run_task(task.strip(), seeds, systems, args) for task in args.task.split(",") if task.strip()]
     print("\n".join(lines))
@@ -376,6 +405,7 @@ def run_task(task: str, seeds: list[int], systems: list[str], args) -> str:
     """Every system and seed on `task` ("default": the embedded default's; else a reasoning-gym dataset,
     its model built first); the tables and plot written; its RESULT line."""
     args.task = task
+    args.steps = args.steps_given or default_config(0, task).run.steps
     if task != "default":
         from rlflow.taskmodel import build_task_model, task_model_dir
 

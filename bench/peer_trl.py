@@ -44,7 +44,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 from rlflow.tasks.arith import Arith  # noqa: E402
 
 
-def learning_rate_factor(step: int, plan: dict) -> float:
+def learning_rate_factor(step: float, plan: dict) -> float:
     """rlflow's schedule (`learning_rate` of its torch trainer) as a factor of lr at step `step` (from 0)."""
     warmup, decay, final, total = plan["warmup_steps"], plan["lr_decay"], plan["lr_final"], plan["lr_decay_steps"]
     if warmup and step < warmup:
@@ -72,7 +72,15 @@ class Marks(TrainerCallback):
         self.ended: dict[int, float] = {}  # step -> training clock when it ended
 
     def clock(self) -> float:
-        return time.monotonic() - self.started - self.paused
+        return time.monotonic() - self.started - self.paused if self.started else 0.0
+
+    def schedule_step(self, step: int) -> float:
+        """Where in rlflow's schedule the peer is at its step `step`: that step, or with a schedule over
+        its time budget (`schedule_s`), the share of the budget spent so far of the schedule's steps (the
+        schedule spans the steps the peer makes in its budget, however many that is)."""
+        if not self.plan["schedule_s"]:
+            return step
+        return self.clock() / self.plan["schedule_s"] * self.plan["lr_decay_steps"]
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.started = time.monotonic()
@@ -135,8 +143,9 @@ def settings(plan: dict, out: pathlib.Path) -> GRPOConfig:
         adam_beta2=plan["betas"][1],
         weight_decay=plan["weight_decay"],
         max_grad_norm=plan["grad_clip"],
-        max_steps=plan["lr_decay_steps"],
+        max_steps=plan["max_steps"],
         bf16=plan["bf16"],
+        use_transformers_continuous_batching=plan["generation"] == "continuous",
         gradient_checkpointing=False,
         shuffle_dataset=False,
         seed=plan["seed"],
@@ -163,7 +172,9 @@ def main() -> None:
     config = settings(plan, out)
     optimizer = torch.optim.AdamW(model.parameters(), lr=plan["lr"], betas=tuple(plan["betas"]),
                                   weight_decay=plan["weight_decay"], eps=1e-8)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate_factor(step, plan))
+    marks = Marks(plan, out)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: learning_rate_factor(marks.schedule_step(step), plan))
 
     @functools.cache
     def score_fn(source: str):
@@ -180,7 +191,6 @@ def main() -> None:
                 for c, r in zip(completions, rows, strict=True)]
 
     dataset = Dataset.from_dict({"prompt": plan["prompts"], "answer": plan["answers"], "row": plan["rows"]})
-    marks = Marks(plan, out)
     trainer = GRPOTrainer(model=model, reward_funcs=correct, args=config, train_dataset=dataset,
                           processing_class=tokenizer, optimizers=(optimizer, schedule), callbacks=[marks])
     started = time.monotonic()
