@@ -369,7 +369,24 @@ def build_tokenizer(alphabet: str):
     )
 
 
-def _config(recipe: Recipe, tokenizer):
+class ModelShape(Protocol):
+    """The shape of a model rlflow builds (`Recipe`, `rlflow.taskmodel.TaskRecipe`)."""
+
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def ffn(self) -> int: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def heads(self) -> int: ...
+    @property
+    def max_positions(self) -> int: ...
+
+
+def qwen2_config(recipe: ModelShape, tokenizer):
+    """The Qwen2 configuration of a model of `recipe`'s shape over `tokenizer` (its end of sequence
+    the beginning too), untied, in float32."""
     from transformers import Qwen2Config
 
     return Qwen2Config(
@@ -475,7 +492,7 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
     task_cfg = ArithTask()
     arith = Arith(task_cfg.digit_weights, seed=recipe.seed, heldout_seed=task_cfg.heldout_seed)
     tokenizer = build_tokenizer(Arith.ALPHABET)
-    model = Qwen2ForCausalLM(_config(recipe, tokenizer))
+    model = Qwen2ForCausalLM(qwen2_config(recipe, tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98))
     rng = np.random.default_rng((recipe.seed, 3))
     dev_rng = np.random.default_rng((recipe.seed, 4))

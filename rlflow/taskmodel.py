@@ -38,7 +38,8 @@ import numpy as np
 
 from rlflow.config import Config, DatasetTask, FunctionsReward, ReasoningGymTask, kind_of
 from rlflow.models import (
-    BuildProgress, building, cache_dir, cpu_name, deterministic, greedy_answers, tiny_text_tokenizer,
+    BuildProgress, building, cache_dir, cpu_name, deterministic, greedy_answers, qwen2_config,
+    tiny_text_tokenizer,
 )
 
 #: `roles.rollout.model` that names the model built for the config's task.
@@ -214,19 +215,12 @@ def _warm_start(config: Config, recipe: TaskRecipe, out: pathlib.Path, report: C
 def _train(config: Config, recipe: TaskRecipe, out: pathlib.Path, report: Callable[[str, float], None],
            pass_rate: Callable[[list[_Row], list[str]], float]) -> pathlib.Path:
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2ForCausalLM
 
     torch.manual_seed(recipe.seed)
     tokenizer = tiny_text_tokenizer()
     train, dev = _rows(config, recipe, tokenizer)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=recipe.hidden, intermediate_size=recipe.ffn,
-        num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads, num_key_value_heads=recipe.heads,
-        max_position_embeddings=recipe.max_positions, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, dtype="float32", architectures=["Qwen2ForCausalLM"],
-    ))
+    model = Qwen2ForCausalLM(qwen2_config(recipe, tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98))
     rng = np.random.default_rng((recipe.seed, 12))
     answer_tokens = recipe.max_answer_tokens or max(len(r.answer_ids) for r in train + dev) + 8

@@ -321,7 +321,7 @@ def _build_models(config) -> None:
     names and that are not cached yet (the default policy ships with rlflow)."""
     from rlflow.config import ConfigError
     from rlflow.models import BUILT
-    from rlflow.taskmodel import TASK_MODEL, TaskModelError, build_task_model, task_model_dir
+    from rlflow.taskmodel import TASK_MODEL, TaskModelError
     from rlflow.tasks.dataset import DatasetError
 
     if not config.needs_model:
@@ -330,14 +330,24 @@ def _build_models(config) -> None:
         model = getattr(getattr(role, "engine", None), "model", None)
         if model in BUILT and model != "default":
             build_model(force=False, name=model)
-    if config.roles.rollout.model == TASK_MODEL and not (task_model_dir(config) / "config.json").exists():
-        print(f"[rlflow] building the model of the task into {task_model_dir(config)} (once; a few minutes)",
-              file=sys.stderr)
+    if config.roles.rollout.model == TASK_MODEL:
         try:
-            with _build_progress() as report:
-                build_task_model(config, progress=report)
+            task_model(config, force=False)
         except (TaskModelError, DatasetError) as exc:
             raise ConfigError("roles.rollout.model", TASK_MODEL, f"the task's model cannot be built: {exc}") from None
+
+
+def task_model(config, *, force: bool) -> pathlib.Path:
+    """The model of `config`'s task (`rlflow.taskmodel`); built first (with a progress bar) if it is not
+    cached yet, or `force`."""
+    from rlflow.taskmodel import build_task_model, task_model_dir
+
+    path = task_model_dir(config)
+    if force or not (path / "config.json").exists():
+        print(f"[rlflow] building the model of the task into {path} (once; a few minutes)", file=sys.stderr)
+        with _build_progress() as report:
+            build_task_model(config, out=path, progress=report)
+    return path
 
 
 def build_model(force: bool, name: str = "default") -> pathlib.Path:
@@ -487,7 +497,7 @@ def cmd_model(args: argparse.Namespace) -> int:
 def _task_model(args: argparse.Namespace) -> int:
     """`rlflow model build|path --task`: the model of a task (`rlflow.taskmodel`)."""
     from rlflow.config import ConfigError
-    from rlflow.taskmodel import TaskModelError, build_task_model, task_config, task_model_dir
+    from rlflow.taskmodel import TaskModelError, task_config, task_model_dir
     from rlflow.tasks.dataset import DatasetError
 
     try:
@@ -499,14 +509,11 @@ def _task_model(args: argparse.Namespace) -> int:
     if args.model_command == "path":
         print(path)
         return 0
-    if not (path / "config.json").exists() or args.force:
-        print(f"[rlflow] building the model of the task into {path} (a few minutes)", file=sys.stderr)
-        try:
-            with _build_progress() as report:
-                build_task_model(config, out=path, progress=report)
-        except (TaskModelError, DatasetError) as exc:
-            print(f"rlflow model: {exc}", file=sys.stderr)
-            return 2
+    try:
+        task_model(config, force=args.force)
+    except (TaskModelError, DatasetError) as exc:
+        print(f"rlflow model: {exc}", file=sys.stderr)
+        return 2
     info = json.loads((path / "rlflow_build.json").read_text())
     print(f"[rlflow] the task's model at {path}: {info['parameters']:,} parameters, development-set accuracy "
           f"{info['dev_accuracy']:.1%} after {info['steps']} warm-start steps ({info['seconds']:.0f} s); a config "
