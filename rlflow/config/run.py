@@ -38,11 +38,12 @@ class RunConfig(Table, frozen=True):
     metrics.jsonl and evals.jsonl, row for row, but for what measures time and load (`StepRow.learning`,
     `EvalRow.learning`). Each request samples from a seed of its own (the run's seed and its prompt
     group), the trainer takes each step's groups in the order of their ids, with deterministic
-    kernels. It holds because vLLM on a CPU computes a sequence alike whatever else is in its batch
-    (measured: bit-equal log-probabilities alone and among seven others, float32 and bfloat16); on a
-    GPU it is not measured. An asynchronous run cannot
-    promise it: which version generated a token depends on when the weights arrived. Not with outside
-    agents or an environment (their turns' order is theirs)."""
+    kernels, and no group is generated while a held-out evaluation runs (a batch that mixes an
+    evaluation's prompts with training's turns may round otherwise). It holds because vLLM on a CPU
+    computes a sequence alike whatever else in its batch decodes (measured: bit-equal log-probabilities
+    alone and among seven others, float32 and bfloat16); on a GPU it is not measured. An asynchronous
+    run cannot promise it: which version generated a token depends on when the weights arrived. Not
+    with outside agents or an environment (their turns' order is theirs)."""
     run_dir: str = "runs/{time}"
     """Where the run writes its config, metrics and checkpoints ({time} is the start time)."""
     resume: str = ""

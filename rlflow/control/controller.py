@@ -308,6 +308,7 @@ class Controller:
             case EvalDone():
                 append_jsonl(self.run_dir.evals, self.stats.eval_done(msg, self.ledger.steps_done))
                 self.outboxes.order(self.weights.release(receivers), self.roster)
+                self._grant()
                 self._changed.set()
             case ErrorReport(kind=kind):
                 if (failed := reported(replica, msg)) is not None:
@@ -385,6 +386,8 @@ class Controller:
             self._warn(text)
         self.ledger.notices.clear()
         if self.training_started is None or not self.state.live:
+            return
+        if self.config.run.deterministic and self.weights.rounds.held:  # no generation beside an evaluation's
             return
         room = {r.rank: r.capacity for r in self.roster.role("rollout")
                 if r.live and r.rank not in self.weights.catching_up}
