@@ -385,9 +385,9 @@ class Controller:
         for text in self.ledger.notices:
             self._warn(text)
         self.ledger.notices.clear()
-        if self.training_started is None or not self.state.live:
-            return
-        if self.config.run.deterministic and self.weights.rounds.held:  # no generation beside an evaluation's
+        # (a reproducible run generates nothing beside a held-out evaluation: see RunConfig.deterministic)
+        if self.training_started is None or not self.state.live or (self.config.run.deterministic
+                                                                     and self.weights.rounds.held):
             return
         room = {r.rank: r.capacity for r in self.roster.role("rollout")
                 if r.live and r.rank not in self.weights.catching_up}
