@@ -319,6 +319,8 @@ class RayLauncher:
         self.controller = controller_address
         host_cls = ray.remote(ServiceHost)
         slots = self.pools.slots()
+        # Every role's actors are created before any is waited on: their processes start together.
+        roles: list[tuple[str, list[tuple[int, Any, dict[str, Any], tuple[int, int] | None]], Any]] = []
         for role, cfg in self.config.launched_roles():
             started: list[tuple[int, Any, dict[str, Any], tuple[int, int] | None]] = []
             local_ranks: dict[tuple[str, int], int] = defaultdict(int)
@@ -346,7 +348,9 @@ class RayLauncher:
                     "max_concurrency": 2,
                 }
                 started.append((rank, host_cls.options(**options).remote(slot.cores), options, slot.cores))
-            master = ray.get(started[0][1].address.remote(cfg.replicas))
+            roles.append((role, started, started[0][1].address.remote(cfg.replicas)))
+        masters = ray.get([master for _, _, master in roles])
+        for (role, started, _), master in zip(roles, masters):
             for rank, actor, options, cores in started:
                 self._run(role, rank, 0, actor, options, cores, master)
 
