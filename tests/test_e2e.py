@@ -47,8 +47,9 @@ TWO = ["roles.trainer.replicas=2", "roles.rollout.replicas=2"]
 ONE = ["roles.trainer.replicas=1", "roles.rollout.replicas=1"]
 
 
-def real_config(model: pathlib.Path) -> C.Config:
-    """`CONFIG` on `model`, its weights sent in 64 KiB pieces, on two trainer ranks and two rollout replicas."""
+def real_config(model: pathlib.Path, *overrides: str) -> C.Config:
+    """`CONFIG` on `model`, its weights sent in 64 KiB pieces, on two trainer ranks and two rollout replicas
+    (then `overrides`)."""
     return C.build(CONFIG, {"roles": {
         "rollout": {"model": str(model)},
         # A format reward that some samples of most groups meet (the tiny model's
@@ -56,7 +57,7 @@ def real_config(model: pathlib.Path) -> C.Config:
         "reward": {"engine": {"kind": "functions", "check_references": 0, "functions": [
             {"path": "rlflow.rewards:regex", "kwargs": {"pattern": "^[0-4]"}, "workers": 1}]}},
         "trainer": {"engine": {"bucket_bytes": 65536}},
-    }}, overrides=TWO)
+    }}, overrides=[*TWO, *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -166,13 +167,13 @@ def test_a_run_resumes_from_its_last_checkpoint_detached(real_run, ray_cluster):
 
 
 def test_a_deterministic_sync_run_writes_the_same_record_twice(real_run, tmp_path_factory):
-    """`run.deterministic` in sync mode: the real run made again (which of the two vLLM replicas
-    generates a group is the race of the day; the trainer's two ranks reduce their gradients) writes
+    """`run.deterministic` in sync mode: the real run made again on one vLLM replica (the first had
+    two, which raced for the groups; the trainer's two ranks reduce their gradients in both) writes
     the same metrics and evaluations, but for what measures time; the run samples (temperature 1) and
     learns (the rewards and the loss move). Its first three steps alone: another test resumes it."""
     model, run_dir, _ = real_run
     again = tmp_path_factory.mktemp("again") / "run"
-    summary = run(real_config(model), again)
+    summary = run(real_config(model, "roles.rollout.replicas=1"), again)
     assert summary.state == "stopped", summary.error
 
     def record(folder: RunDir) -> tuple[list[dict], list[dict]]:

@@ -141,6 +141,10 @@ def two_nodes() -> Iterator[TwoNodes]:
         "RAY_AUTH_MODE": "token",  # on, as Ray 2.60 has it by default, with a token of this test's own
         "RAY_AUTH_TOKEN": secrets.token_hex(32),
         "RAY_USAGE_STATS_ENABLED": "0",
+        # A lost node is found out after 3 health checks half a second apart (Ray's default: 5, 3 s apart):
+        # its replica's next incarnation waits for its placement group to be placed again, which waits for it.
+        "RAY_health_check_period_ms": "500",
+        "RAY_health_check_failure_threshold": "3",
     }
     env.pop("RAY_ADDRESS", None)
     cluster = TwoNodes(head, worker, env, tmp)
