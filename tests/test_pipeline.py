@@ -162,9 +162,10 @@ def test_chaos_kills_a_hang_and_a_trainer_resume_lose_nothing(clean, tmp_path, m
     chaos = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "chaos", chaos)  # its dataclasses look their module up there
     spec.loader.exec_module(chaos)
-    # A hang is found out by the heartbeat timeout: 4 s of silence (8 heartbeats) rather than the bench's 10.
+    # A hang is found out by the heartbeat timeout: 4 s of silence (8 heartbeats) rather than the bench's 10;
+    # each victim's next incarnation starts 0.1 s after its death rather than 1 s (the saboteur waits for it).
     done, result, steps = chaos.chaos_run(tmp_path, kills=3, hang=True, kill_trainer=True, steps=None, seed=3,
-                                          hang_s=4.0)
+                                          hang_s=4.0, backoff_s=0.1)
     assert (done.kills, done.hangs, done.trainer_kills, done.error) == (3, 1, 1, ""), done.log
     assert (result.lost, result.duplicated) == (0, 0), result
     assert steps >= chaos.STEPS_AFTER and result.trained == steps * 4
