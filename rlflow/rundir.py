@@ -131,7 +131,8 @@ class StepRow(Record, frozen=True):
     train: dict[str, float] = {}
     """The trainer engine's own statistics (loss, gradient norm, clipped share, ...)."""
     reward_failed_share: float | None = None
-    """Share of the samples scored over the step whose reward could not be computed."""
+    """Share of the samples scored over the step whose reward could not be computed (read from the
+    reward replicas' heartbeats: the samples they scored while the step ran, not the step's)."""
     engine: EngineStep | None = None
     """The rollout's engines at the step's end (engines that report a scheduler)."""
     controller_msgs: int = 0
@@ -139,8 +140,9 @@ class StepRow(Record, frozen=True):
 
     def learning(self) -> dict[str, Any]:
         """What the step learned from, and how: the row without what measures time or load (the
-        seconds, the roles' shares, the engines' queues, the controller's messages, the trainer's
-        statistics in seconds, named `*_s`). Two runs with `run.deterministic` write the same."""
+        seconds, the roles' shares, the engines' queues, the controller's messages, the reward's
+        failed share over the step's time, the trainer's statistics in seconds, named `*_s`). Two
+        runs with `run.deterministic` write the same."""
         row = msgspec.to_builtins(self)
         for key in _MEASURED:
             row.pop(key, None)
@@ -175,7 +177,7 @@ class EvalRow(Record, frozen=True):
 
 
 #: A `StepRow`'s fields that measure time or load, which no two runs share.
-_MEASURED = ("time_s", "train_s", "occupancy", "roles", "engine", "controller_msgs")
+_MEASURED = ("time_s", "train_s", "occupancy", "roles", "engine", "controller_msgs", "reward_failed_share")
 
 
 class Placed(Record, frozen=True):

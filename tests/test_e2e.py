@@ -214,8 +214,9 @@ def own_config(model: pathlib.Path, teacher: pathlib.Path, data: pathlib.Path) -
 
 #: Steps of the run below. The engine core is killed once step 2 is trained; beyond the groups the
 #: credits let out before that (3 steps' worth), every step needs the restarted replica, so the kill
-#: lands mid-run: a step takes well under a second here, and the killer looks every 50 ms.
-OWN_STEPS = 24
+#: lands mid-run: a step takes well under a second here, and the killer looks every 50 ms. (24 steps
+#: took 25 s of the run's time, the replica's restart 10 s of them.)
+OWN_STEPS = 12
 
 
 @pytest.fixture(scope="module")
