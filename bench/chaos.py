@@ -181,15 +181,12 @@ def sabotage(chaos: Chaos, *args, stop_run: pathlib.Path | None = None) -> None:
 
 
 def chaos_run(work: pathlib.Path, *, kills: int, hang: bool, kill_trainer: bool, steps: int | None, seed: int = 0,
-              hang_s: float = 10.0, backoff_s: float | None = None) -> tuple[Chaos, object, int]:
+              hang_s: float = 10.0, backoff_s: float = 1.0) -> tuple[Chaos, object, int]:
     """One run under chaos (resumed once if the trainer is killed); (what
     was done, the audit, the steps completed). `steps` None: the run goes on
-    until the saboteur is done, and `STEPS_AFTER` steps more. `backoff_s`: the first restart's delay
-    (None: the config's)."""
+    until the saboteur is done, and `STEPS_AFTER` steps more. `backoff_s`: the first restart's delay."""
     rng = random.Random(seed)
-    cluster = {"heartbeat_timeout_s": hang_s, "max_restarts": kills + 2}
-    if backoff_s is not None:
-        cluster["restart_backoff_s"] = backoff_s
+    cluster = {"heartbeat_timeout_s": hang_s, "max_restarts": kills + 2, "restart_backoff_s": backoff_s}
     config = C.build(CONFIG, {"run": {"steps": steps or 1_000_000}, "cluster": cluster})
     run_dir = work / "run"
     chaos = Chaos()

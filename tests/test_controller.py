@@ -522,7 +522,7 @@ async def test_services_of_one_machine_pass_large_tensors_through_shared_memory_
 async def test_a_resumed_ledger_grants_the_untrained_groups_first(tmp_path):
     """The controller's part of a resume: the groups granted before the
     checkpoint and not trained on are granted again, none skipped."""
-    from rlflow.control.controller import ControllerState
+    from rlflow.control.steps import ControllerState
 
     ledger = GroupLedger(4, 2, 100)
     ledger.grant({0: 100}, 0)

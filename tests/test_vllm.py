@@ -8,9 +8,11 @@ the trainer service uses.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
+import time
 
 import numpy as np
 import psutil
@@ -442,6 +444,22 @@ def agents_endpoint(engine, tied_model, *, max_turns: int):
     return vllm, endpoint, tokenizer, ctx
 
 
+@contextlib.asynccontextmanager
+async def one_group_served(vllm, endpoint, tokenizer, n: int):
+    """The replica's engine and endpoint running, group 0 ("57+68=", `n` samples) handed to them; yields
+    the prompt's token ids. Both stop on the way out."""
+    from rlflow.protocol import PromptGroup
+
+    with trio.fail_after(180):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(vllm.run)
+            await nursery.start(endpoint.run)
+            prompt = tokenizer.encode("57+68=", add_special_tokens=False)
+            endpoint.submit(PromptGroup(group_id=0, prompt_ids=prompt, n=n, reference="125"), time.time())
+            yield prompt
+            nursery.cancel_scope.cancel()
+
+
 async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tied_model):
     """Outside agents on the real `openai` client against a vLLM replica's endpoint: every token of an
     episode's sample at loss mask 1 is a token the endpoint returned (with its log-probability), each
@@ -450,7 +468,6 @@ async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tie
     completions share one group, a wrong key is refused, and a killed agent's group is abandoned."""
     import subprocess
     import sys
-    import time
 
     import httpx
     import openai
@@ -474,78 +491,71 @@ async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tie
         clients.append(openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0))
         return clients[-1]
 
-    with trio.fail_after(180):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(vllm.run)
-            await nursery.start(endpoint.run)
-            prompt = tokenizer.encode("57+68=", add_special_tokens=False)
-            endpoint.submit(PromptGroup(group_id=0, prompt_ids=prompt, n=2, reference="125"), time.time())
+    async with one_group_served(vllm, endpoint, tokenizer, n=2) as prompt:
+        with pytest.raises(openai.AuthenticationError):
+            await call(client(f"{url}/v1", "wrong").models.list)
 
-            with pytest.raises(openai.AuthenticationError):
-                await call(client(f"{url}/v1", "wrong").models.list)
+        # Completions, two turns with a weight update between them.
+        episode = await call(take)
+        llm = client(episode["base_url"], "right-key")
+        extra = {"return_token_ids": True}
+        first = await call(llm.completions.create, model="policy", prompt=episode["prompt"], max_tokens=12,
+                           logprobs=1, extra_body=extra)
+        assert first.choices[0].model_extra["token_ids"]
+        await push(engine, newer, version=100)
+        hint = "57+68=7+8=15,"
+        second = await call(llm.completions.create, model="policy", prompt=episode["prompt"] + first.choices[0].text
+                            + hint, max_tokens=12, logprobs=1, extra_body=extra)
+        ended = await call(httpx.post, f"{url}/rlflow/episodes/{episode['id']}/end", json={"reward": 0.5},
+                           headers=key)
+        assert ended.status_code == 200, ended.text
 
-            # Completions, two turns with a weight update between them.
-            episode = await call(take)
-            llm = client(episode["base_url"], "right-key")
-            extra = {"return_token_ids": True}
-            first = await call(llm.completions.create, model="policy", prompt=episode["prompt"], max_tokens=12,
-                               logprobs=1, extra_body=extra)
-            assert first.choices[0].model_extra["token_ids"]
-            await push(engine, newer, version=100)
-            hint = "57+68=7+8=15,"
-            second = await call(llm.completions.create, model="policy", prompt=episode["prompt"] + first.choices[0].text
-                                + hint, max_tokens=12, logprobs=1, extra_body=extra)
-            ended = await call(httpx.post, f"{url}/rlflow/episodes/{episode['id']}/end", json={"reward": 0.5},
-                               headers=key)
-            assert ended.status_code == 200, ended.text
+        # Chat, streamed, with a tool's result between the turns.
+        chat = await call(take)
+        llm = client(chat["base_url"], "right-key")
+        tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+        messages = [{"role": "user", "content": "57+68"}]
+        reply = await call(llm.chat.completions.create, model="policy", messages=messages, tools=tools,
+                           max_tokens=10, logprobs=True, extra_body=extra)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                     {"role": "tool", "content": "125", "tool_call_id": "call_0"}]
 
-            # Chat, streamed, with a tool's result between the turns.
-            chat = await call(take)
-            llm = client(chat["base_url"], "right-key")
-            tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
-                "a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
-            messages = [{"role": "user", "content": "57+68"}]
-            reply = await call(llm.chat.completions.create, model="policy", messages=messages, tools=tools,
-                               max_tokens=10, logprobs=True, extra_body=extra)
-            messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
-                         {"role": "tool", "content": "125", "tool_call_id": "call_0"}]
+        def streamed():
+            stream = llm.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=10,
+                                                 stream=True, logprobs=True, extra_body=extra)
+            return list(stream)
 
-            def streamed():
-                stream = llm.chat.completions.create(model="policy", messages=messages, tools=tools, max_tokens=10,
-                                                     stream=True, logprobs=True, extra_body=extra)
-                return list(stream)
+        chunks = await call(streamed)
+        last = chunks[-1].choices[0]
+        assert last.finish_reason in ("stop", "length")
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(
+            last.model_extra["token_ids"], skip_special_tokens=True)
+        # A turn asked for with no new message: the template's generation prompt goes before it.
+        messages.append({"role": "assistant", "content": tokenizer.decode(last.model_extra["token_ids"],
+                                                                          skip_special_tokens=True)})
+        third = await call(llm.chat.completions.create, model="policy", messages=messages, max_tokens=4,
+                           extra_body=extra)
+        assert third.model_extra["prompt_token_ids"][-1] == tokenizer.convert_tokens_to_ids("=")
+        ended = await call(httpx.post, f"{url}/rlflow/episodes/{chat['id']}/end", json={"reward": 0.0},
+                           headers=key)
+        assert ended.status_code == 200, ended.text
+        [(group, (played, chatted))] = await endpoint.finished.receive()
 
-            chunks = await call(streamed)
-            last = chunks[-1].choices[0]
-            assert last.finish_reason in ("stop", "length")
-            assert "".join(c.choices[0].delta.content or "" for c in chunks) == tokenizer.decode(
-                last.model_extra["token_ids"], skip_special_tokens=True)
-            # A turn asked for with no new message: the template's generation prompt goes before it.
-            messages.append({"role": "assistant", "content": tokenizer.decode(last.model_extra["token_ids"],
-                                                                              skip_special_tokens=True)})
-            third = await call(llm.chat.completions.create, model="policy", messages=messages, max_tokens=4,
-                               extra_body=extra)
-            assert third.model_extra["prompt_token_ids"][-1] == tokenizer.convert_tokens_to_ids("=")
-            ended = await call(httpx.post, f"{url}/rlflow/episodes/{chat['id']}/end", json={"reward": 0.0},
-                               headers=key)
-            assert ended.status_code == 200, ended.text
-            [(group, (played, chatted))] = await endpoint.finished.receive()
-
-            # A killed agent: its group is dropped, and its episode is gone.
-            endpoint.submit(PromptGroup(group_id=1, prompt_ids=prompt, n=1, reference="125"), time.time())
-            agent = subprocess.Popen([sys.executable, "-c", STUCK_AGENT, url, "right-key"], stdout=subprocess.PIPE,
-                                     text=True)
-            try:
-                assert await call(agent.stdout.readline) == "played\n"
-                agent.kill()
-                agent.wait()
-                group_id, why = await endpoint.abandoned.receive()
-                assert group_id == 1 and "agents.idle_timeout_s" in why
-            finally:
-                agent.kill()
-                agent.wait()
-                agent.stdout.close()
-            nursery.cancel_scope.cancel()
+        # A killed agent: its group is dropped, and its episode is gone.
+        endpoint.submit(PromptGroup(group_id=1, prompt_ids=prompt, n=1, reference="125"), time.time())
+        agent = subprocess.Popen([sys.executable, "-c", STUCK_AGENT, url, "right-key"], stdout=subprocess.PIPE,
+                                 text=True)
+        try:
+            assert await call(agent.stdout.readline) == "played\n"
+            agent.kill()
+            agent.wait()
+            group_id, why = await endpoint.abandoned.receive()
+            assert group_id == 1 and "agents.idle_timeout_s" in why
+        finally:
+            agent.kill()
+            agent.wait()
+            agent.stdout.close()
 
     for each in clients:
         each.close()
@@ -578,11 +588,9 @@ async def test_agents_stop_strings_cut_the_trained_turn_and_what_the_endpoint_ca
     """`stop`: a turn ends before its first stop string, and the trainer gets the tokens the agent read
     and no more; `tool_choice` other than auto or none (forcing a call), a prompt that fills the model's
     context and a temperature other than the run's are each answered 400 naming why."""
-    import time
 
     import httpx
 
-    from rlflow.protocol import PromptGroup
 
     vllm, endpoint, tokenizer, _ = agents_endpoint(engine, tied_model, max_turns=2)
     url = endpoint.bind()
@@ -592,31 +600,25 @@ async def test_agents_stop_strings_cut_the_trained_turn_and_what_the_endpoint_ca
     async def post(path: str, body: dict) -> httpx.Response:
         return await trio.to_thread.run_sync(functools.partial(httpx.post, f"{url}{path}", json=body, headers=key))
 
-    with trio.fail_after(180):
-        async with trio.open_nursery() as nursery:
-            await nursery.start(vllm.run)
-            await nursery.start(endpoint.run)
-            prompt = tokenizer.encode("57+68=", add_special_tokens=False)
-            endpoint.submit(PromptGroup(group_id=0, prompt_ids=prompt, n=1, reference="125"), time.time())
-            episode = (await post("/rlflow/episodes", {"wait_s": 10})).json()
-            base = episode["base_url"].removeprefix(url)
-            forced = await post(f"{base}/chat/completions", {
-                "model": "policy", "messages": [{"role": "user", "content": "57+68"}], "tool_choice": "required",
-                "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]})
-            assert forced.status_code == 400 and "tool_choice 'required'" in forced.json()["error"]["message"]
-            long = await post(f"{base}/completions", {"model": "policy", "prompt": [5] * 512, "max_tokens": 4})
-            assert long.status_code == 400, long.text
-            assert long.json()["error"]["code"] == "context_length_exceeded" and "context 512" in long.text
-            colder = await post(f"{base}/completions", {"model": "policy", "prompt": "1", "temperature": 0.2})
-            assert colder.status_code == 400 and "temperature 0.2: this run samples at temperature 1.0" in colder.text
-            said = (await post(f"{base}/completions", {"model": "policy", "prompt": episode["prompt"], "stop": stops,
-                                                        "temperature": 1.0, "return_token_ids": True})).json()
-            assert "system_fingerprint" not in said  # the run's own temperature: nothing overridden
-            said = said["choices"][0]
-            ended = await post(f"/rlflow/episodes/{episode['id']}/end", {"reward": 1.0})
-            assert ended.status_code == 200, ended.text
-            [(group, [played])] = await endpoint.finished.receive()
-            nursery.cancel_scope.cancel()
+    async with one_group_served(vllm, endpoint, tokenizer, n=1):
+        episode = (await post("/rlflow/episodes", {"wait_s": 10})).json()
+        base = episode["base_url"].removeprefix(url)
+        forced = await post(f"{base}/chat/completions", {
+            "model": "policy", "messages": [{"role": "user", "content": "57+68"}], "tool_choice": "required",
+            "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]})
+        assert forced.status_code == 400 and "tool_choice 'required'" in forced.json()["error"]["message"]
+        long = await post(f"{base}/completions", {"model": "policy", "prompt": [5] * 512, "max_tokens": 4})
+        assert long.status_code == 400, long.text
+        assert long.json()["error"]["code"] == "context_length_exceeded" and "context 512" in long.text
+        colder = await post(f"{base}/completions", {"model": "policy", "prompt": "1", "temperature": 0.2})
+        assert colder.status_code == 400 and "temperature 0.2: this run samples at temperature 1.0" in colder.text
+        said = (await post(f"{base}/completions", {"model": "policy", "prompt": episode["prompt"], "stop": stops,
+                                                    "temperature": 1.0, "return_token_ids": True})).json()
+        assert "system_fingerprint" not in said  # the run's own temperature: nothing overridden
+        said = said["choices"][0]
+        ended = await post(f"/rlflow/episodes/{episode['id']}/end", {"reward": 1.0})
+        assert ended.status_code == 200, ended.text
+        [(group, [played])] = await endpoint.finished.receive()
 
     assert not any(stop in said["text"] for stop in stops)
     assert said["finish_reason"] == "stop" or len(said["token_ids"]) == 24

@@ -20,18 +20,17 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import pathlib
 import secrets
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import msgspec
 import trio
 
 from rlflow.config import Config, kind_of
 from rlflow.control import status as build
-from rlflow.control.ledger import NO_SIGNAL, GroupLedger, LedgerState
+from rlflow.control import steps
+from rlflow.control.ledger import NO_SIGNAL
 from rlflow.control.record import resume as resume_record
 from rlflow.control.metrics import Sink, open_sinks
 from rlflow.control.outbox import INBOX, Door, Outboxes, farewell, take
@@ -52,13 +51,11 @@ from rlflow.protocol import (
     StepDone, WeightsGroup, WeightsLoaded, WeightsReady, Welcome,
 )
 from rlflow.rundir import (
-    CONTROLLER_STATE, ControllerInfo, Phase, RunDir, Status, Summary, append_jsonl, read_json, write_json,
+    ControllerInfo, Phase, RunDir, Status, Summary, append_jsonl, write_json,
 )
 
 log = logging.getLogger("rlflow.controller")
 
-#: A step where a larger share of the samples' rewards failed is a warning.
-FAILED_SHARE_WARNING = 0.05
 #: Warnings kept for the status.
 WARNINGS_KEPT = 10
 
@@ -78,38 +75,6 @@ class Launcher(Protocol):
         """Start incarnation `incarnation` of a replica that has ended."""
 
 
-class ControllerState(msgspec.Struct, frozen=True, kw_only=True):
-    """What a checkpoint keeps of the controller (beside the trainer's state)."""
-
-    step: int
-    version: int
-    ledger: LedgerState
-
-
-def start_ledger(run: Any) -> tuple[GroupLedger, int]:
-    """The ledger and version a run starts with: new, or as the checkpoint resumed from saved them."""
-    ledger = GroupLedger(run.batch_size, run.max_staleness, run.steps, max_grants=run.max_grants)
-    if not run.resume:
-        return ledger, 0
-    state = read_json(pathlib.Path(run.resume) / CONTROLLER_STATE, ControllerState)
-    if state is None:
-        raise RunFailed(f"{run.resume} has no readable {CONTROLLER_STATE}")
-    ledger = GroupLedger.restore(state.ledger, run.batch_size, run.max_staleness, run.steps, max_grants=run.max_grants)
-    log.info("[controller] resumed at step %d, %d groups to grant again", state.step, len(ledger.groups))
-    return ledger, state.version
-
-
-def save_state(run_dir: RunDir, msg: StepDone, ledger: GroupLedger) -> None:
-    """Beside the trainer's checkpoint of step `msg.step`: the clock and the
-    ledger (the groups granted but not trained on are granted again on resume)."""
-    folder = run_dir.checkpoint(msg.step + 1)
-    if not folder.is_dir():
-        log.warning("[controller] no checkpoint folder %s", folder)
-        return
-    state = ControllerState(step=msg.step + 1, version=msg.version, ledger=ledger.snapshot())
-    write_json(folder / CONTROLLER_STATE, state)
-
-
 class Controller:
     """Runs one training run's control plane until its last step."""
 
@@ -125,7 +90,7 @@ class Controller:
                               if (name, role) not in config.launched_roles()})
         #: What is said to each replica goes through its outbox.
         self.outboxes = Outboxes()
-        self.ledger, self.version = start_ledger(run)
+        self.ledger, self.version = steps.start_ledger(run)
         #: The version a replica loads when it starts (the checkpoint resumed from, else the policy's start).
         self.start_version = self.version
         self.weights = Weights(self.version, max_rebuilds=cluster.max_weight_rebuilds)
@@ -356,18 +321,12 @@ class Controller:
             self.outboxes.order(self.weights.joined(replica.rank, self.roster.receivers()), self.roster)
 
     def _on_step(self, msg: StepDone) -> None:
-        self.ledger.trained(msg.step, msg.acked)
-        if "checkpoint" in msg.metrics:
-            save_state(self.run_dir, msg, self.ledger)
-        since = self.training_started or self.started
-        row = self.stats.close_step(msg, time.monotonic() - since, sum(self.received_by_type.values()))
-        if self.config.run.credits == "paced":
-            self.ledger.pace(row.train.get("starved_s", 0.0) / max(row.train_s + row.train.get("starved_s", 0.0), 1e-9))
-        if row.reward_failed_share is not None and row.reward_failed_share > FAILED_SHARE_WARNING:
-            self._warn(f"step {row.step}: the reward of {100 * row.reward_failed_share:.0f}% of the samples could not "
-                       "be computed (see the reward counters in the status)")
-        for sink in self._sinks:
-            sink.write(row)
+        _, warnings = steps.record(msg, self.ledger, self.stats, self.run_dir, self._sinks,
+                                   time_s=time.monotonic() - (self.training_started or self.started),
+                                   messages=sum(self.received_by_type.values()),
+                                   paced=self.config.run.credits == "paced")
+        for text in warnings:
+            self._warn(text)
         if self.ledger.steps_done >= self.config.run.steps:
             self.stop_reason = f"{self.config.run.steps} steps done"
             return self.done.set()
@@ -434,7 +393,8 @@ class Controller:
             if trio.current_time() - last_failures > 1.0:
                 last_failures = trio.current_time()
                 for failure in await trio.to_thread.run_sync(self.launcher.failures):
-                    self._died(failure)
+                    if (replica := self.roster.died(failure)) is not None:
+                        self._lose(replica, failure.message)
             holders = self.ledger.holders()
             for replica in self.roster:  # starting: the handshake judges silence; the lost are restarted
                 if self.state.live or (self.state is Phase.STARTING and replica.lost):
@@ -442,15 +402,6 @@ class Controller:
             self.run_dir.append_ledger(self.ledger.drain())
             self._write_status()
             await trio.sleep(0.5)
-
-    def _died(self, failure: Any) -> None:
-        """The launcher saw a replica's process end: only the incarnation it launched last counts."""
-        replica = self.roster.replicas.get((failure.role, failure.rank))
-        if replica is None:  # before its hello: the run cannot start
-            self.error = f"{failure.role}-{failure.rank} {failure.message}"
-            raise RunFailed(self.error)
-        if failure.incarnation == replica.launched:
-            self._lose(replica, failure.message)
 
     def _supervise(self, replica: Replica, holders: collections.Counter[int]) -> None:
         """Judge `replica` (`holders`: the ledger's, the groups each rollout replica is generating)."""

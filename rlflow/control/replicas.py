@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlflow.errors import RunFailed
 from rlflow.protocol import UNAUTHENTICATED, UNEXPECTED_HELLO, WRONG_VERSION, ErrorReport, Hello
 from rlflow.roles import STATEFUL
 
@@ -384,6 +385,15 @@ class Roster:
 
     def __iter__(self):
         return iter(list(self.replicas.values()))
+
+    def died(self, failure: Any) -> Replica | None:
+        """The replica whose process the launcher saw end (`failure`: its role, rank, incarnation and
+        message), if that was the incarnation launched last (None: an older one's end, dealt with when
+        it was replaced). One that never said hello: the run cannot start, a `RunFailed`."""
+        replica = self.replicas.get((failure.role, failure.rank))
+        if replica is None:
+            raise RunFailed(f"{failure.role}-{failure.rank} {failure.message}")
+        return replica if failure.incarnation == replica.launched else None
 
     def role(self, role: str) -> list[Replica]:
         """The replicas of `role`, in rank order."""
