@@ -20,7 +20,7 @@ from rlflow.rundir import RunDir
 pytestmark = [pytest.mark.ray, pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 PPO = pathlib.Path(__file__).resolve().parent.parent / "examples" / "ppo.toml"
-STEPS = 14  # a warm-up step of the critic's, then the actor's (the reward reached 1.0 by step 7 of 24)
+STEPS = 24  # a warm-up step of the critic's, then the actor's
 MAX_TOKENS = 8
 #: The reward: an answer that starts with 1, as about a third of the default model's do at first (a
 #: signal at the first token, which PPO's per-token credit gives that token): one the default model
@@ -45,7 +45,7 @@ def test_the_ppo_example_warms_its_critic_up_then_its_policy_learns(ray_cluster,
     assert [r.train.get("actor_held", 0.0) for r in rows] == [1.0] + [0.0] * (STEPS - 1)
     assert folder.role_checkpoint("critic", STEPS).exists()
     # The policy learns: the reward of the last steps' samples is far above that of the first ones' (made
-    # by the starting policy, or a few versions past it); 0.08 to 0.99 over the first and last four of 24.
-    first, last = (sum(r.reward_mean for r in part) / len(part) for part in (rows[:4], rows[-4:]))
+    # by the starting policy, or one or two versions past it); 0.07 to 0.82 when this was written.
+    first, last = (sum(r.reward_mean for r in part) / len(part) for part in (rows[:6], rows[-6:]))
     assert last > first + 0.3, [round(r.reward_mean, 2) for r in rows]
     assert all(math.isfinite(r.train["critic_value_loss"]) for r in rows)
