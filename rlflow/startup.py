@@ -8,7 +8,6 @@ services themselves; so it lives beside the config, below both."""
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any
 
@@ -100,70 +99,3 @@ def join_environment(info: Any, role: str, rank: int, path: str) -> dict[str, st
                    RLFLOW_CURVE_CLIENT_PUBLIC=info.curve.client_public,
                    RLFLOW_CURVE_CLIENT_SECRET=info.curve.client_secret)
     return env
-
-
-#: The cores a replica keeps to once it is ready ("0-1,3"), set by the Ray actor that hosts it. It
-#: starts on every core its node lends the run: a replica's start is mostly imports (vLLM's twice: its
-#: engine core is a process of its own), and two rollout replicas pinned from the first instruction to
-#: their pool's one core started their engines there one after the other while the trainer's core
-#: waited idle (a two-replica, two-rank test run 48 s to its first step against 37 s).
-CORES_VAR = "RLFLOW_CORES"
-
-
-def cpu_ranges(cpus: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5"."""
-    runs: list[list[int]] = []
-    for cpu in cpus:
-        if runs and runs[-1][1] == cpu - 1:
-            runs[-1][1] = cpu
-        else:
-            runs.append([cpu, cpu])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
-def parse_ranges(text: str) -> list[int]:
-    """"0-2,5" -> [0, 1, 2, 5]."""
-    out: list[int] = []
-    for part in filter(None, text.split(",")):
-        first, _, last = part.partition("-")
-        out += range(int(first), int(last or first) + 1)
-    return out
-
-
-def own_cores() -> list[int] | None:
-    """The cores this replica keeps to once it is ready (None: the launcher gave it none; it runs
-    wherever it may)."""
-    text = os.environ.get(CORES_VAR, "")
-    return parse_ranges(text) if text else None
-
-
-def placed_cores() -> list[int]:
-    """The cores this replica runs on once it is ready: its own, else wherever it may now."""
-    return own_cores() or sorted(os.sched_getaffinity(0))
-
-
-def keep_to_own_cores() -> int:
-    """Keep every thread of this process and of the processes it started (a vLLM engine core, a
-    reward's workers) to this replica's own cores from now on; threads that keep to some of them
-    already (vLLM binds its compute threads one to a core) are left as they are. Threads started
-    later inherit it. The threads moved (0 without own cores)."""
-    import psutil
-
-    cores = own_cores()
-    if cores is None or not hasattr(os, "sched_setaffinity"):
-        return 0
-    wanted, moved = set(cores), 0
-    me = psutil.Process()
-    for process in [me, *me.children(recursive=True)]:
-        try:
-            threads = [t.id for t in process.threads()]
-        except psutil.Error:  # it ended meanwhile
-            continue
-        for tid in threads:
-            try:
-                if not os.sched_getaffinity(tid) <= wanted:
-                    os.sched_setaffinity(tid, wanted)
-                    moved += 1
-            except OSError:  # the thread ended meanwhile
-                continue
-    return moved

@@ -52,7 +52,7 @@ from rlflow.protocol import (
 from rlflow import timeline
 from rlflow.roles import COUNTER_FAMILIES, MESSAGES_PER_S
 from rlflow.rundir import RunDir
-from rlflow.startup import ServiceSpec, cpu_ranges, keep_to_own_cores, placed_cores
+from rlflow.startup import ServiceSpec
 from rlflow.tasks.core import Task, load_tokenizer, make_task, needs_tokenizer
 
 STATES = ("busy", "starved", "blocked", "loading", "idle")
@@ -189,8 +189,6 @@ class Control:
         return welcome
 
     async def ready(self, version: int) -> None:
-        """Tell the controller this replica is ready, from its own cores on (`keep_to_own_cores`)."""
-        keep_to_own_cores()
         await self.send(Ready(version=version))
 
     async def send(self, msg: Any) -> None:
@@ -226,7 +224,7 @@ def _placement() -> dict[str, Any]:
     threads = os.environ.get("OMP_NUM_THREADS", "")
     out: dict[str, Any] = {"threads": int(threads) if threads.isdigit() else 0}
     if hasattr(os, "sched_getaffinity"):
-        out["cpus"] = cpu_ranges(placed_cores())
+        out["cpus"] = cpu_ranges(sorted(os.sched_getaffinity(0)))
     return out
 
 
@@ -251,6 +249,17 @@ def typed_counters(counts: Counter[str], rejected: Counter[str] | None = None) -
         else:
             raise KeyError(f"{key!r} is not a field of rlflow.protocol.Counters")
     return Counters(**plain, **families, rejected=dict(rejected or {}))
+
+
+def cpu_ranges(cpus: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and runs[-1][1] == cpu - 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 @contextlib.asynccontextmanager

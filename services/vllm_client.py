@@ -28,7 +28,7 @@ import trio
 from rlflow.config import VllmRollout
 from rlflow.protocol import EngineLoad, ParamSpec, WeightsNccl
 from rlflow.services import compat
-from rlflow.startup import cpu_ranges, placed_cores
+from rlflow.services.base import cpu_ranges
 from rlflow.services.rollout.vllm_worker import BACKEND
 from rlflow.services.weights import NCCL_BUFFERS, nccl_chunk_bytes, nccl_ranks
 
@@ -228,9 +228,8 @@ class VllmBackend:
 
         if hasattr(os, "sched_getaffinity") and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             # vLLM-CPU binds its threads to a whole NUMA node by default; keep
-            # it on the cores placement gave this replica (its engine core starts
-            # on every core, as the replica does, and binds its compute threads there).
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_ranges(placed_cores())
+            # it on the cores placement gave this replica.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_ranges(sorted(os.sched_getaffinity(0)))
         # Idle OpenMP threads sleep instead of spinning, so that a role
         # sharing a core with the engine still gets it when the engine waits.
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

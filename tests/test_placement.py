@@ -3,8 +3,6 @@ each bundle gets, and whether the pools fit the cluster."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from rlflow import config as C
@@ -84,63 +82,3 @@ def test_a_death_report_names_the_services_own_error_not_the_border_of_its_trace
                            "    +------------------------------------\n")
     assert _first_line(wrapped) == "rlflow.services.rollout.vllm_engine.EngineDead: vLLM's engine died: gone"
     assert _first_line(RuntimeError("just this")) == "just this"
-
-
-#: A process that starts a child and a thread, binds one thread of its own to its own core as vLLM binds
-#: its compute threads, keeps to its own cores (the last of those it may use) and prints where every
-#: thread of it and its child may run.
-KEEPER = """
-import json, os, subprocess, sys, threading
-from rlflow.startup import CORES_VAR, keep_to_own_cores
-lent = sorted(os.sched_getaffinity(0))
-child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-stop = threading.Event()
-worker = threading.Thread(target=stop.wait)
-worker.start()
-bound = threading.Event()
-def bind():
-    os.sched_setaffinity(0, {lent[-1]})
-    bound.set()
-    stop.wait()
-pinned = threading.Thread(target=bind)
-pinned.start()
-bound.wait()
-os.environ[CORES_VAR] = str(lent[-1])
-moved = keep_to_own_cores()
-where = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
-where_child = {tid: sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir(f"/proc/{child.pid}/task")}
-stop.set(); worker.join(); pinned.join(); child.communicate(b"")
-print(json.dumps({"lent": lent, "moved": moved, "pinned": pinned.native_id, "self": where, "child": where_child}))
-"""
-
-
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to tell own cores from those lent")
-def test_a_replica_keeps_to_its_own_cores_once_ready_its_children_and_threads_too():
-    import json
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", KEEPER], capture_output=True, text=True, timeout=120, check=True)
-    seen = json.loads(done.stdout)
-    own = [seen["lent"][-1]]
-    assert len(seen["lent"]) >= 2 and len(seen["self"]) >= 3 and seen["child"], seen
-    assert all(cores == own for cores in [*seen["self"].values(), *seen["child"].values()]), seen
-    # Every thread moved but the one that kept to its own core already.
-    assert seen["moved"] == len(seen["self"]) - 1 + len(seen["child"]), seen
-
-
-def test_without_own_cores_a_replica_stays_where_it_may_run(monkeypatch):
-    from rlflow.startup import CORES_VAR, keep_to_own_cores, placed_cores
-
-    monkeypatch.delenv(CORES_VAR, raising=False)
-    before = os.sched_getaffinity(0)
-    assert keep_to_own_cores() == 0 and os.sched_getaffinity(0) == before
-    assert placed_cores() == sorted(before)
-
-
-def test_core_lists_round_trip_through_their_text():
-    from rlflow.startup import cpu_ranges, parse_ranges
-
-    for cores in ([0], [0, 1, 2, 5], [1, 3, 4, 5, 9], []):
-        assert parse_ranges(cpu_ranges(cores)) == cores
-    assert cpu_ranges([0, 1, 2, 5]) == "0-2,5"

@@ -6,8 +6,8 @@ reserves one placement group per pool. `RayLauncher` starts one named Ray
 actor per replica of each role, scheduled into a bundle of its pool's group,
 with WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR and MASTER_PORT in its
 environment, thread counts from its bundle, and on CPU its own cores where
-the node has enough (kept to once the replica is ready); the actor then runs
-the role's service until it is shut down.
+the node has enough; the actor then runs the role's service until it is
+shut down.
 
 This is the only module that imports Ray.
 """
@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from rlflow.data import transport
 from rlflow.data.net import CurveKeys, free_port, hold_port
 from rlflow.config import ClusterConfig, Config, PoolConfig
-from rlflow.startup import CORES_VAR, ServiceSpec, cpu_ranges
+from rlflow.startup import ServiceSpec
 from rlflow.runstate import RUN_ID_VAR
 
 log = logging.getLogger("rlflow.control.placement")
@@ -253,12 +253,11 @@ class ServiceHost:
     """The Ray actor that hosts one replica's service process."""
 
     def __init__(self, cores: tuple[int, int] | None):
-        # Its own cores, kept to once the replica is ready: it starts on all the node lends (`CORES_VAR`).
-        if cores is not None and hasattr(os, "sched_getaffinity"):
+        if cores is not None and hasattr(os, "sched_setaffinity"):
             available = sorted(os.sched_getaffinity(0))
             first, count = cores
             if first + count <= len(available):
-                os.environ[CORES_VAR] = cpu_ranges(available[first : first + count])
+                os.sched_setaffinity(0, available[first : first + count])
 
     def address(self, ranks: int) -> tuple[str, int]:
         """This node's IP and a port for MASTER_ADDR / MASTER_PORT. For a role of
