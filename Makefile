@@ -39,8 +39,10 @@ up: venv
 # A whole run keeps each test's seconds in pytest's cache, which chooses the
 # tests of `make test-fast` (tests/durations.json on a fresh clone; ARGS=
 # --save-durations rewrites it); the slowest 15 are printed at the end.
+# Two processes, a module to each at a time: the suite waits (on processes
+# starting, on heartbeats, on timeouts it provokes) for about half its time.
 test: venv
-	$(BIN)/python -m pytest --durations=15 $(ARGS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 $(ARGS)
 
 # The edit-test loop: the tests the last whole run timed under a second,
 # without a shared fixture (vLLM, Ray, a run) that took longer to set up.

@@ -129,8 +129,18 @@ def pytest_collection_modifyitems(config, items):
     items[:] = keep
 
 
+#: Each test's shared fixtures, as its reports carry them (under xdist the process that writes the
+#: durations collects no tests of its own).
+_shared: dict[str, list[str]] = {}
+
+
+def pytest_itemcollected(item):
+    item.user_properties.append(("shared", _shared_fixtures(item)))
+
+
 def pytest_runtest_logreport(report):
     _timed[f"{report.nodeid}:{report.when}"] = report.duration
+    _shared[report.nodeid] = dict(report.user_properties).get("shared", [])
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -144,13 +154,14 @@ def pytest_sessionfinish(session, exitstatus):
     config = session.config
     chosen = config.getoption("--fast") or config.getoption("keyword") or config.getoption("markexpr") or \
         config.getoption("lf", False) or any(arg not in ("tests", "tests/") for arg in config.args)
-    if chosen or exitstatus not in (0, 1) or not session.items:
+    # Under xdist each worker runs some of the tests; the main process hears of them all and writes.
+    if chosen or exitstatus not in (0, 1) or not _shared or hasattr(config, "workerinput"):
         return
     records = {}
-    for item in session.items:
-        phases = {when: _timed.get(f"{item.nodeid}:{when}", 0.0) for when in ("setup", "call", "teardown")}
-        records[item.nodeid] = {"total_s": round(sum(phases.values()), 3), "setup_s": round(phases["setup"], 3),
-                                "shared": _shared_fixtures(item)}
+    for nodeid, shared in _shared.items():
+        phases = {when: _timed.get(f"{nodeid}:{when}", 0.0) for when in ("setup", "call", "teardown")}
+        records[nodeid] = {"total_s": round(sum(phases.values()), 3), "setup_s": round(phases["setup"], 3),
+                           "shared": shared}
     if _cache(config) is not None:
         _cache(config).set(CACHE_KEY, records)
     if config.getoption("--save-durations"):
