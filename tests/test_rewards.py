@@ -635,6 +635,7 @@ def test_workers_die_with_the_process_that_started_them(user_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # see its pool's start below
 async def test_reward_model_scores_in_batches_as_a_direct_forward_does(tmp_path):
     import torch
     from transformers import Qwen2Config, Qwen2ForSequenceClassification
@@ -663,9 +664,12 @@ async def test_reward_model_scores_in_batches_as_a_direct_forward_does(tmp_path)
         Sample(prompt=f"{a}+{b}=", response=str(a + b + a % 2)) for a, b in [(1, 2), (34, 5), (678, 90), (1, 1)] * 4
     ]
     kwargs = {"model": str(tmp_path), "batch_size": 16}
-    with trio.fail_after(120):
+    # Its worker imports torch and transformers and loads the model: over 60 s on a machine busy with
+    # other work. The limits guard against a hang alone.
+    with trio.fail_after(900):
         async with open_pool(
-            [spec("user_rewards:scored_by_model", max_batch=16, batch_wait_s=0.05, kwargs=kwargs)]
+            [spec("user_rewards:scored_by_model", max_batch=16, batch_wait_s=0.05, kwargs=kwargs)],
+            start_timeout_s=600,
         ) as pool:
             scored = [s[0] for s in await pool.score_many(samples)]
     assert all(s.status is Status.OK for s in scored), scored
