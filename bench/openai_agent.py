@@ -197,7 +197,7 @@ def exactness(work: pathlib.Path, groups: int, sessions: int) -> tuple[float, in
         engine = SimEngine(config.roles.rollout.engine, ctx)
         endpoint = AgentEndpoint(engine, Task(), config.agents, text=EpisodeText(None), make_parser=None,
                                  turn_tokens=512, counters=ctx.counters, api_key="bench", rank=0, replicas=1,
-                                 takes_reward=True)
+                                 takes_reward=True, holds=groups)  # the bench grants every group at once
         url = endpoint.bind()
         finished = []
         env = {**os.environ, "RLFLOW_AGENTS_URL": url, "OPENAI_API_KEY": "bench"}

@@ -100,7 +100,7 @@ async def test_requests_the_endpoint_cannot_serve_get_an_error_that_names_what_i
             engine = SimEngine(config.roles.rollout.engine, ctx)
             endpoint = AgentEndpoint(engine, Task(), config.agents, text=EpisodeText(None), make_parser=None,
                                      turn_tokens=8, counters=ctx.counters, api_key="k3y", rank=0, replicas=1,
-                                     takes_reward=True)
+                                     takes_reward=True, holds=1)
             url = endpoint.bind()
             await nursery.start(engine.run)
             await nursery.start(endpoint.run)
@@ -169,3 +169,22 @@ def test_check_finds_the_agent_program_or_names_what_is_missing(tmp_path):
         check(agent_run(tmp_path, 'agents.command=["python", "nowhere/agent.py"]'), say=said.append)
     with pytest.raises(CheckError, match=r"agents.command: no program 'no-such-agent'"):
         check(agent_run(tmp_path, 'agents.command=["no-such-agent"]'), say=said.append)
+
+
+def test_a_replica_holds_what_the_grants_allow_and_ends_when_they_break_their_rule():
+    """The channels groups leave a replica's episodes by hold as many as the controller lets it hold (a
+    group is held until the replica acknowledges it, after the channel gives it up): one more ends the
+    replica, naming the rule, rather than growing without bound."""
+    import trio
+
+    from rlflow.algo.staleness import groups_held
+    from rlflow.services.rollout.episodes import GrantOverrun, hand_back
+
+    assert groups_held(64, 8) == 128 and groups_held(0, 8) == 16 and groups_held(1, 64) == 1
+    send, receive = trio.open_memory_channel(2)
+    hand_back(send, "a", 2)
+    hand_back(send, "b", 2)
+    with pytest.raises(GrantOverrun, match="more than 2 groups came back .* lets it hold 2"):
+        hand_back(send, "c", 2)
+    assert [receive.receive_nowait(), receive.receive_nowait()] == ["a", "b"]
+    hand_back(send, "c", 2)  # taken: room again

@@ -209,7 +209,7 @@ async def play(config: C.Config, *, n: int = 2, during=None, environment: Enviro
         recording = Recording(engine)
         handler = EnvHandler(pool, tools=list(tools), timeout_s=5, counters=ctx.counters)
         runner = EpisodeRunner(recording, InlineEnv(handler, engine.hold), _Rows(), env_cfg, turn_tokens=64,
-                               text=EpisodeText(None), counters=ctx.counters)
+                               text=EpisodeText(None), counters=ctx.counters, holds=1)
         if during is not None:
             nursery.start_soon(during, engine)
         with trio.fail_after(60):

@@ -372,7 +372,7 @@ async def test_episodes_on_vllm_are_the_sequences_vllm_generated_over(engine, ti
         await nursery.start(vllm.run)
         handler = EnvHandler(pool, tools=[], timeout_s=5, counters=ctx.counters)
         runner = EpisodeRunner(vllm, InlineEnv(handler, contextlib.nullcontext), Row(), env, turn_tokens=24,
-                               text=EpisodeText(tokenizer), counters=ctx.counters)
+                               text=EpisodeText(tokenizer), counters=ctx.counters, holds=1)
         with trio.fail_after(120):
             group, responses = await runner.play(PromptGroup(group_id=0, prompt_ids=[], n=4, reference="125"), 0.0)
             seconds = [r for r in responses if r.loss_mask is not None and (r.loss_mask == 0).any()]
@@ -440,7 +440,8 @@ def agents_endpoint(engine, tied_model, *, max_turns: int):
 
     endpoint = AgentEndpoint(vllm, Task(), config.agents, text=EpisodeText(tokenizer), turn_tokens=24,
                              make_parser=lambda tools: compat.tool_parser("hermes", tokenizer, tools),
-                             counters=ctx.counters, api_key="right-key", rank=0, replicas=1, takes_reward=True)
+                             counters=ctx.counters, api_key="right-key", rank=0, replicas=1, takes_reward=True,
+                             holds=2)
     return vllm, endpoint, tokenizer, ctx
 
 

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlflow.algo.staleness import groups_held
 from rlflow.errors import RunFailed
 from rlflow.protocol import UNAUTHENTICATED, UNEXPECTED_HELLO, WRONG_VERSION, ErrorReport, Hello
 from rlflow.roles import STATEFUL
@@ -160,10 +161,6 @@ def supersedes(hello: Hello, current: Replica | None, *, expected: set[tuple[str
             and admit(hello, expected=expected, secret=secret, schema_version=schema_version, current=None) is None)
 
 
-#: Groups a rollout replica may hold, in multiples of what fills its slots.
-HOLD = 16
-
-
 def register(current: Replica | None, identity: bytes, hello: Hello, now: float, samples_per_prompt: int) -> Replica:
     """The replica a hello `admit`ted makes: a new one, or `current` as its
     next incarnation (an external replica that came back counts as restarted)."""
@@ -178,10 +175,7 @@ def register(current: Replica | None, identity: bytes, hello: Hello, now: float,
         replica.identity, replica.hello, replica.incarnation = identity, hello, hello.incarnation
         replica.state, replica.last_seen, replica.version, replica.fatal = State.HELLO, now, 0, ""
     if replica.role == "rollout":
-        # A group keeps its place until its last sample finishes, so with a long tail a replica needs
-        # several times the groups that fill its slots; the staleness bound caps the total.
-        spp = samples_per_prompt
-        replica.capacity = max(1, math.ceil(HOLD * (hello.slots or spp) / spp))
+        replica.capacity = groups_held(hello.slots, samples_per_prompt)
     return replica
 
 

@@ -67,7 +67,7 @@ from rlflow.env.render import EpisodeText, RenderError
 from rlflow.protocol import FinishReason, PromptGroup, Response
 from rlflow.services.rollout import http
 from rlflow.services.rollout.engine import EngineDead
-from rlflow.services.rollout.episodes import Trajectory, episode_metrics, failed, stamps
+from rlflow.services.rollout.episodes import GrantOverrun, Trajectory, episode_metrics, failed, hand_back, stamps
 
 #: The fingerprint of an answer sampled as the run does where the request asked otherwise (`agents.sampling`).
 RUN_SAMPLING = "rlflow-run-sampling"
@@ -125,18 +125,18 @@ class AgentEndpoint:
 
     def __init__(self, engine: Any, task: Any, cfg: Any, *, text: EpisodeText, make_parser: Any, turn_tokens: int,
                  counters: Counter[str], api_key: str, rank: int, replicas: int, takes_reward: bool,
-                 import_dir: str = "", log: Any = None):
+                 holds: int, import_dir: str = "", log: Any = None):
         self.engine, self.task, self.cfg, self.text = engine, task, cfg, text
         self.make_parser = make_parser
         self.turn_tokens = min(turn_tokens, cfg.turn_tokens or turn_tokens)
         self.counters, self.key = counters, api_key
         self.rank, self.replicas, self.takes_reward = rank, replicas, takes_reward
         self.import_dir, self.log = import_dir, log
-        # Unbounded by count, bounded by the grants: a group comes out of one of the two once, and only a
-        # group granted to this replica (the controller's credits bound those) goes in; sending never waits,
-        # so that a request's handler never blocks on the replica's loop.
-        self._send, self.finished = trio.open_memory_channel(math.inf)
-        self._abandoned_send, self.abandoned = trio.open_memory_channel(math.inf)
+        #: The most groups the controller lets this replica hold (`groups_held`): finished and abandoned
+        #: ones wait for the replica's loop in channels of that size (`hand_back`).
+        self.holds = holds
+        self._send, self.finished = trio.open_memory_channel(holds)
+        self._abandoned_send, self.abandoned = trio.open_memory_channel(holds)
         self.episodes: dict[str, _Episode] = {}
         self._queue: collections.deque[_Episode] = collections.deque()
         self._queued = trio.Event()
@@ -165,9 +165,10 @@ class AgentEndpoint:
         await trio.to_thread.run_sync(_requests)
         async with self._send, self._abandoned_send, trio.open_nursery() as nursery:
             # A dead engine ends the endpoint, and with it the replica, which is restarted (its groups granted
-            # again), rather than answering 500 to every turn while handing out episodes that cannot be played.
-            await nursery.start(functools.partial(http.serve, fatal=(EngineDead,), drain=self.drain), self.handle,
-                                self._sock)
+            # again), rather than answering 500 to every turn while handing out episodes that cannot be played;
+            # so do grants past their rule (`hand_back`).
+            await nursery.start(functools.partial(http.serve, fatal=(EngineDead, GrantOverrun), drain=self.drain),
+                                self.handle, self._sock)
             nursery.start_soon(self._reap)
             for copy in range(self.rank, self.cfg.copies if self.cfg.command else 0, self.replicas):
                 nursery.start_soon(self._agent, copy)
@@ -250,7 +251,7 @@ class AgentEndpoint:
                     self.episodes.pop(other.id, None)
                     other.done.set()
                 self._queue = collections.deque(e for e in self._queue if e.group is not held)
-                self._abandoned_send.send_nowait((held.group.group_id, why))
+                hand_back(self._abandoned_send, (held.group.group_id, why), self.holds)
 
     async def _agent(self, copy: int) -> None:
         """One copy of the agent program, started again whenever it exits (after a pause that grows
@@ -385,7 +386,7 @@ class AgentEndpoint:
         held.results[episode.index] = result
         if all(r is not None for r in held.results):
             self.groups -= 1
-            self._send.send_nowait([_assemble(held, self.engine.version)])
+            hand_back(self._send, [_assemble(held, self.engine.version)], self.holds)
 
     # -- turns --------------------------------------------------------------------------------------
 

@@ -86,21 +86,38 @@ class Trajectory:
         return min(own) if own else None
 
 
+class GrantOverrun(RuntimeError):
+    """More groups came back out of a replica's episodes at once than the controller lets it hold
+    (`groups_held`): the grants broke their rule. The replica ends (and is restarted, its groups
+    granted again) rather than hold what no rule bounds."""
+
+
+def hand_back(send: trio.MemorySendChannel, item: Any, holds: int) -> None:
+    """Put a group that leaves the replica's episodes on its way out, never waiting (a request's
+    handler or a failing episode's task sends it). The channel holds `holds` items, the most groups
+    the controller lets the replica hold: a group counts as held until the replica acknowledges it,
+    which it does once the item is taken, so the channel is full only if the grants broke that rule."""
+    try:
+        send.send_nowait(item)
+    except trio.WouldBlock:
+        raise GrantOverrun(f"more than {holds} groups came back out of this replica's episodes at once: the "
+                           f"controller lets it hold {holds} (groups_held); the replica ends") from None
+
+
 class EpisodeRunner:
     """Plays the episodes of each group it is given (see the module); finished
     groups come out of `finished`, groups to grant again out of `lost`."""
 
     def __init__(self, engine: Any, env: Any, task: Any, cfg: Any, *, turn_tokens: int, text: EpisodeText,
-                 counters: Counter[str], strict: bool = False, staleness: int = 0):
+                 counters: Counter[str], holds: int, strict: bool = False, staleness: int = 0):
         self.engine, self.env, self.task, self.cfg = engine, env, task, cfg
         self.turn_tokens = min(turn_tokens, cfg.turn_tokens or turn_tokens)
         self.text, self.counters = text, counters
         self.strict, self.staleness = strict, staleness
         self._send, self.finished = trio.open_memory_channel(2)
-        # Unbounded by count, bounded by the grants: a group granted to this replica (the controller's
-        # credits bound those) is lost at most once; sending never waits, so that a failing episode's
-        # task ends at once.
-        self._lost_send, self.lost = trio.open_memory_channel(math.inf)
+        #: The most groups the controller lets this replica hold (`groups_held`); lost ones wait here.
+        self.holds = holds
+        self._lost_send, self.lost = trio.open_memory_channel(holds)
         self._nursery: trio.Nursery | None = None
         self.groups = 0
 
@@ -127,7 +144,7 @@ class EpisodeRunner:
                 except _Doomed:
                     self.counters["restarted_groups"] += 1
         except EnvLost as lost:
-            self._lost_send.send_nowait((group.group_id, str(lost)))
+            hand_back(self._lost_send, (group.group_id, str(lost)), self.holds)
             return
         finally:
             self.groups -= 1

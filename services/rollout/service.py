@@ -27,6 +27,7 @@ import time
 
 import trio
 
+from rlflow.algo.staleness import groups_held
 from rlflow.config import FunctionsReward, SimRollout, VllmRollout
 from rlflow.data import transport
 from rlflow.errors import WeightGroupBroken
@@ -90,6 +91,10 @@ class RolloutService(Service):
                 await self._main(control, task)
         else:
             await self._main(control, task)
+
+    def _holds(self, engine: RolloutEngine) -> int:
+        """The most groups the controller lets this replica hold, as it reckons them from its hello."""
+        return groups_held(engine.hello_fields().get("slots", 0), self.config.run.samples_per_prompt)
 
     def _evaluates(self) -> bool:
         """Whether this replica evaluates the held-out set (rank 0, if the config asks)."""
@@ -214,8 +219,8 @@ class RolloutService(Service):
 
         runner = EpisodeRunner(engine, client, task, env, text=EpisodeText(tokenizer, make_parser, env.tool_parser),
                                turn_tokens=getattr(self.config.roles.rollout.engine, "max_tokens", env.max_tokens),
-                               counters=self.counters, strict=run.staleness_check == "strict",
-                               staleness=run.max_staleness)
+                               counters=self.counters, holds=self._holds(engine),
+                               strict=run.staleness_check == "strict", staleness=run.max_staleness)
         await nursery.start(runner.run)
         return runner
 
@@ -240,7 +245,7 @@ class RolloutService(Service):
         return AgentEndpoint(engine, task, cfg, text=EpisodeText(tokenizer), make_parser=make_parser,
                              turn_tokens=getattr(self.config.roles.rollout.engine, "max_tokens", cfg.max_tokens),
                              counters=self.counters, api_key=cfg.api_key, rank=self.spec.rank,
-                             replicas=self.spec.replicas,
+                             replicas=self.spec.replicas, holds=self._holds(engine),
                              takes_reward=isinstance(self.config.roles.reward.engine, EnvReward),
                              import_dir=self.config.run.import_dir, log=self.log)
 
