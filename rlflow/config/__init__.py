@@ -5,8 +5,8 @@ One module per job:
 * the tables, msgspec Structs that forbid unknown keys, with bounded numbers,
   tagged unions on a ``kind`` key for alternatives (which engine a role runs)
   and a docstring on every field: `schema` (the root, `Config`, and the
-  tables of no role), one module per role (`rollout`, `reward`, `teacher`,
-  `trainer`, `critic`, `env`: its `[roles.NAME]` table and its engines),
+  tables of no role), one module per role, named after it (its
+  `[roles.NAME]` table, its engines and its own checks),
   `run` (`[run]` and `[task]`), `cluster` (`[cluster]`, `[pools.NAME]`),
   and `base` (what they share: `Table`, bounded numbers, distributions, and
   `RoleTable` / `StartedRole`, the fields every role's table has);

@@ -1,15 +1,15 @@
 """What every table of the config shares: the base `Table`, bounded numbers,
 the distributions of simulated lengths and latencies, and the base of a
 role's table (`RoleTable`: its pool and replicas; `StartedRole` adds
-`launch`, for the roles a user may start). Each role's own tables live in a
-module of its own (`rollout`, `reward`, `teacher`, `trainer`, `critic`,
-`env`); `schema` puts them together into `Config`.
+`launch`, for the roles a user may start, and the checks and predicates a
+role's table answers for itself). Each role's own tables live in a module
+named after it; `schema` puts them together into `Config`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
 from msgspec import Meta
@@ -77,6 +77,17 @@ class RoleTable(Table, frozen=True):
     """Name of the pool its replicas run on (none with `launch = "external"`)."""
     replicas: PosInt = 1
     """Replicas; they share the stream."""
+    #: Whether its engine, unless simulated, loads the policy's model or its tokenizer.
+    uses_policy: ClassVar[bool] = False
+
+    def check(self, config: Any) -> None:
+        """Checks of this table against the rest of `config` (a `Config`) that the schema cannot make
+        (`load` runs them after its own): none but a role's own."""
+
+    def holds_policy(self, step: int) -> bool:
+        """Whether this role keeps the policy as it is at the trainer's step `step` (no role does but
+        one whose own learning goes first)."""
+        return False
 
 
 class StartedRole(RoleTable, frozen=True):

@@ -1,6 +1,6 @@
 """Checks that involve several fields of a config (a role's pool exists, sync
-mode means no staleness, a teacher that sends what the trainer reads, ...),
-run by `load` after the schema has validated each field."""
+mode means no staleness, ...), run by `load` after the schema has validated
+each field; then each role's own, beside its table (`RoleTable.check`)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ import msgspec
 from rlflow.config.environment import check_tools
 from rlflow.config.errors import MISSING, ConfigError
 from rlflow.config.base import kind_of
-from rlflow.config.critic import SimCritic
 from rlflow.config.reward import EnvReward, FunctionsReward
 from rlflow.config.rollout import SimRollout
 from rlflow.config.run import IMPLIED_STALENESS, DatasetTask, ReasoningGymTask
 from rlflow.config.schema import Config
-from rlflow.config.teacher import ModelTeacher
-from rlflow.config.trainer import SimTrainer, TorchTrainer
+from rlflow.config.trainer import TorchTrainer
 from rlflow.rewards.core import check_specs
+from rlflow.roles import STATEFUL
 
 
 def check(config: Config) -> None:
@@ -57,7 +56,7 @@ def check(config: Config) -> None:
     if run.deterministic and (config.agents is not None or config.roles.env is not None):
         raise ConfigError("run.deterministic", True, "episodes played by an environment or outside agents are "
                                                      "not reproducible (their turns come in their own order)")
-    _check_teacher(config)
+    _check_lora(config)
     _check_filter(config)
     reward = config.roles.reward.engine
     if isinstance(reward, FunctionsReward):
@@ -76,11 +75,13 @@ def check(config: Config) -> None:
             "roles.reward.engine.kind", kind_of(reward),
             f"task.kind = {kind_of(config.task)!r} is scored by reward functions: use kind = 'functions'",
         )
-    _check_ranks(config, "trainer")
-    if config.roles.critic is not None:
-        _check_ranks(config, "critic")
-    _check_critic(config)
+    roles = dict(config.role_items())
+    for name in STATEFUL:
+        if name in roles:
+            _check_ranks(config, name)
     _check_correction(config)
+    for _, role in config.role_items():
+        role.check(config)
 
 
 def _check_correction(config: Config) -> None:
@@ -112,18 +113,11 @@ def _check_correction(config: Config) -> None:
 
 
 def _check_filter(config: Config) -> None:
-    run, trainer = config.run, config.roles.trainer.engine
-    if run.filter != "signal":
-        return
-    if run.samples_per_prompt < 2:
+    """The signal filter needs groups whose rewards can differ (the trainer's own terms: `TrainerRole.check`)."""
+    run = config.run
+    if run.filter == "signal" and run.samples_per_prompt < 2:
         raise ConfigError("run.filter", run.filter, "a group of one sample has no rewards to differ: "
                           "it needs run.samples_per_prompt >= 2")
-    if getattr(trainer, "advantage", None) == "gae":
-        raise ConfigError("run.filter", run.filter, "the critic's advantages (advantage = 'gae') are not "
-                          "group-relative: a group with equal rewards still teaches; use filter = 'none'")
-    if getattr(trainer, "distill_coef", 0) > 0:
-        raise ConfigError("run.filter", run.filter, "with distillation (distill_coef > 0) a group with equal "
-                          "rewards still learns from the teacher; use filter = 'none'")
 
 
 def _check_env(config: Config) -> None:
@@ -172,7 +166,7 @@ def _check_agents(config: Config) -> None:
 
 
 def _check_ranks(config: Config, name: str) -> None:
-    """Ranks of a sharded model (trainer, critic) on GPUs take a GPU each (NCCL refuses two ranks of one
+    """Ranks of a sharded model (a stateful role's) on GPUs take a GPU each (NCCL refuses two ranks of one
     group on one device)."""
     ranked = dict(config.role_items())[name]
     pool = config.pools[ranked.pool]
@@ -186,50 +180,6 @@ def _check_ranks(config: Config, name: str) -> None:
             f"{name} ranks on GPUs need a GPU each; pool {ranked.pool!r} gives each replica "
             f"{pool.gpus_per_bundle / crowd:g} (raise its gpus_per_bundle or bundles_per_node, or run fewer ranks)",
         )
-
-
-def _check_critic(config: Config) -> None:
-    """GAE advantages come from a critic role, and a critic role's advantages are used."""
-    trainer, critic = config.roles.trainer.engine, config.roles.critic
-    if isinstance(trainer, TorchTrainer):
-        if trainer.advantage == "gae" and critic is None:
-            raise ConfigError("roles.trainer.engine.advantage", "gae",
-                              "needs a critic role that attaches the advantages ([roles.critic])")
-        if critic is not None and trainer.advantage != "gae":
-            raise ConfigError("roles.trainer.engine.advantage", trainer.advantage,
-                              "the trainer would ignore the critic's advantages: use 'gae' with [roles.critic]")
-    if critic is not None and isinstance(critic.engine, SimCritic) and critic.replicas > 1:
-        raise ConfigError("roles.critic.replicas", critic.replicas,
-                          "the simulated critic is one rank (lower its times per token to model more)")
-    if isinstance(trainer, SimTrainer) and trainer.inline_critic_s_per_token > 0 and critic is not None:
-        raise ConfigError("roles.trainer.engine.inline_critic_s_per_token", trainer.inline_critic_s_per_token,
-                          "a critic in the trainer's process and a critic role are two layouts of one critic: "
-                          "choose one")
-
-
-def _check_teacher(config: Config) -> None:
-    """The trainer's teacher terms need a teacher that sends what they read,
-    scored at the temperature the rollout samples at."""
-    trainer, teacher = config.roles.trainer.engine, config.roles.teacher
-    _check_lora(config)
-    base_reference = config.lora is not None and config.lora.reference == "base"
-    if isinstance(trainer, TorchTrainer) and ((trainer.kl_coef > 0 and not base_reference) or trainer.distill_coef > 0):
-        if teacher is None or not isinstance(teacher.engine, ModelTeacher):
-            key = "roles.trainer.engine.distill_coef" if trainer.distill_coef > 0 else "roles.trainer.engine.kl_coef"
-            value = trainer.distill_coef if trainer.distill_coef > 0 else trainer.kl_coef
-            raise ConfigError(key, value,
-                              "needs a teacher that scores with a model ([roles.teacher] with engine.kind = 'model')")
-        if trainer.distill_coef > 0 and trainer.distill == "topk" and teacher.engine.top_k == 0:
-            raise ConfigError("roles.teacher.engine.top_k", 0,
-                              "must be at least 1 for roles.trainer.engine.distill = 'topk'")
-    if teacher is not None and isinstance(teacher.engine, ModelTeacher) and teacher.engine.temperature is not None:
-        rollout_t = getattr(config.roles.rollout.engine, "temperature", None)
-        if rollout_t is not None and teacher.engine.temperature != rollout_t:
-            raise ConfigError(
-                "roles.teacher.engine.temperature", teacher.engine.temperature,
-                f"must equal the rollout's sampling temperature ({rollout_t:g}): the teacher scores the distribution "
-                "the student samples from",
-            )
 
 
 def _check_lora(config: Config) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from rlflow.config.base import Fraction, NonNegFloat, NonNegInt, PosFloat, PosInt, RoleTable, Table
+from rlflow.config.errors import ConfigError
+from rlflow.config.trainer import SimTrainer, TorchTrainer
 
 
 class SimCritic(Table, tag_field="kind", tag="sim", frozen=True):
@@ -56,6 +58,8 @@ class CriticRole(RoleTable, kw_only=True, frozen=True):
     response token's value with its current weights, attaches GAE advantages and returns, sends the
     batch on, then trains itself on it, while the trainer takes its own step."""
 
+    uses_policy = True
+
     pool: str
     """Name of the pool its replicas run on."""
     replicas: PosInt = 1
@@ -74,3 +78,21 @@ class CriticRole(RoleTable, kw_only=True, frozen=True):
     warmup_steps: NonNegInt = 0
     """The first this many steps train the critic while the actor does not move (the trainer takes
     them without changing its weights, so the values fit the starting policy first)."""
+
+    def holds_policy(self, step: int) -> bool:
+        """The warm-up: in its first `warmup_steps` steps only the critic learns."""
+        return step < self.warmup_steps
+
+    def check(self, config: Any) -> None:
+        """The trainer uses the advantages this role attaches, and a simulated critic is one rank."""
+        trainer = config.roles.trainer.engine
+        if isinstance(trainer, TorchTrainer) and trainer.advantage != "gae":
+            raise ConfigError("roles.trainer.engine.advantage", trainer.advantage,
+                              "the trainer would ignore the critic's advantages: use 'gae' with [roles.critic]")
+        if isinstance(self.engine, SimCritic) and self.replicas > 1:
+            raise ConfigError("roles.critic.replicas", self.replicas,
+                              "the simulated critic is one rank (lower its times per token to model more)")
+        if isinstance(trainer, SimTrainer) and trainer.inline_critic_s_per_token > 0:
+            raise ConfigError("roles.trainer.engine.inline_critic_s_per_token", trainer.inline_critic_s_per_token,
+                              "a critic in the trainer's process and a critic role are two layouts of one critic: "
+                              "choose one")

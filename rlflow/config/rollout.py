@@ -75,6 +75,8 @@ RolloutEngine = Union[SimRollout, VllmRollout]
 class RolloutRole(StartedRole, frozen=True):
     """The role that generates responses."""
 
+    uses_policy = True
+
     replicas: PosInt = 1
     """Independent engine replicas; they share the work."""
     engine: RolloutEngine = SimRollout()

@@ -180,18 +180,14 @@ class Config(Table, frozen=True):
         return f"{self.run.resume}/{ADAPTER_DIR}" if self.lora is not None and self.run.resume else ""
 
     def holds_policy(self, step: int) -> bool:
-        """Whether the trainer's step `step` leaves the policy as it is: the critic's warm-up
-        (`roles.critic.warmup_steps`), in which only the critic learns."""
-        return self.roles.critic is not None and step < self.roles.critic.warmup_steps
+        """Whether the trainer's step `step` leaves the policy as it is (a role's own learning goes
+        first: `RoleTable.holds_policy`)."""
+        return any(role.holds_policy(step) for _, role in self.role_items())
 
     @property
     def needs_model(self) -> bool:
         """Whether a real engine loads the policy or its tokenizer (the simulated ones do not)."""
-        engines: list[Table] = [self.roles.rollout.engine, self.roles.trainer.engine]
-        if self.roles.teacher is not None:
-            engines.append(self.roles.teacher.engine)
-        if self.roles.critic is not None:
-            engines.append(self.roles.critic.engine)
+        engines: list[Table] = [role.engine for _, role in self.role_items() if role.uses_policy]
         return any(kind_of(engine) != "sim" for engine in engines) or not isinstance(self.task, SimTask)
 
     def launched_roles(self) -> list[tuple[str, Any]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from rlflow.config.base import NonNegFloat, NonNegInt, PosInt, StartedRole, Table
 from rlflow.config.errors import ConfigError
@@ -50,5 +50,24 @@ TeacherEngine = Union[SimTeacher, ModelTeacher]
 class TeacherRole(StartedRole, frozen=True):
     """The role that adds teacher / reference log-probabilities."""
 
+    uses_policy = True
+
     engine: TeacherEngine = SimTeacher()
     """The scoring model."""
+
+    def check(self, config: Any) -> None:
+        """A scoring model sends what the trainer's distillation reads (its top k), scored at the
+        temperature the rollout samples at."""
+        trainer = config.roles.trainer.engine
+        if not isinstance(self.engine, ModelTeacher):
+            return
+        if getattr(trainer, "distill_coef", 0) > 0 and trainer.distill == "topk" and self.engine.top_k == 0:
+            raise ConfigError("roles.teacher.engine.top_k", 0,
+                              "must be at least 1 for roles.trainer.engine.distill = 'topk'")
+        rollout_t = getattr(config.roles.rollout.engine, "temperature", None)
+        if self.engine.temperature is not None and rollout_t is not None and self.engine.temperature != rollout_t:
+            raise ConfigError(
+                "roles.teacher.engine.temperature", self.engine.temperature,
+                f"must equal the rollout's sampling temperature ({rollout_t:g}): the teacher scores the distribution "
+                "the student samples from",
+            )

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from msgspec import Meta
 
 from rlflow.config.base import Fraction, NonNegFloat, NonNegInt, PosFloat, PosInt, RoleTable, Table
+from rlflow.config.errors import ConfigError
+from rlflow.config.teacher import ModelTeacher
 
 #: A checkpoint's LoRA adapter, in PEFT's format, is this folder of it.
 ADAPTER_DIR = "adapter"
@@ -187,6 +189,8 @@ TrainerEngine = Union[SimTrainer, TorchTrainer]
 class TrainerRole(RoleTable, kw_only=True, frozen=True):
     """The role that trains the policy."""
 
+    uses_policy = True
+
     pool: str
     """Name of the pool its replicas run on."""
     replicas: PosInt = 1
@@ -194,3 +198,30 @@ class TrainerRole(RoleTable, kw_only=True, frozen=True):
     rank 0 takes the stream and deals each step's samples to the ranks by tokens."""
     engine: TrainerEngine = SimTrainer()
     """The training engine and its settings."""
+
+    def check(self, config: Any) -> None:
+        """The terms of its loss have the roles that send what they read: GAE advantages a critic role,
+        a KL penalty (but to the base of a LoRA adapter) or distillation a teacher that scores with a
+        model; and neither GAE nor distillation beside the signal filter, whose groups of equal rewards
+        they would still learn from."""
+        engine = self.engine
+        if not isinstance(engine, TorchTrainer):
+            return
+        if config.run.filter == "signal" and engine.advantage == "gae":
+            raise ConfigError("run.filter", config.run.filter, "the critic's advantages (advantage = 'gae') are not "
+                              "group-relative: a group with equal rewards still teaches; use filter = 'none'")
+        if config.run.filter == "signal" and engine.distill_coef > 0:
+            raise ConfigError("run.filter", config.run.filter, "with distillation (distill_coef > 0) a group with "
+                              "equal rewards still learns from the teacher; use filter = 'none'")
+        if engine.advantage == "gae" and config.roles.critic is None:
+            raise ConfigError("roles.trainer.engine.advantage", "gae",
+                              "needs a critic role that attaches the advantages ([roles.critic])")
+        base_reference = config.lora is not None and config.lora.reference == "base"
+        if (engine.kl_coef > 0 and not base_reference) or engine.distill_coef > 0:
+            teacher = config.roles.teacher
+            if teacher is None or not isinstance(teacher.engine, ModelTeacher):
+                key, value = ("distill_coef", engine.distill_coef) if engine.distill_coef > 0 else \
+                    ("kl_coef", engine.kl_coef)
+                raise ConfigError(f"roles.trainer.engine.{key}", value,
+                                  "needs a teacher that scores with a model ([roles.teacher] with engine.kind = "
+                                  "'model')")

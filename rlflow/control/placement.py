@@ -40,7 +40,7 @@ NAMESPACE = "rlflow"
 _THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RLFLOW_NUM_THREADS")
 #: OpenMP threads that wait sleep rather than spin (unless the user says otherwise): the roles of a
 #: run share cores, and torch's threads spinning at a barrier while another process holds the core
-#: made a 4-s critic test take 224 s on a busy 2-core machine (27 s with this).
+#: made a 4-s test of a role's two ranks take 224 s on a busy 2-core machine (27 s with this).
 _WAIT_POLICY = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
 
 
