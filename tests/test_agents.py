@@ -182,9 +182,9 @@ def test_a_replica_holds_what_the_grants_allow_and_ends_when_they_break_their_ru
 
     assert groups_held(64, 8) == 128 and groups_held(0, 8) == 16 and groups_held(1, 64) == 1
     send, receive = trio.open_memory_channel(2)
-    hand_back(send, "a", 2)
-    hand_back(send, "b", 2)
+    hand_back(send, "a")
+    hand_back(send, "b")
     with pytest.raises(GrantOverrun, match="more than 2 groups came back .* lets it hold 2"):
-        hand_back(send, "c", 2)
+        hand_back(send, "c")
     assert [receive.receive_nowait(), receive.receive_nowait()] == ["a", "b"]
-    hand_back(send, "c", 2)  # taken: room again
+    hand_back(send, "c")  # taken: room again

@@ -321,11 +321,10 @@ class Controller:
             self.outboxes.order(self.weights.joined(replica.rank, self.roster.receivers()), self.roster)
 
     def _on_step(self, msg: StepDone) -> None:
-        _, warnings = steps.record(msg, self.ledger, self.stats, self.run_dir, self._sinks,
-                                   time_s=time.monotonic() - (self.training_started or self.started),
-                                   messages=sum(self.received_by_type.values()),
-                                   paced=self.config.run.credits == "paced")
-        for text in warnings:
+        for text in steps.record(msg, self.ledger, self.stats, self.run_dir, self._sinks,
+                                 time_s=time.monotonic() - (self.training_started or self.started),
+                                 messages=sum(self.received_by_type.values()),
+                                 paced=self.config.run.credits == "paced"):
             self._warn(text)
         if self.ledger.steps_done >= self.config.run.steps:
             self.stop_reason = f"{self.config.run.steps} steps done"

@@ -18,7 +18,7 @@ from rlflow.control.metrics import Sink
 from rlflow.control.stats import RunStats
 from rlflow.errors import RunFailed
 from rlflow.protocol import StepDone
-from rlflow.rundir import CONTROLLER_STATE, RunDir, StepRow, read_json, write_json
+from rlflow.rundir import CONTROLLER_STATE, RunDir, read_json, write_json
 
 log = logging.getLogger("rlflow.controller")
 
@@ -59,11 +59,10 @@ def save_state(run_dir: RunDir, msg: StepDone, ledger: GroupLedger) -> None:
 
 
 def record(msg: StepDone, ledger: GroupLedger, stats: RunStats, run_dir: RunDir, sinks: list[Sink], *,
-           time_s: float, messages: int, paced: bool) -> tuple[StepRow, list[str]]:
+           time_s: float, messages: int, paced: bool) -> list[str]:
     """Account for the step the trainer took (`time_s`: the run's training time at its end,
     `messages`: those the controller received so far): the ledger, the state beside its checkpoint,
-    its row in every sink and, with paced credits, the ledger's pace. The row, and warnings for a
-    person to look at."""
+    its row in every sink and, with paced credits, the ledger's pace. Warnings for a person to look at."""
     ledger.trained(msg.step, msg.acked)
     if "checkpoint" in msg.metrics:
         save_state(run_dir, msg, ledger)
@@ -75,6 +74,6 @@ def record(msg: StepDone, ledger: GroupLedger, stats: RunStats, run_dir: RunDir,
         sink.write(row)
     failed = row.reward_failed_share
     if failed is None or failed <= FAILED_SHARE_WARNING:
-        return row, []
-    return row, [f"step {row.step}: the reward of {100 * failed:.0f}% of the samples could not be computed (see "
+        return []
+    return [f"step {row.step}: the reward of {100 * failed:.0f}% of the samples could not be computed (see "
                  "the reward counters in the status)"]

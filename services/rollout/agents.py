@@ -132,9 +132,8 @@ class AgentEndpoint:
         self.counters, self.key = counters, api_key
         self.rank, self.replicas, self.takes_reward = rank, replicas, takes_reward
         self.import_dir, self.log = import_dir, log
-        #: The most groups the controller lets this replica hold (`groups_held`): finished and abandoned
-        #: ones wait for the replica's loop in channels of that size (`hand_back`).
-        self.holds = holds
+        # As many as the controller lets this replica hold (`groups_held`): finished and abandoned groups wait
+        # for the replica's loop here (`hand_back`).
         self._send, self.finished = trio.open_memory_channel(holds)
         self._abandoned_send, self.abandoned = trio.open_memory_channel(holds)
         self.episodes: dict[str, _Episode] = {}
@@ -251,7 +250,7 @@ class AgentEndpoint:
                     self.episodes.pop(other.id, None)
                     other.done.set()
                 self._queue = collections.deque(e for e in self._queue if e.group is not held)
-                hand_back(self._abandoned_send, (held.group.group_id, why), self.holds)
+                hand_back(self._abandoned_send, (held.group.group_id, why))
 
     async def _agent(self, copy: int) -> None:
         """One copy of the agent program, started again whenever it exits (after a pause that grows
@@ -386,7 +385,7 @@ class AgentEndpoint:
         held.results[episode.index] = result
         if all(r is not None for r in held.results):
             self.groups -= 1
-            hand_back(self._send, [_assemble(held, self.engine.version)], self.holds)
+            hand_back(self._send, [_assemble(held, self.engine.version)])
 
     # -- turns --------------------------------------------------------------------------------------
 

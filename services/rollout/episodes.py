@@ -92,14 +92,15 @@ class GrantOverrun(RuntimeError):
     granted again) rather than hold what no rule bounds."""
 
 
-def hand_back(send: trio.MemorySendChannel, item: Any, holds: int) -> None:
+def hand_back(send: trio.MemorySendChannel, item: Any) -> None:
     """Put a group that leaves the replica's episodes on its way out, never waiting (a request's
-    handler or a failing episode's task sends it). The channel holds `holds` items, the most groups
-    the controller lets the replica hold: a group counts as held until the replica acknowledges it,
-    which it does once the item is taken, so the channel is full only if the grants broke that rule."""
+    handler or a failing episode's task sends it). The channel holds as many items as the controller
+    lets the replica hold groups (`groups_held`): a group counts as held until the replica acknowledges
+    it, which it does once the item is taken, so the channel is full only if the grants broke that rule."""
     try:
         send.send_nowait(item)
     except trio.WouldBlock:
+        holds = send.statistics().max_buffer_size
         raise GrantOverrun(f"more than {holds} groups came back out of this replica's episodes at once: the "
                            f"controller lets it hold {holds} (groups_held); the replica ends") from None
 
@@ -115,8 +116,7 @@ class EpisodeRunner:
         self.text, self.counters = text, counters
         self.strict, self.staleness = strict, staleness
         self._send, self.finished = trio.open_memory_channel(2)
-        #: The most groups the controller lets this replica hold (`groups_held`); lost ones wait here.
-        self.holds = holds
+        # As many as the controller lets this replica hold (`groups_held`): lost ones wait here (`hand_back`).
         self._lost_send, self.lost = trio.open_memory_channel(holds)
         self._nursery: trio.Nursery | None = None
         self.groups = 0
@@ -144,7 +144,7 @@ class EpisodeRunner:
                 except _Doomed:
                     self.counters["restarted_groups"] += 1
         except EnvLost as lost:
-            hand_back(self._lost_send, (group.group_id, str(lost)), self.holds)
+            hand_back(self._lost_send, (group.group_id, str(lost)))
             return
         finally:
             self.groups -= 1
