@@ -47,6 +47,75 @@ async def test_a_run_trains_on_what_outside_agents_played_and_drops_the_group_of
     assert result.trained == 6 * 4
 
 
+async def test_a_run_goes_on_under_clients_that_would_hold_or_break_its_endpoint(tmp_path):
+    """Beside the agents, over real HTTP: 1,000 connections held idle, a client that sends a byte a second,
+    a 10 MB body, bodies that are not JSON and HTTP that does not parse on every route, a wrong key on
+    every route. Each is answered for what it is, and the run trains every group, nothing lost."""
+    from test_controller import run_in_process
+    from test_http import ask, status
+
+    from rlflow.rundir import RunDir
+    from rlflow.tools.audit import audit
+
+    answers: dict[str, list[int]] = {}
+    held: list[trio.SocketStream] = []
+
+    async def hostile(controller, launcher) -> None:
+        while (info := RunDir(tmp_path).read_agents()) is None:
+            await trio.sleep(0.1)
+        host, port = info.urls["rollout-0"].removeprefix("http://").rsplit(":", 1)
+
+        def request(method: str, path: str, body: bytes, key: str = "k3y", length: int | None = None) -> bytes:
+            return (f"{method} {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nConnection: close\r\n"
+                    f"Content-Length: {len(body) if length is None else length}\r\n\r\n").encode() + body
+
+        routes = [("POST", "/rlflow/episodes"), ("POST", "/rlflow/episodes/1-0-dead/end"), ("GET", "/v1/models"),
+                  ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                  ("POST", "/episodes/1-0-dead/v1/chat/completions")]
+        for _ in range(1000):
+            held.append(await trio.open_tcp_stream(host, int(port)))
+        answers["wrong key"] = [status(await ask(int(port), request(m, p, b"{}", key="nope"))) for m, p in routes]
+        answers["not json"] = [status(await ask(int(port), request("POST", p, b"{nope")))
+                               for _, p in routes[:2] + routes[3:]]
+        answers["not http"] = [status(await ask(int(port), b"GARBAGE\r\n\r\n"))]
+        answers["10 MB"] = [status(await ask(int(port), request("POST", "/v1/completions", b"", length=10 << 20)))]
+        slow = await trio.open_tcp_stream(host, int(port))
+        async with slow:
+            await slow.send_all(request("POST", "/v1/completions", b"", length=100))
+            with trio.move_on_after(60):
+                while True:
+                    try:
+                        await slow.send_all(b"x")
+                    except trio.BrokenResourceError:
+                        break
+                    with trio.move_on_after(1):
+                        if answer := await slow.receive_some():
+                            answers["a byte a second"] = [status(answer)]
+                            break
+        # The run trains on, the 1,000 connections still held, then stops (as `rlflow down` would stop it).
+        trained = len(RunDir(tmp_path).read_metrics())
+        while len(RunDir(tmp_path).read_metrics()) < trained + 4:
+            await trio.sleep(0.1)
+        controller.stop_reason = "the hostile clients are done"
+        controller.done.set()
+
+    config = agent_run(tmp_path, "agents.read_timeout_s=3", "agents.max_body_bytes=1048576", "run.steps=100000")
+    try:
+        with trio.fail_after(180):
+            _, summary = await run_in_process(config, tmp_path, during=hostile)
+    finally:
+        for stream in held:
+            await stream.aclose()
+    assert summary.state == "stopped" and summary.stop_reason == "the hostile clients are done", summary.error
+    assert answers == {"wrong key": [401] * 6, "not json": [400] * 5, "not http": [400], "10 MB": [413],
+                       "a byte a second": [408]}
+    assert len(held) == 1000
+    rows = RunDir(tmp_path).read_metrics()
+    assert len(rows) >= 4 and [r.step for r in rows] == list(range(len(rows))) and all(r.samples == 16 for r in rows)
+    result = audit(tmp_path)
+    assert (result.lost, result.duplicated) == (0, 0), result
+
+
 @pytest.mark.parametrize("overrides, key, says", [
     (['roles.env={environment={path="rlflow.env.sim:SimEnv"}, pool="score"}'], "agents", "not both"),
     (['run.staleness_check="strict"'], "run.staleness_check", "admission"),

@@ -100,6 +100,16 @@ class AgentsConfig(Table, frozen=True):
     `min_p`, penalties, `logit_bias` other than the run's): refuse: answered 400 naming the field (the
     trainer learns from the run's sampling, so another would be a silent change); run: sampled as the
     run does anyway, and the answer's `system_fingerprint` says "rlflow-run-sampling"."""
+    keep_alive_s: PosFloat = 30.0
+    """A connection with no request under way, or one still sending a request's head, is closed after
+    this long (OpenAI clients open another when they need one)."""
+    read_timeout_s: PosFloat = 60.0
+    """A request's body must arrive within this long, or it is answered 408."""
+    max_body_bytes: PosInt = 16 << 20
+    """A request's body over this is answered 413."""
+    max_connections: PosInt = 4096
+    """Connections a replica's endpoint holds at once; one more is answered 503 with Retry-After and
+    closed."""
 
 
 class WandbConfig(Table, frozen=True):

@@ -166,8 +166,10 @@ class AgentEndpoint:
             # A dead engine ends the endpoint, and with it the replica, which is restarted (its groups granted
             # again), rather than answering 500 to every turn while handing out episodes that cannot be played;
             # so do grants past their rule (`hand_back`).
-            await nursery.start(functools.partial(http.serve, fatal=(EngineDead, GrantOverrun), drain=self.drain),
-                                self.handle, self._sock)
+            limits = http.Limits(keep_alive_s=self.cfg.keep_alive_s, read_timeout_s=self.cfg.read_timeout_s,
+                                 max_body=self.cfg.max_body_bytes, max_connections=self.cfg.max_connections)
+            await nursery.start(functools.partial(http.serve, fatal=(EngineDead, GrantOverrun), drain=self.drain,
+                                                  limits=limits), self.handle, self._sock)
             nursery.start_soon(self._reap)
             for copy in range(self.rank, self.cfg.copies if self.cfg.command else 0, self.replicas):
                 nursery.start_soon(self._agent, copy)
@@ -288,15 +290,16 @@ class AgentEndpoint:
             return http.HttpResponse.of(200, {"ok": True})
         if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {self.key}"):
             self.counters["agents.refused_key"] += 1
-            return _error(401, "no valid API key: send the run's key (agents.json) as 'Authorization: Bearer KEY'",
-                          "invalid_api_key")
+            return http.HttpResponse.error(
+                401, "no valid API key: send the run's key (agents.json) as 'Authorization: Bearer KEY'",
+                "invalid_api_key")
         try:
             if self.over:
                 raise _Refused(410, f"the run is over ({self.over}): stop", "run_over")
             return await self._route(request, path)
         except _Refused as refused:
             self.counters["agents.refused"] += 1
-            return _error(refused.status, str(refused), refused.kind)
+            return http.HttpResponse.error(refused.status, str(refused), refused.kind)
 
     async def _route(self, request: http.HttpRequest, path: str) -> http.HttpResponse | http.Streamed:
         parts = path.strip("/").split("/")
@@ -677,10 +680,6 @@ def _body(request: http.HttpRequest) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _Refused(400, f"the request body is a JSON {type(body).__name__}, not an object")
     return body
-
-
-def _error(status: int, message: str, kind: str) -> http.HttpResponse:
-    return http.HttpResponse.of(status, {"error": {"message": message, "type": kind, "code": kind}})
 
 
 async def _sse(events: list[dict[str, Any]]) -> AsyncIterator[bytes]:

@@ -1,31 +1,50 @@
-"""A small HTTP/1.1 server on trio, for the agents' endpoint (`agents`): h11
-parses and writes the protocol, this module reads and writes sockets.
+"""The agents' endpoint's HTTP layer: hypercorn's HTTP/1.1 protocol on trio (h11 underneath) serving a
+small ASGI adapter around one handler, with the limits a server on an open network needs.
 
-A handler gets one `HttpRequest` (its whole body read, at most `MAX_BODY`
-bytes) and returns an `HttpResponse`, or a `Streamed` one whose body is
-written in chunks as they come (server-sent events). Connections are kept
-alive between requests, as HTTP clients (httpx, under the `openai` package)
-expect. A handler that raises answers 500, unless what it raised is one of
-`serve`'s `fatal` exceptions: that ends the server (the replica's engine
-died: no request can be served any more); a request h11 cannot parse, 400.
+A handler gets one `HttpRequest` (its whole body read) and returns an `HttpResponse`, or a `Streamed`
+one whose body is written in chunks as they come (server-sent events). Connections are kept alive
+between requests, as HTTP clients (httpx, under the `openai` package) expect. A handler that raises
+answers 500 and the server goes on, unless what it raised is one of `serve`'s `fatal` exceptions:
+that request is answered 503 and the server ends, raising it (the replica's engine died: no request
+can be served any more). What a client cannot do (`Limits`): hold a connection with no request under
+way, or send a request's head, longer than `keep_alive_s` (the connection is closed); take longer
+than `read_timeout_s` over a request's body (408); send a body over `max_body` bytes (413); open
+more than `max_connections` at once (503 with Retry-After, then closed). HTTP that does not parse
+is answered 400 and its connection closed.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import h11
 import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState
+from hypercorn.utils import wrap_app
 
 log = logging.getLogger("rlflow.agents")
 
-#: The largest request body read (a long conversation with its tools is well under it).
-MAX_BODY = 16 << 20
+
+@dataclass(frozen=True)
+class Limits:
+    """What one client may take of the server (see the module's docstring)."""
+
+    keep_alive_s: float = 30.0
+    read_timeout_s: float = 60.0
+    max_body: int = 16 << 20
+    """A long conversation with its tools is well under it."""
+    max_connections: int = 4096
+    grace_s: float = 2.0
+    """How long answers already given may take to reach their clients once the server ends."""
 
 
 @dataclass
@@ -44,10 +63,16 @@ class HttpResponse:
     status: int
     body: bytes = b""
     content_type: str = "application/json"
+    headers: list[tuple[str, str]] = field(default_factory=list)
 
     @classmethod
     def of(cls, status: int, value: Any) -> HttpResponse:
         return cls(status, json.dumps(value).encode())
+
+    @classmethod
+    def error(cls, status: int, message: str, kind: str) -> HttpResponse:
+        """The OpenAI API's error body."""
+        return cls.of(status, {"error": {"message": message, "type": kind, "code": kind}})
 
 
 @dataclass
@@ -100,93 +125,145 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(handler: Handler, sock: socket.socket, *, fatal: tuple[type[Exception], ...] = (),
-                drain: Drain | None = None, task_status=trio.TASK_STATUS_IGNORED) -> None:
+                drain: Drain | None = None, limits: Limits = Limits(),
+                task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve `handler` on the listening socket `sock` (see `bind`) until cancelled, or until the handler
     raises one of `fatal`, which `serve` raises then; `drain` counts the requests under way."""
+    ended: list[Exception] = []
+    stop = trio.Event()
+
+    def end(exc: Exception) -> None:
+        ended.append(exc)
+        stop.set()
+
+    app = wrap_app(_App(handler, fatal, drain or Drain(), limits, end), limits.max_body, "asgi")
+    config = _config(limits)
+    context = WorkerContext(None)
+    room = trio.CapacityLimiter(limits.max_connections)
+
+    async def connection(stream: trio.SocketStream) -> None:
+        try:
+            room.acquire_nowait()
+        except trio.WouldBlock:
+            await _turn_away(stream, limits.max_connections)
+            return
+        try:
+            await _Connection(app, config, context, ConnectionState({}), stream)  # type: ignore[arg-type]
+        finally:
+            room.release()
+
     listener = trio.SocketListener(trio.socket.from_stdlib_socket(sock))
-    try:
-        async with listener, trio.open_nursery() as nursery:
+    async with trio.open_nursery() as connections:
+        async with listener, trio.open_nursery() as accepting:
+            await accepting.start(functools.partial(trio.serve_listeners, handler_nursery=connections), connection,
+                                  [listener])
             task_status.started()
-            await trio.serve_listeners(lambda stream: _connection(stream, handler, fatal, drain or Drain()), [listener],
-                                       handler_nursery=nursery)
-    except BaseExceptionGroup as group:
-        ended = group.subgroup(fatal) if fatal else None
-        if ended is None:
-            raise
-        while isinstance(ended, BaseExceptionGroup):  # the first, as it was raised
-            ended = ended.exceptions[0]
-        raise ended from None
+            await stop.wait()
+            accepting.cancel_scope.cancel()
+        await context.terminated.set()  # idle connections close; answers under way get `grace_s`
+        connections.cancel_scope.deadline = trio.current_time() + limits.grace_s
+    raise ended[0]
 
 
-async def _connection(stream: trio.SocketStream, handler: Handler, fatal: tuple[type[Exception], ...],
-                      drain: Drain) -> None:
-    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 << 10)
-    try:
-        while True:
-            request = await _read(stream, conn)
+class _Connection(TCPServer):
+    """hypercorn's connection, which ends when its client hangs up: hypercorn's own keeps its keep-alive
+    timer running after the client has closed, holding the socket (and a place under
+    `max_connections`) up to `keep_alive_s` longer."""
+
+    async def _read_data(self) -> None:
+        await super()._read_data()
+        await self.idle_task.stop()
+
+
+def _config(limits: Limits) -> HypercornConfig:
+    config = HypercornConfig()
+    config.keep_alive_timeout = limits.keep_alive_s
+    config.read_timeout = math.ceil(limits.read_timeout_s)  # each read; the whole body is the app's
+    config.keep_alive_max_requests = 1 << 30
+    config.include_server_header = False
+    config.errorlog = log
+    config.accesslog = None
+    return config
+
+
+async def _turn_away(stream: trio.SocketStream, most: int) -> None:
+    """Answer a connection over the limit 503, without reading its request, and close it."""
+    answer = HttpResponse.error(503, f"the endpoint holds {most} connections already: retry later",
+                                "too_many_connections")
+    head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: "
+            f"{len(answer.body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n").encode()
+    with trio.move_on_after(1):
+        try:
+            await stream.send_all(head + answer.body)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+    await stream.aclose()
+
+
+class _App:
+    """ASGI: one request's body read within the limits, the handler's answer written."""
+
+    def __init__(self, handler: Handler, fatal: tuple[type[Exception], ...], drain: Drain, limits: Limits,
+                 end: Callable[[Exception], None]):
+        self.handler, self.fatal, self.drain, self.limits, self.end = handler, fatal, drain, limits, end
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return
+        self.drain.start()
+        try:
+            request = await self._read(scope, receive)
             if request is None:
-                return
-            drain.start()
-            try:
-                try:
-                    answer = await handler(request)
-                except fatal:
-                    raise
-                except Exception as exc:  # the handler's fault: the client hears of it, the endpoint stays up
-                    log.exception("[agents] %s %s failed", request.method, request.path)
-                    answer = HttpResponse.of(500, {"error": {"message": f"{type(exc).__name__}: {exc}",
-                                                             "type": "internal_error"}})
-                await _write(stream, conn, answer)
-            finally:
-                drain.done()
-            if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
-                return
-            conn.start_next_cycle()
-    except (trio.BrokenResourceError, trio.ClosedResourceError, h11.RemoteProtocolError, h11.LocalProtocolError):
-        return  # the client went away, or spoke something else
-    finally:
-        with trio.move_on_after(1) as cleanup:
-            cleanup.shield = True
-            await stream.aclose()
+                return  # the client went away
+            answer = request if isinstance(request, HttpResponse) else await self._answer(request)
+            await _write(send, answer)
+        finally:
+            self.drain.done()
+
+    async def _answer(self, request: HttpRequest) -> HttpResponse | Streamed:
+        try:
+            return await self.handler(request)
+        except self.fatal as exc:
+            self.end(exc)
+            return HttpResponse.error(503, f"{type(exc).__name__}: {exc}", "endpoint_ended")
+        except Exception as exc:  # the handler's fault: the client hears of it, the endpoint stays up
+            log.exception("[agents] %s %s failed", request.method, request.path)
+            return HttpResponse.error(500, f"{type(exc).__name__}: {exc}", "internal_error")
+
+    async def _read(self, scope: dict[str, Any], receive: Callable) -> HttpRequest | HttpResponse | None:
+        """The request with its whole body, an answer that refuses it, or None (the client left)."""
+        headers = {k.decode("latin-1").lower(): v.decode(errors="replace") for k, v in scope["headers"]}
+        most = self.limits.max_body
+        too_big = HttpResponse.error(413, f"the request body is over {most} bytes", "invalid_request_error")
+        if headers.get("content-length", "0").isdigit() and int(headers.get("content-length", "0")) > most:
+            return too_big
+        body = bytearray()
+        with trio.move_on_after(self.limits.read_timeout_s):
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                body += message.get("body", b"")
+                if len(body) > most:
+                    return too_big
+                if not message.get("more_body", False):
+                    path = scope.get("raw_path") or scope["path"].encode()
+                    query = scope.get("query_string", b"")
+                    target = path.decode(errors="replace") + (f"?{query.decode(errors='replace')}" if query else "")
+                    return HttpRequest(scope["method"], target, headers, bytes(body))
+        return HttpResponse.error(408, f"the request body did not arrive within {self.limits.read_timeout_s:g} s",
+                                  "request_timeout")
 
 
-async def _read(stream: trio.SocketStream, conn: h11.Connection) -> HttpRequest | None:
-    """The next request on the connection (None: the client closed it)."""
-    head: h11.Request | None = None
-    body = bytearray()
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            data = await stream.receive_some(1 << 16)
-            conn.receive_data(data)
-            if not data and head is None and conn.their_state is h11.IDLE:
-                return None
-            continue
-        if isinstance(event, h11.ConnectionClosed):
-            return None
-        if isinstance(event, h11.Request):
-            head = event
-        elif isinstance(event, h11.Data):
-            body += event.data
-            if len(body) > MAX_BODY:
-                await _write(stream, conn, HttpResponse.of(413, {"error": {
-                    "message": f"the request body is over {MAX_BODY} bytes", "type": "invalid_request_error"}}))
-                return None
-        elif isinstance(event, h11.EndOfMessage):
-            headers = {k.decode().lower(): v.decode(errors="replace") for k, v in head.headers}
-            return HttpRequest(head.method.decode(), head.target.decode(errors="replace"), headers, bytes(body))
-
-
-async def _write(stream: trio.SocketStream, conn: h11.Connection, answer: HttpResponse | Streamed) -> None:
+async def _write(send: Callable, answer: HttpResponse | Streamed) -> None:
+    headers = [(b"content-type", answer.content_type.encode())]
+    headers += [(k.encode(), v.encode()) for k, v in answer.headers]
     if isinstance(answer, HttpResponse):
-        headers = [("content-type", answer.content_type), ("content-length", str(len(answer.body)))]
-        await stream.send_all(conn.send(h11.Response(status_code=answer.status, headers=headers)))
-        if answer.body:
-            await stream.send_all(conn.send(h11.Data(data=answer.body)))
-        await stream.send_all(conn.send(h11.EndOfMessage()))
+        headers.append((b"content-length", str(len(answer.body)).encode()))
+        await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+        await send({"type": "http.response.body", "body": answer.body})
         return
-    headers = [("content-type", answer.content_type), *answer.headers]
-    await stream.send_all(conn.send(h11.Response(status_code=answer.status, headers=headers)))
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
     async for chunk in answer.chunks:
-        await stream.send_all(conn.send(h11.Data(data=chunk)))
-    await stream.send_all(conn.send(h11.EndOfMessage()))
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
