@@ -116,6 +116,25 @@ async def test_a_run_goes_on_under_clients_that_would_hold_or_break_its_endpoint
     assert (result.lost, result.duplicated) == (0, 0), result
 
 
+async def test_a_stop_request_ends_a_run_whose_agents_never_came(tmp_path):
+    """No agent takes an episode (none started, by the run or by hand): the run waits in its first
+    evaluation, and `rlflow down`'s request ends it there, stopped, instead of waiting to be killed."""
+    from test_controller import run_in_process
+
+    from rlflow.control.launch import request_stop, resolve
+    from rlflow.rundir import RunDir
+
+    async def stop(controller, launcher) -> None:
+        while (status := RunDir(tmp_path).read_status()) is None or status.state != "evaluating":
+            await trio.sleep(0.1)
+        assert await trio.to_thread.run_sync(request_stop, tmp_path, "rlflow down")
+
+    with trio.fail_after(120):
+        config = resolve(agent_run(tmp_path, "agents.command=[]", 'task={kind="arith"}', 'roles.rollout.model="default"'))
+        _, summary = await run_in_process(config, tmp_path, during=stop)
+    assert summary.state == "stopped" and summary.stop_reason == "rlflow down" and summary.steps == 0
+
+
 @pytest.mark.parametrize("overrides, key, says", [
     (['roles.env={environment={path="rlflow.env.sim:SimEnv"}, pool="score"}'], "agents", "not both"),
     (['run.staleness_check="strict"'], "run.staleness_check", "admission"),

@@ -22,7 +22,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
@@ -191,10 +191,11 @@ class Controller:
         """Evaluate, grant until the last step is trained, evaluate again, shut down."""
         if self.config.eval.before and not self.stats.evaluated_at(self.ledger.steps_done):  # kept on resume
             self.state = Phase.EVALUATING
-            await self._evaluated()
+            await _unless(self.done, self._evaluated)  # a stop request ends it (agents may never play it)
         self.state = Phase.RUNNING
         self.training_started = time.monotonic()
-        self._grant()
+        if not self.done.is_set():
+            self._grant()
         await self.done.wait()
         if self.config.eval.after and self.ledger.steps_done >= self.config.run.steps:
             self.state = Phase.EVALUATING
@@ -505,3 +506,16 @@ async def _within(event: trio.Event, timeout: float, what: Callable[[], str]) ->
         await event.wait()
     if not event.is_set():
         raise RunFailed(f"{what()} within {timeout:g} s; raise cluster.handshake_timeout_s if they are slow to start")
+
+
+async def _unless(event: trio.Event, work: Callable[[], Awaitable[None]]) -> None:
+    """`work()`, given up if `event` is set first."""
+
+    async def cancel_when_set() -> None:
+        await event.wait()
+        nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cancel_when_set)
+        await work()
+        nursery.cancel_scope.cancel()
