@@ -129,8 +129,8 @@ async def test_a_stop_request_ends_a_run_whose_agents_never_came(tmp_path):
             await trio.sleep(0.1)
         assert await trio.to_thread.run_sync(request_stop, tmp_path, "rlflow down")
 
+    config = resolve(agent_run(tmp_path, "agents.command=[]", 'task={kind="arith"}', 'roles.rollout.model="default"'))
     with trio.fail_after(120):
-        config = resolve(agent_run(tmp_path, "agents.command=[]", 'task={kind="arith"}', 'roles.rollout.model="default"'))
         _, summary = await run_in_process(config, tmp_path, during=stop)
     assert summary.state == "stopped" and summary.stop_reason == "rlflow down" and summary.steps == 0
 
