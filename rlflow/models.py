@@ -248,6 +248,21 @@ def deterministic(threads: int) -> Iterator[None]:
         torch.use_deterministic_algorithms(was)
 
 
+#: The default model's chat template, so that agents that speak chat (their frameworks do) train it too:
+#: the conversation's text in turn, each assistant turn closed by its end-of-sequence token, system
+#: messages and tools left out (the model reads the arithmetic alphabet alone, and its tokenizer drops
+#: any other character: "New task: 12+34=" reads as "12+34="). No generation prompt: the model answers
+#: right after the question, as it was warm-started to.
+ARITH_CHAT_TEMPLATE = (
+    "{%- for m in messages %}{%- if m['role'] != 'system' %}"
+    "{%- if m['content'] is string %}{{ m['content'] }}"
+    "{%- elif m['content'] %}{%- for part in m['content'] %}{%- if part['type'] == 'text' %}{{ part['text'] }}"
+    "{%- endif %}{%- endfor %}{%- endif %}"
+    "{%- if m['role'] == 'assistant' %}{{ eos_token }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+)
+
+
 #: The chat template of the tiny chat model: Qwen's markers, and each tool shown as its name and arguments.
 CHAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}("
@@ -492,6 +507,7 @@ def _build(out: pathlib.Path, recipe: Recipe, report: Callable[[str, float], Non
     task_cfg = ArithTask()
     arith = Arith(task_cfg.digit_weights, seed=recipe.seed, heldout_seed=task_cfg.heldout_seed)
     tokenizer = build_tokenizer(Arith.ALPHABET)
+    tokenizer.chat_template = ARITH_CHAT_TEMPLATE
     model = Qwen2ForCausalLM(qwen2_config(recipe, tokenizer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, betas=(0.9, 0.98))
     rng = np.random.default_rng((recipe.seed, 3))

@@ -44,7 +44,7 @@ def test_the_shipped_default_model_is_the_recipes_and_loads_as_it_is():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlflow.models import BUILD_VERSION, SHIPPED, resolve_model
+    from rlflow.models import ARITH_CHAT_TEMPLATE, BUILD_VERSION, SHIPPED, resolve_model
     from rlflow.tasks.arith import Arith
 
     assert resolve_model("default") == SHIPPED
@@ -56,6 +56,13 @@ def test_the_shipped_default_model_is_the_recipes_and_loads_as_it_is():
     tokenizer = AutoTokenizer.from_pretrained(SHIPPED)
     text = Arith.prompt_text(57, 68) + Arith.solution(57, 68)
     assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
+    # Chat renders the conversation's text in the task's alphabet (the agents' frameworks speak chat).
+    assert tokenizer.chat_template == ARITH_CHAT_TEMPLATE
+    chat = [{"role": "system", "content": "You add 2 numbers."}, {"role": "user", "content": "New task: 57+68="},
+            {"role": "assistant", "content": "7+8=15#125"}, {"role": "user", "content": "Check 1 more time."}]
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert tokenizer.decode(tokenizer.encode(rendered, add_special_tokens=False), skip_special_tokens=False) \
+        == "57+68=7+8=15#125<eos>1"
 
 
 # -- tokenizers as transformers and vLLM reload them ------------------------------------------------------

@@ -5,7 +5,7 @@ answer ends the episode with reward 1. A wrong one is answered with the
 problem and the worked columns written right up to the first column the
 model got wrong (``57+68=7+8=15,5+6+1=12,``): the model's second turn goes
 on from there, and a right answer then earns `second_reward`. Text only:
-it speaks the default model's alphabet, which has no chat template.
+it speaks the default model's alphabet (whose chat template writes text alone).
 """
 
 from __future__ import annotations
