@@ -1,0 +1,160 @@
+"""The mismatch-correction menu measured: held-out accuracy, the engine-trainer gap and the time a step
+takes, for each correction, on the default task and on reasoning-gym tasks with their built models.
+
+Each correction is a set of the trainer's keys (`roles.trainer.engine`, docs/training.md, *The gap
+between engine and trainer*) over the embedded default, run through `rlflow up` one run at a time
+and evaluated after the run checkpoint by checkpoint, as bench/learning.py does (its harness):
+
+    none          the shipped default: PPO clipped around the behaviour policy, no weight
+    tis           decoupled PPO, each token's weight truncated at 2 (TIS)
+    icepop        tokens whose weight lies outside [0.5, 2] left out of the loss (IcePop)
+    seq-mask      whole samples left out when their geometric-mean weight lies outside [0.5, 2]
+    gspo          GSPO: the sample's geometric-mean ratio, clipped at 3e-4 / 4e-4, sequence-mean loss
+    cispo         CISPO: the clipped ratio weighs each token's log-probability, no lower clip
+
+and once more, on the default task, with the gap made large on purpose (`--mismatch`: the rollout
+four versions ahead of the trainer at most, `run.max_staleness = 4`, at 3x the learning rate) for
+`none` and for the correction that did best: does a correction keep a run learning where none
+stalls?
+
+Writes `bench/results/corrections[-TAG].{json,md}` and ends with
+
+    RESULT corrections best=NAME best_vs_default_points=B gap_p99=G collapse_kept=K
+
+B: the best correction's held-out accuracy minus the default's (`none`) at the last mark (mean over
+seeds, its worst task); G: the default's per-token p99 gap |log p_train - log p_rollout| (mean over
+its steps, seeds and tasks); K: 1 if the best correction's mismatched run ends at least 2 points above
+`none`'s mismatched run, where that one ends no higher than it started + 2 points; else 0 ("na"
+without `--mismatch`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+
+import learning  # bench/learning.py (bench/ is on the import path of a script run from it)
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+RUNS = ROOT / "runs" / "corrections"
+ENGINE = "roles.trainer.engine"
+
+#: Each correction: its overrides of the trainer's keys.
+CORRECTIONS: dict[str, list[str]] = {
+    "none": [],
+    "tis": [f"{ENGINE}.decoupled=true", f'{ENGINE}.correction="truncate"', f"{ENGINE}.correction_high=2.0"],
+    "icepop": [f'{ENGINE}.correction="mask"', f"{ENGINE}.correction_low=0.5", f"{ENGINE}.correction_high=2.0"],
+    "seq-mask": [f'{ENGINE}.correction="mask"', f'{ENGINE}.correction_level="sequence"',
+                 f"{ENGINE}.correction_low=0.5", f"{ENGINE}.correction_high=2.0"],
+    "gspo": [f'{ENGINE}.objective="gspo"', f"{ENGINE}.clip_low=0.0003", f"{ENGINE}.clip_high=0.0004",
+             f'{ENGINE}.loss_norm="sequences"'],
+    "cispo": [f'{ENGINE}.objective="cispo"', f"{ENGINE}.clip_low=1.0"],
+}
+DEFAULT = "none"
+#: The deliberately mismatched run: four versions of staleness at most, at 3x the default's rate.
+MISMATCH = ['run.mode="async"', "run.max_staleness=4", f"{ENGINE}.lr=3e-4"]
+
+
+def run_and_read(name: str, overrides: list[str], seed: int, task: str, args, folder: pathlib.Path) -> dict:
+    if not (args.reuse and (folder / "heldout.jsonl").exists()):
+        learning.run_one("default", seed, args.steps, args.every, overrides, folder, args.timeout,
+                         task="" if task == "default" else task)
+        learning.evaluate_in_child(folder, args.timeout)
+    run = learning.read_run(folder)
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    run["gap_p99"] = statistics.fmean(m["train"].get("gap_p99", 0.0) for m in metrics)
+    run["gap_mean"] = statistics.fmean(m["train"].get("gap_mean", 0.0) for m in metrics)
+    run["step_s"] = run["time_s"] / run["steps"]
+    print(f"[corrections] {task} {name} seed {seed}: held-out {run['curve'][0]['accuracy']:.1%} -> "
+          f"{run['curve'][-1]['accuracy']:.1%}, gap p99 {run['gap_p99']:.3f}, {run['step_s']:.2f} s a step",
+          flush=True)
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--corrections", default=",".join(CORRECTIONS), help=f"of {', '.join(CORRECTIONS)}")
+    parser.add_argument("--tasks", default="default,spell_backward",
+                        help="default, or reasoning-gym datasets (each with its built model: rlflow up --task)")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--quick", action="store_true", help="one seed (0), the default task, 60 steps")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--every", type=int, default=10, help="checkpoint (and evaluate) every this many steps")
+    parser.add_argument("--mismatch", action="store_true", help="also the deliberately mismatched runs")
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--reuse", action="store_true", help="keep runs already finished and evaluated")
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    args = parser.parse_args()
+    names = [c.strip() for c in args.corrections.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CORRECTIONS]
+    if unknown:
+        parser.error(f"unknown correction {unknown[0]!r}: the corrections are {', '.join(CORRECTIONS)}")
+    if DEFAULT not in names:
+        names.insert(0, DEFAULT)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    seeds = [int(s) for s in args.seeds.split(",")]
+    if args.quick:
+        tasks, seeds, args.steps = ["default"], [0], 60
+    if args.steps % args.every:
+        parser.error(f"--steps {args.steps} is not a multiple of --every {args.every}")
+    runs = RUNS / (args.tag or "default")
+
+    results: dict[str, dict[str, dict[int, dict]]] = {}  # task -> correction -> seed -> run
+    for task in tasks:
+        for name in names:
+            for seed in seeds:
+                folder = runs / f"{task}-{name}-s{seed}"
+                results.setdefault(task, {}).setdefault(name, {})[seed] = run_and_read(
+                    name, CORRECTIONS[name], seed, task, args, folder)
+
+    def final(task: str, name: str) -> float:
+        return statistics.fmean(r["curve"][-1]["accuracy"] for r in results[task][name].values())
+
+    # The best: the highest of each correction's worst task (against the default there).
+    margin = {name: min(100 * (final(t, name) - final(t, DEFAULT)) for t in tasks) for name in names}
+    best = max(names, key=lambda n: (margin[n], n == DEFAULT))
+    gap = statistics.fmean(r["gap_p99"] for t in tasks for r in results[t][DEFAULT].values())
+
+    marks = ", ".join(str(p["step"]) for p in learning.mean_curve(list(results[tasks[0]][DEFAULT].values())))
+    lines = [f"| task | correction | held-out at steps {marks} | gap p99 | gap mean | s a step |",
+             "| --- | --- | --- | ---: | ---: | ---: |"]
+    for task in tasks:
+        for name in names:
+            seeded = list(results[task][name].values())
+            curve = " / ".join(f"{100 * p['accuracy']:.1f}" for p in learning.mean_curve(seeded))
+            lines.append(f"| {task} | {name} | {curve} | {statistics.fmean(r['gap_p99'] for r in seeded):.3f} | "
+                         f"{statistics.fmean(r['gap_mean'] for r in seeded):.4f} | "
+                         f"{statistics.fmean(r['step_s'] for r in seeded):.2f} |")
+
+    kept = "na"
+    mismatched: dict[str, dict] = {}
+    if args.mismatch:
+        for name in dict.fromkeys([DEFAULT, best if best != DEFAULT else "tis"]):
+            mismatched[name] = run_and_read(f"{name} (mismatched)", [*CORRECTIONS[name], *MISMATCH], seeds[0],
+                                            "default", args, runs / f"mismatch-{name}-s{seeds[0]}")
+        start = mismatched[DEFAULT]["curve"][0]["accuracy"]
+        plain, corrected = (mismatched[n]["curve"][-1]["accuracy"] for n in mismatched)
+        kept = "1" if plain <= start + 0.02 and corrected >= plain + 0.02 else "0"
+        for name, run in mismatched.items():
+            curve = " / ".join(f"{100 * p['accuracy']:.1f}" for p in run["curve"])
+            lines.append(f"| default, mismatched | {name} | {curve} | {run['gap_p99']:.3f} | {run['gap_mean']:.4f} | "
+                         f"{run['step_s']:.2f} |")
+
+    text = "\n".join(lines)
+    name = "corrections" + (f"-{args.tag}" if args.tag else "")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps({"args": vars(args), "margin_points": margin, "runs": {
+        t: {n: {str(s): r for s, r in by.items()} for n, by in per.items()} for t, per in results.items()},
+        "mismatched": mismatched}, indent=1))
+    (RESULTS / f"{name}.md").write_text(text + "\n")
+    print(text)
+    print(f"wrote {RESULTS / name}.{{json,md}}")
+    print("RESULT corrections " + " ".join([
+        f"best={best}", f"best_vs_default_points={margin[best]:.1f}", f"gap_p99={gap:.3f}", f"collapse_kept={kept}"]))
+
+
+if __name__ == "__main__":
+    main()
