@@ -71,6 +71,15 @@ def trained_groups(run_dir) -> list[tuple[int, int, int]]:
     return out
 
 
+async def until(condition, every_s: float = 0.05) -> None:
+    """Wait for `condition()` (state another task or process writes: a run's files, a controller's
+    fields) to hold, looking again every `every_s`; bound it with the caller's own deadline."""
+    import trio
+
+    while not condition():
+        await trio.sleep(every_s)
+
+
 def late_starts(run_dir, batch_size: int, max_staleness: int) -> list[tuple[int, int, int]]:
     """Groups that started on weights older than the credits allow (group g
     belongs to step g // batch_size and may start on weights no older than

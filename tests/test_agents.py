@@ -51,6 +51,7 @@ async def test_a_run_goes_on_under_clients_that_would_hold_or_break_its_endpoint
     """Beside the agents, over real HTTP: 1,000 connections held idle, a client that sends a byte a second,
     a 10 MB body, bodies that are not JSON and HTTP that does not parse on every route, a wrong key on
     every route. Each is answered for what it is, and the run trains every group, nothing lost."""
+    from conftest import until
     from test_controller import run_in_process
     from test_http import ask, status
 
@@ -61,8 +62,8 @@ async def test_a_run_goes_on_under_clients_that_would_hold_or_break_its_endpoint
     held: list[trio.SocketStream] = []
 
     async def hostile(controller, launcher) -> None:
-        while (info := RunDir(tmp_path).read_agents()) is None:
-            await trio.sleep(0.1)
+        await until(lambda: RunDir(tmp_path).read_agents() is not None)
+        info = RunDir(tmp_path).read_agents()
         host, port = info.urls["rollout-0"].removeprefix("http://").rsplit(":", 1)
 
         def request(method: str, path: str, body: bytes, key: str = "k3y", length: int | None = None) -> bytes:
@@ -93,9 +94,8 @@ async def test_a_run_goes_on_under_clients_that_would_hold_or_break_its_endpoint
                             answers["a byte a second"] = [status(answer)]
                             break
         # The run trains on, the 1,000 connections still held, then stops (as `rlflow down` would stop it).
-        trained = len(RunDir(tmp_path).read_metrics())
-        while len(RunDir(tmp_path).read_metrics()) < trained + 4:
-            await trio.sleep(0.1)
+        trained = controller.ledger.steps_done
+        await until(lambda: controller.ledger.steps_done >= trained + 4)
         controller.stop_reason = "the hostile clients are done"
         controller.done.set()
 
@@ -119,14 +119,13 @@ async def test_a_run_goes_on_under_clients_that_would_hold_or_break_its_endpoint
 async def test_a_stop_request_ends_a_run_whose_agents_never_came(tmp_path):
     """No agent takes an episode (none started, by the run or by hand): the run waits in its first
     evaluation, and `rlflow down`'s request ends it there, stopped, instead of waiting to be killed."""
+    from conftest import until
     from test_controller import run_in_process
 
     from rlflow.control.launch import request_stop, resolve
-    from rlflow.rundir import RunDir
 
     async def stop(controller, launcher) -> None:
-        while (status := RunDir(tmp_path).read_status()) is None or status.state != "evaluating":
-            await trio.sleep(0.1)
+        await until(lambda: controller.state.value == "evaluating")
         assert await trio.to_thread.run_sync(request_stop, tmp_path, "rlflow down")
 
     config = resolve(agent_run(tmp_path, "agents.command=[]", 'task={kind="arith"}', 'roles.rollout.model="default"'))
