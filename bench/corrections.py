@@ -84,14 +84,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--every", type=int, default=10, help="checkpoint (and evaluate) every this many steps")
     parser.add_argument("--mismatch", action="store_true", help="also the deliberately mismatched runs")
-    parser.add_argument("--tag", default="")
-    parser.add_argument("--reuse", action="store_true", help="keep runs already finished and evaluated")
-    parser.add_argument("--timeout", type=float, default=3600.0)
+    learning.run_options(parser)
     args = parser.parse_args()
-    names = [c.strip() for c in args.corrections.split(",") if c.strip()]
-    unknown = [c for c in names if c not in CORRECTIONS]
-    if unknown:
-        parser.error(f"unknown correction {unknown[0]!r}: the corrections are {', '.join(CORRECTIONS)}")
+    names = learning.chosen(parser, args.corrections, CORRECTIONS, "correction")
     if DEFAULT not in names:
         names.insert(0, DEFAULT)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]

@@ -384,14 +384,9 @@ def main() -> None:
                         help="an override for both rlflow systems (repeatable)")
     parser.add_argument("--default-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for the default alone (repeatable): a variant of it to compare")
-    parser.add_argument("--tag", default="")
-    parser.add_argument("--reuse", action="store_true", help="keep runs already finished and evaluated")
-    parser.add_argument("--timeout", type=float, default=3600.0)
+    learning.run_options(parser)
     args = parser.parse_args()
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown:
-        parser.error(f"unknown system {unknown[0]!r}: the systems are {', '.join(SYSTEMS)}")
+    systems = learning.chosen(parser, args.systems, SYSTEMS, "system")
     if "peer" in systems and not PEER_PYTHON.exists():
         parser.error(f"the peer's environment is missing ({PEER_PYTHON}): run `make peer` first")
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
