@@ -84,7 +84,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--every", type=int, default=10, help="checkpoint (and evaluate) every this many steps")
     parser.add_argument("--mismatch", action="store_true", help="also the deliberately mismatched runs")
-    learning.run_options(parser)
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--reuse", action="store_true", help="keep runs already finished and evaluated")
+    parser.add_argument("--timeout", type=float, default=3600.0)
     args = parser.parse_args()
     names = learning.chosen(parser, args.corrections, CORRECTIONS, "correction")
     if DEFAULT not in names:

@@ -87,13 +87,6 @@ TARGET_FILTER, TARGET = 0.60, 0.63
 REWARD_WINDOW = (40, 55)
 
 
-def run_options(parser: argparse.ArgumentParser) -> None:
-    """The options of every bench that runs rlflow one run at a time (this one, peer.py, corrections.py)."""
-    parser.add_argument("--tag", default="", help="names the runs' folder and the result files")
-    parser.add_argument("--reuse", action="store_true", help="keep runs already finished and evaluated")
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
-
-
 def chosen(parser: argparse.ArgumentParser, text: str, known, what: str) -> list[str]:
     """The comma-separated names of `text`, each one of `known` (a `what`), or the parser's error."""
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -455,7 +448,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10, help="checkpoint (and evaluate) every this many steps")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for every variant (repeatable)")
-    run_options(parser)
+    parser.add_argument("--tag", default="", help="names the runs' folder and the result files")
+    parser.add_argument("--reuse", action="store_true", help="keep runs already finished and evaluated")
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds a run may take")
     parser.add_argument("--evaluate", metavar="RUN_DIR", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.evaluate:

@@ -384,7 +384,9 @@ def main() -> None:
                         help="an override for both rlflow systems (repeatable)")
     parser.add_argument("--default-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for the default alone (repeatable): a variant of it to compare")
-    learning.run_options(parser)
+    parser.add_argument("--tag", default="")
+    parser.add_argument("--reuse", action="store_true", help="keep runs already finished and evaluated")
+    parser.add_argument("--timeout", type=float, default=3600.0)
     args = parser.parse_args()
     systems = learning.chosen(parser, args.systems, SYSTEMS, "system")
     if "peer" in systems and not PEER_PYTHON.exists():
