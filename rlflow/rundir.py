@@ -410,6 +410,8 @@ class AgentsInfo(Record, frozen=True):
     """Each rollout replica's endpoint (``http://HOST:PORT``), by replica name."""
     api_key: str
     """The run's key (``Authorization: Bearer KEY``; the `openai` package's ``api_key``)."""
+    url: str = ""
+    """The router's endpoint, one for every replica (``agents.router``; empty without it)."""
 
 
 class JoinInfo(Record, frozen=True):

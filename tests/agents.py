@@ -5,7 +5,9 @@ Each of `--sessions` loops takes an episode, plays `--turns` completions
 the episode with a reward of 1 if the last completion is longer than
 `--long` characters, else 0. With `--die-once FILE`, the first copy to find
 FILE missing creates it and kills itself after its first turn (an agent
-that dies mid-episode).
+that dies mid-episode). `--user` sends every turn to `{url}/v1` with the
+episode's id as `user` instead of to the episode's base URL; `--stream`
+streams each completion.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ async def main() -> None:
     parser.add_argument("--turns", type=int, default=2)
     parser.add_argument("--long", type=int, default=8)
     parser.add_argument("--die-once", default="")
+    parser.add_argument("--user", action="store_true")
+    parser.add_argument("--stream", action="store_true")
     args = parser.parse_args()
     url, key = os.environ["RLFLOW_AGENTS_URL"], os.environ["OPENAI_API_KEY"]
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as hand_out:
@@ -42,11 +46,17 @@ async def main() -> None:
             taken = await hand_out.post("/rlflow/episodes", json={"wait_s": 5})
             if taken.status_code == 200:
                 episode = taken.json()
-                model = llm.with_options(base_url=episode["base_url"])
+                model = llm if args.user else llm.with_options(base_url=episode["base_url"])
+                named = {"user": episode["id"]} if args.user else {}
                 prompt, said = episode["prompt"], ""
                 for _ in range(args.turns):
-                    out = await model.completions.create(model="policy", prompt=prompt, max_tokens=16)
-                    said = out.choices[0].text
+                    if args.stream:
+                        chunks = await model.completions.create(model="policy", prompt=prompt, max_tokens=16,
+                                                                stream=True, **named)
+                        said = "".join([chunk.choices[0].text async for chunk in chunks if chunk.choices])
+                    else:
+                        out = await model.completions.create(model="policy", prompt=prompt, max_tokens=16, **named)
+                        said = out.choices[0].text
                     if args.die_once and not os.path.exists(args.die_once):
                         open(args.die_once, "w").close()
                         os.kill(os.getpid(), signal.SIGKILL)

@@ -39,7 +39,7 @@ async def test_a_run_trains_on_what_outside_agents_played_and_drops_the_group_of
     assert all(r.train["episode_turns_mean"] == 2 for r in rows)
     assert summary.groups.dropped.get("abandoned", 0) >= 1
     info = RunDir(tmp_path).read_agents()
-    assert info.api_key == "k3y" and list(info.urls) == ["rollout-0"]
+    assert info.api_key == "k3y" and list(info.urls) == ["rollout-0"] and info.url.startswith("http://127.0.0.1:")
     events = RunDir(tmp_path).read_status().roles["rollout"].counters.agent_events
     assert events["exits"] >= 1 and events["abandoned"] >= 1 and events["taken"] >= 24
     result = audit(tmp_path)
@@ -62,7 +62,7 @@ async def test_a_run_goes_on_under_clients_that_would_hold_or_break_its_endpoint
     held: list[trio.SocketStream] = []
 
     async def hostile(controller, launcher) -> None:
-        await until(lambda: RunDir(tmp_path).read_agents() is not None)
+        await until(lambda: (info := RunDir(tmp_path).read_agents()) is not None and "rollout-0" in info.urls)
         info = RunDir(tmp_path).read_agents()
         host, port = info.urls["rollout-0"].removeprefix("http://").rsplit(":", 1)
 
@@ -132,6 +132,60 @@ async def test_a_stop_request_ends_a_run_whose_agents_never_came(tmp_path):
     with trio.fail_after(120):
         _, summary = await run_in_process(config, tmp_path, during=stop)
     assert summary.state == "stopped" and summary.stop_reason == "rlflow down" and summary.steps == 0
+
+
+async def test_agents_that_know_the_routers_address_alone_play_every_replica_and_outlive_a_restart(tmp_path):
+    """Two rollout replicas; the agents, started by the test, know agents.json's `url` alone (the router):
+    one plays each episode at its base URL, one at `/v1` with the episode's id as `user`, one streamed.
+    Every replica's episodes are played and trained; a replica killed midway is left out until its next
+    incarnation says hello, then served again at its new address; nothing is lost."""
+    import os
+    import signal
+
+    from conftest import until
+    from test_controller import run_in_process
+
+    from rlflow.rundir import RunDir
+    from rlflow.tools.audit import audit
+
+    agents: list[trio.Process] = []
+    seen: list[dict[str, str]] = []
+    launchers: list = []
+
+    async def play_and_kill(controller, launcher) -> None:
+        launchers.append(launcher)
+        await until(lambda: (info := RunDir(tmp_path).read_agents()) is not None and info.url != "")
+        info = RunDir(tmp_path).read_agents()
+        assert not info.urls or set(info.urls) <= {"rollout-0", "rollout-1"}
+        env = {**os.environ, "RLFLOW_AGENTS_URL": info.url, "OPENAI_API_KEY": "k3y"}
+        for style in ([], ["--user"], ["--stream"]):
+            agents.append(await trio.lowlevel.open_process(
+                [sys.executable, str(AGENT), "--sessions", "4", *style], env=env))
+        await until(lambda: controller.ledger.steps_done >= 3)
+        seen.append(dict(RunDir(tmp_path).read_agents().urls))
+        before = controller.roster.replicas[("rollout", 1)].incarnation
+        await launcher.crash("rollout", 1)
+        await until(lambda: controller.roster.replicas[("rollout", 1)].incarnation > before
+                    and controller.roster.replicas[("rollout", 1)].live)
+        seen.append(dict(RunDir(tmp_path).read_agents().urls))
+
+    config = agent_run(tmp_path, "agents.command=[]", "roles.rollout.replicas=2", "run.steps=10")
+    try:
+        with trio.fail_after(150):
+            controller, summary = await run_in_process(config, tmp_path, during=play_and_kill)
+    finally:
+        for process in agents:
+            process.send_signal(signal.SIGKILL)
+            await process.wait()
+    assert summary.state == "stopped" and summary.steps == 10, summary.error
+    assert seen[0]["rollout-1"] != seen[1]["rollout-1"] and seen[0]["rollout-0"] == seen[1]["rollout-0"]
+    assert all(code == -signal.SIGKILL for code in [p.returncode for p in agents]), "an agent failed on its own"
+    # Episodes taken from each replica through the router, the restarted one's new incarnation among them.
+    taken = {rank: launchers[0].services[("rollout", rank)].counters["agents.taken"] for rank in (0, 1)}
+    assert taken[0] > 0 and taken[1] > 0, taken
+    result = audit(tmp_path)
+    assert (result.lost, result.duplicated) == (0, 0), result
+    assert result.trained == 10 * 4
 
 
 @pytest.mark.parametrize("overrides, key, says", [

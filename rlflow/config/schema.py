@@ -80,6 +80,11 @@ class AgentsConfig(Table, frozen=True):
     """Address the endpoints bind on (loopback: only this machine's agents; "0.0.0.0": any)."""
     port: NonNegInt = 0
     """Port of rollout replica 0's endpoint, replica r's is port + r (0: any free port)."""
+    router: bool = True
+    """Serve one endpoint in front of every replica's, beside the controller (agents.json's ``url``): it
+    sends each take where episodes wait and each episode's requests to the replica that holds it."""
+    router_port: NonNegInt = 0
+    """Port of the router's endpoint (0: any free port)."""
     api_key: str = ""
     """The key a request must carry (``Authorization: Bearer KEY``); empty: a key made for the run,
     written to the run directory's agents.json."""

@@ -29,6 +29,7 @@ import trio
 
 from rlflow.config import Config, kind_of
 from rlflow.control import status as build
+from rlflow.control.agents_router import agents_router
 from rlflow.control import steps
 from rlflow.control.ledger import NO_SIGNAL
 from rlflow.control.record import resume as resume_record
@@ -109,6 +110,7 @@ class Controller:
         self.training_started: float | None = None
         self.address: str | None = None
         self.router: transport.Router | None = None
+        self.agents_url = ""  # the agents' router (agents.router)
         self.done, self._all_hello, self._all_ready, self._welcomed = trio.Event(), trio.Event(), trio.Event(), False
         self._changed = trio.Event()  # an evaluation or a weight round ended
         self._nursery: trio.Nursery | None = None
@@ -122,7 +124,8 @@ class Controller:
         self.run_dir.path.mkdir(parents=True, exist_ok=True)
         self._sinks = open_sinks(self.run_dir, self.config, first_step=self.ledger.steps_done)
         try:
-            async with transport.open_router(bind=bind, curve=self.curve, name="controller") as router:
+            async with transport.open_router(bind=bind, curve=self.curve, name="controller") as router, \
+                    agents_router(self.config, self.run_dir) as self.agents_url:
                 self.router = self.outboxes.router = router
                 router.on_reject = self._on_reject
                 self.address = transport.bound_address(router)
@@ -131,6 +134,8 @@ class Controller:
                     private=True)
                 if self.roster.external:
                     write_json(self.run_dir.join, build.join_info(self), private=True)
+                if self.agents_url:  # agents may come before the replicas do: the router holds their takes
+                    self._write_agents()
                 try:
                     async with trio.open_nursery() as nursery:
                         self._nursery = self.outboxes.nursery = nursery
@@ -297,8 +302,7 @@ class Controller:
             return self.door.refuse(identity, replica)
         self.stats.forget(replica.role, replica.rank)  # a new incarnation counts afresh
         if "agents" in msg.endpoints:  # agents.json names where each rollout replica serves agents now
-            assert self.config.agents is not None  # a rollout replica serves agents only in a run with [agents]
-            write_json(self.run_dir.agents, build.agents_info(self.roster, self.config.agents.api_key), private=True)
+            self._write_agents()
             log.info("[controller] %s serves agents at %s (the key: %s)", replica.name, msg.endpoints["agents"],
                      self.run_dir.agents)
         for problem in msg.problems:
@@ -308,6 +312,11 @@ class Controller:
         self.outboxes.open(replica)
         if self._welcomed:  # a new incarnation: welcomed at once
             self.outboxes.post(replica, welcome(self, replica))
+
+    def _write_agents(self) -> None:
+        assert self.config.agents is not None  # a replica serves agents only in a run with [agents]
+        write_json(self.run_dir.agents, build.agents_info(self.roster, self.config.agents.api_key, self.agents_url),
+                   private=True)
 
     def _on_ready(self, replica: Replica, msg: Ready) -> None:
         replica.state, replica.version = State.READY, msg.version

@@ -89,11 +89,11 @@ def add_loads(loads: Iterable[EngineLoad | None]) -> EngineLoad | None:
     )
 
 
-def agents_info(replicas: Iterable[Replica], api_key: str) -> AgentsInfo:
-    """Where outside agents take episodes now: the endpoint each registered rollout replica's hello
-    named, and the run's key (agents.json)."""
-    return AgentsInfo(urls={r.name: r.hello.endpoints["agents"] for r in replicas
-                            if r.role == "rollout" and r.registered and "agents" in r.hello.endpoints},
+def agents_info(replicas: Iterable[Replica], api_key: str, url: str = "") -> AgentsInfo:
+    """Where outside agents take episodes now: the router's `url`, the endpoint each registered rollout
+    replica's hello named, and the run's key (agents.json)."""
+    return AgentsInfo(url=url, urls={r.name: r.hello.endpoints["agents"] for r in replicas
+                                     if r.role == "rollout" and r.registered and "agents" in r.hello.endpoints},
                       api_key=api_key)
 
 

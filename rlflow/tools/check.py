@@ -121,7 +121,7 @@ def _check_agents(config: Config, say: Callable[[str], None]) -> None:
     agents = config.agents
     assert agents is not None  # checked by the caller
     if not agents.command:
-        say("agents: none started by rlflow; start yours against the endpoints in the run's agents.json")
+        say("agents: none started by rlflow; start yours against the url in the run's agents.json")
         return
     where = config.run.import_dir or os.getcwd()
     program = agents.command[0]

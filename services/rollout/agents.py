@@ -332,14 +332,16 @@ class AgentEndpoint:
         if self.over:
             raise _Refused(410, f"the run is over ({self.over}): stop", "run_over")
         if not self._queue:
-            return http.HttpResponse(204)
+            return http.HttpResponse(204, headers=[(http.QUEUED, "0")])
         episode = self._queue.popleft()
         episode.last = trio.current_time()
         self.counters["agents.taken"] += 1
-        return http.HttpResponse.of(200, {
+        answer = http.HttpResponse.of(200, {
             "id": episode.id, "base_url": f"{self.url}/episodes/{episode.id}/v1", "row": episode.row,
             "prompt": episode.prompt, "reference": episode.reference, "eval": episode.group is None,
             "max_turns": self.cfg.max_turns})
+        answer.headers.append((http.QUEUED, str(len(self._queue))))
+        return answer
 
     def _episode(self, episode_id: str) -> _Episode:
         episode = self.episodes.get(episode_id)

@@ -33,6 +33,10 @@ from hypercorn.utils import wrap_app
 
 log = logging.getLogger("rlflow.agents")
 
+#: The header of an episode take's answer that says how many episodes its replica has left to hand out
+#: (the router sends takes where episodes wait).
+QUEUED = "rlflow-queued"
+
 
 @dataclass(frozen=True)
 class Limits:

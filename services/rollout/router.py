@@ -1,0 +1,296 @@
+"""One address for the agents of every rollout replica (`agents.router`, the ``url`` of agents.json).
+
+Each rollout replica serves its own agents' endpoint (services/rollout/agents.py); an agent fleet that
+starts itself would have to spread over their URLs and follow them as replicas restart. The router is
+one HTTP endpoint in front of them all, with the same routes and answers (docs/agents.md):
+
+* ``POST /rlflow/episodes`` goes to the replica with the most episodes waiting (each take's answer
+  says how many it has left, its `http.QUEUED` header), else the one with the fewest takes waiting
+  on it, in turns of `SLICE_S` while none has any, so that an episode granted to any replica is taken
+  within a slice. The answer's ``base_url`` names the router, which remembers whose episode it is.
+* An episode's requests (its ``base_url``, ``/v1/...`` with its id as ``user``, ``/end``) go to the
+  replica that handed it out, streamed answers chunk by chunk as they come: an episode's tokens live
+  in that replica's engine. A replica that is gone (restarted: its episodes' groups are granted
+  again) is answered 410 ``episode_gone``, as a replica answers for an episode it no longer holds.
+
+The controller starts it beside the run (`rlflow.control.agents_router`), with the run's [agents]
+table and its key in ``RLFLOW_AGENTS``; it prints its URL as its first line, follows the replicas' addresses in
+agents.json, which the controller rewrites as each replica says hello, and ends when its standard
+input closes (the controller is gone). It carries the agents' bytes and holds nothing of the run: a
+router started again asks each replica for an episode it does not know of, and loses only the
+requests under way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import itertools
+import json
+import logging
+import math
+import os
+import secrets
+import sys
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+
+from rlflow import config as C
+from rlflow.data.net import node_ip
+from rlflow.rundir import RunDir
+from rlflow.services.rollout import http
+
+log = logging.getLogger("rlflow.agents")
+
+#: While no replica has an episode waiting, a take waits on one replica this long, then on the next.
+SLICE_S = 0.5
+#: Headers of a replica's answer passed on to the agent (the rest the router's server writes itself).
+_PASSED = ("retry-after", "cache-control", http.QUEUED)
+
+
+class Router:
+    """The routes of the module's docstring, over the replicas named in `agents` (agents.json)."""
+
+    def __init__(self, agents: RunDir, key: str, idle_timeout_s: float, client: httpx.AsyncClient):
+        self.run_dir, self.key, self.idle_timeout_s, self.client = agents, key, idle_timeout_s, client
+        self.url = ""
+        #: Each replica's endpoint, as agents.json names it now (less those found gone since it changed).
+        self.replicas: dict[str, str] = {}
+        self._seen: Any = None
+        self._changed = trio.Event()
+        #: Episodes handed out through the router: id -> (replica, its URL then, last request's time).
+        self.owner: dict[str, tuple[str, str, float]] = {}
+        self.queued: collections.Counter[str] = collections.Counter()
+        self.waiting: collections.Counter[str] = collections.Counter()
+        self._turn = itertools.count()
+
+    async def run(self, sock: Any, limits: http.Limits, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._follow)
+            nursery.start_soon(self._forget)
+            await nursery.start(functools.partial(http.serve, limits=limits), self.handle, sock)
+            task_status.started()
+
+    # -- the replicas and their episodes ----------------------------------------------------------
+
+    async def _follow(self) -> None:
+        """Keep `replicas` as agents.json names them (the controller rewrites it at each replica's hello)."""
+        while True:
+            try:
+                stat = os.stat(self.run_dir.agents)
+                seen = (stat.st_mtime_ns, stat.st_size, stat.st_ino)
+            except FileNotFoundError:
+                seen = None
+            if seen != self._seen and seen is not None:
+                info = self.run_dir.read_agents()
+                if info is not None:
+                    self._seen, self.replicas = seen, dict(info.urls)
+                    self._changed.set()
+                    self._changed = trio.Event()
+            await trio.sleep(0.1)
+
+    def _left_out(self, name: str, url: str) -> None:
+        """`name` did not answer at `url`: left out until agents.json names it again."""
+        if self.replicas.get(name) == url:
+            log.warning("[agents] router: %s at %s does not answer; left out until it is back", name, url)
+            del self.replicas[name]
+            self.queued.pop(name, None)
+
+    async def _forget(self) -> None:
+        """Episodes with no request for twice the idle timeout were abandoned by their replica."""
+        while True:
+            await trio.sleep(max(0.05, self.idle_timeout_s / 4))
+            old = trio.current_time() - 2 * self.idle_timeout_s
+            for episode in [e for e, (_, _, last) in self.owner.items() if last < old]:
+                del self.owner[episode]
+
+    def _choose(self) -> tuple[str, str] | None:
+        """The replica a take goes to: most episodes waiting, else fewest takes waiting on it, in turn."""
+        if not self.replicas:
+            return None
+        turn = next(self._turn)
+        names = list(self.replicas)
+        name = min(names, key=lambda n: (-self.queued[n], self.waiting[n], (names.index(n) - turn) % len(names)))
+        return name, self.replicas[name]
+
+    # -- HTTP ---------------------------------------------------------------------------------------
+
+    async def handle(self, request: http.HttpRequest) -> http.HttpResponse | http.Streamed:
+        path = request.path.split("?", 1)[0].rstrip("/")
+        if path == "/health":
+            return http.HttpResponse.of(200, {"ok": True, "replicas": len(self.replicas)})
+        if not secrets.compare_digest(request.headers.get("authorization", ""), f"Bearer {self.key}"):
+            return http.HttpResponse.error(
+                401, "no valid API key: send the run's key (agents.json) as 'Authorization: Bearer KEY'",
+                "invalid_api_key")
+        parts = path.strip("/").split("/")
+        if request.method == "POST" and parts == ["rlflow", "episodes"]:
+            return await self._take(request)
+        if len(parts) >= 3 and parts[0] == "episodes" and parts[2] == "v1":
+            episode = parts[1]
+        elif len(parts) == 4 and parts[:2] == ["rlflow", "episodes"] and parts[3] == "end":
+            episode = parts[2]
+        elif parts[0] == "v1" and request.method == "POST":
+            episode = _user(request.body)
+        else:  # /v1/models, and what no replica serves either: any replica answers as it would
+            chosen = self._choose()
+            if chosen is None:
+                return _no_replica()
+            return await self._pass(request, *chosen, path)
+        if not episode:
+            return http.HttpResponse.error(
+                400, "no episode named: use the episode's base_url, or its id as 'user'", "invalid_request_error")
+        held = self.owner.get(episode)
+        # One the router does not know of (handed out before it was started again, or long idle) is asked
+        # of each replica: one that does not hold it says so, and does nothing else.
+        answer: http.HttpResponse | http.Streamed = http.HttpResponse.error(
+            410, f"no episode {episode!r} here: it was ended, abandoned, or never handed out", "episode_gone")
+        for name, url in [held[:2]] if held is not None else list(self.replicas.items()):
+            self.owner[episode] = (name, url, trio.current_time())
+            answer = await self._pass(request, name, url, path, episode=episode)
+            if not _gone(answer):
+                if parts[-1] == "end" and answer.status == 200:
+                    del self.owner[episode]
+                return answer
+            del self.owner[episode]
+        return answer
+
+    async def _take(self, request: http.HttpRequest) -> http.HttpResponse | http.Streamed:
+        try:
+            wait = json.loads(request.body or b"{}").get("wait_s", 30.0)
+        except (ValueError, AttributeError):
+            wait = None
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not math.isfinite(wait):
+            return http.HttpResponse.error(400, f"wait_s {wait!r}: expected a number of seconds",
+                                           "invalid_request_error")
+        deadline = trio.current_time() + max(0.0, min(wait, 300.0))
+        while True:
+            chosen = self._choose()
+            left = deadline - trio.current_time()
+            if chosen is None:  # no replica has said hello yet
+                with trio.move_on_after(left):
+                    await self._changed.wait()
+                if trio.current_time() >= deadline:
+                    return http.HttpResponse(204)
+                continue
+            name, url = chosen
+            slice_s = left if len(self.replicas) == 1 or self.queued[name] else min(left, SLICE_S)
+            self.waiting[name] += 1
+            try:
+                answer = await self._send(request, url, "/rlflow/episodes", json.dumps({"wait_s": slice_s}).encode())
+            except httpx.TransportError:
+                self._left_out(name, url)
+                continue
+            finally:
+                self.waiting[name] -= 1
+            self.queued[name] = int(answer.headers.get(http.QUEUED, "0") or 0)
+            if answer.status_code == 204 and trio.current_time() < deadline:
+                continue
+            body = await answer.aread()
+            if answer.status_code != 200:
+                return _response(answer, body)
+            episode = json.loads(body)
+            self.owner[episode["id"]] = (name, url, trio.current_time())
+            episode["base_url"] = f"{self.url}/episodes/{episode['id']}/v1"
+            return http.HttpResponse(200, json.dumps(episode).encode(), headers=_headers(answer))
+
+    async def _pass(self, request: http.HttpRequest, name: str, url: str, path: str, episode: str = ""
+                    ) -> http.HttpResponse | http.Streamed:
+        """`request` answered by the replica at `url`: its answer as it comes, streamed or whole."""
+        try:
+            answer = await self._send(request, url, path, request.body)
+        except httpx.TransportError:
+            self._left_out(name, url)
+            return http.HttpResponse.error(
+                410, f"{name}, which held episode {episode}, is gone (restarted): its group is played again; "
+                     "take another episode" if episode else f"{name} is gone: ask again", "episode_gone")
+        if answer.headers.get("content-type", "").startswith("text/event-stream"):
+            return http.Streamed(_chunks(answer), status=answer.status_code, headers=_headers(answer))
+        return _response(answer, await answer.aread())
+
+    async def _send(self, request: http.HttpRequest, url: str, path: str, body: bytes) -> httpx.Response:
+        """`request` sent on to `url` + `path`; its answer's head (the body still to read)."""
+        headers = {"authorization": request.headers.get("authorization", ""),
+                   "content-type": request.headers.get("content-type", "application/json")}
+        sent = self.client.build_request(request.method, url + path, headers=headers, content=body)
+        answer = await self.client.send(sent, stream=True)
+        if not answer.headers.get("content-type", "").startswith("text/event-stream"):
+            await answer.aread()
+            await answer.aclose()
+        return answer
+
+
+def _response(answer: httpx.Response, body: bytes) -> http.HttpResponse:
+    return http.HttpResponse(answer.status_code, body, answer.headers.get("content-type", "application/json"),
+                             _headers(answer))
+
+
+def _headers(answer: httpx.Response) -> list[tuple[str, str]]:
+    return [(name, answer.headers[name]) for name in _PASSED if name in answer.headers]
+
+
+async def _chunks(answer: httpx.Response):
+    try:
+        async for chunk in answer.aiter_raw():
+            yield chunk
+    finally:
+        await answer.aclose()
+
+
+def _gone(answer: http.HttpResponse | http.Streamed) -> bool:
+    """Whether a replica answered that it holds no such episode (any more)."""
+    if not isinstance(answer, http.HttpResponse) or answer.status != 410:
+        return False
+    try:
+        return json.loads(answer.body)["error"]["code"] == "episode_gone"
+    except (ValueError, KeyError, TypeError):
+        return False
+
+
+def _user(body: bytes) -> str:
+    """The episode a `/v1/...` request names in its `user` field ("" if none)."""
+    try:
+        user = json.loads(body or b"{}").get("user", "")
+    except (ValueError, AttributeError):
+        return ""
+    return user if isinstance(user, str) else ""
+
+
+def _no_replica() -> http.HttpResponse:
+    answer = http.HttpResponse.error(503, "no rollout replica serves agents yet: ask again", "no_replica")
+    answer.headers.append(("retry-after", "1"))
+    return answer
+
+
+async def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlflow.services.rollout.router",
+                                     description="one address for the agents of every rollout replica "
+                                                 "(the run's [agents] table, with its key, in RLFLOW_AGENTS)")
+    parser.add_argument("--run-dir", required=True, help="the run's directory (its agents.json names the replicas)")
+    parser.add_argument("--port", type=int, default=0, help="the port to bind (0: any free one)")
+    args = parser.parse_args(argv)
+    cfg = msgspec.json.decode(os.environ["RLFLOW_AGENTS"], type=C.AgentsConfig)
+    limits = http.Limits(keep_alive_s=cfg.keep_alive_s, read_timeout_s=cfg.read_timeout_s,
+                         max_body=cfg.max_body_bytes, max_connections=cfg.max_connections)
+    sock = http.bind(cfg.host, args.port)
+    host = cfg.host if cfg.host not in ("0.0.0.0", "::", "") else node_ip()
+    timeout = httpx.Timeout(None, connect=10.0)
+    pool = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.max_connections)
+    async with httpx.AsyncClient(timeout=timeout, limits=pool) as client, trio.open_nursery() as nursery:
+        router = Router(RunDir(args.run_dir), cfg.api_key, cfg.idle_timeout_s, client)
+        router.url = f"http://{host}:{sock.getsockname()[1]}"
+        await nursery.start(router.run, sock, limits)
+        print(router.url, flush=True)
+        stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+        while await stdin.receive_some():  # until the controller is gone
+            pass
+        nursery.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(process)d %(levelname)s %(message)s")
+    trio.run(main)
