@@ -22,12 +22,28 @@ with its reward.
   endpoint and an agent program in this process's event loop;
 * sessions: agent sessions (episodes taken, not yet ended) held at once,
   at most, while measured;
-* slot_occupancy: the share of the engine's slot time in use meanwhile.
+* slot_occupancy: the share of the engine's slot time in use meanwhile;
+* frameworks: of the four frameworks of examples/framework_agents.py (the
+  OpenAI Agents SDK, LangGraph, smolagents, Pydantic AI), those whose
+  episodes were trained in 3 steps of examples/framework_agents.toml (real
+  vLLM, the embedded default; leave it out with ``--no-frameworks``);
+* router_vs_direct: with two rollout replicas and agent programs the bench
+  starts itself (a fleet that is not rlflow's), episodes finished per second
+  with every program on the router's one address (agents.json's ``url``) over
+  the same with the programs spread over the replicas' own;
+* hostile_lost: samples lost or trained twice (`rlflow audit`) in a run whose
+  router and replica are meanwhile held by 1,000 idle connections and sent
+  a wrong key on every route, bodies that are not JSON, HTTP that does not
+  parse, 10 MB, and a byte a second.
 
-Targets: http_vs_native >= 0.8, token_exact = 1.0, sessions >= 256,
-slot_occupancy >= 0.9. Ends with
+Targets: http_vs_native >= 0.9, token_exact = 1.0, sessions >= 1024,
+slot_occupancy >= 0.9, frameworks = 4, router_vs_direct >= 0.95,
+hostile_lost = 0. Ends with
 
-    RESULT openai_agent http_vs_native=H token_exact=E sessions=C slot_occupancy=O
+    RESULT openai_agent http_vs_native=H token_exact=E sessions=C slot_occupancy=O frameworks=F
+        router_vs_direct=R hostile_lost=L
+
+(one line).
 """
 
 from __future__ import annotations
@@ -43,8 +59,12 @@ import time
 
 HERE = pathlib.Path(__file__).resolve()
 
-#: bench/agent.py's settings for both runs: 72 groups of 8 episodes granted at once.
-NATIVE = dict(mode="async", step_s=0.02, replicas=1, workers=2, concurrency=512, max_staleness=8)
+#: bench/agent.py's settings for both runs: 136 groups of 8 episodes granted at once (a step's 8, and 16
+#: steps' more).
+NATIVE = dict(mode="async", step_s=0.02, replicas=1, workers=2, concurrency=1088, max_staleness=16)
+#: Agent programs, and sessions each: as many episodes as the run's credits let it play at once.
+PROGRAMS, SESSIONS = 4, 272
+FRAMEWORKS = ("openai-agents", "langgraph", "smolagents", "pydantic-ai")
 
 
 def native_bench():
@@ -55,8 +75,9 @@ def native_bench():
     return agent
 
 
-def agents_config(command: list[str], copies: int, step_s: float = NATIVE["step_s"]):
-    """bench/agent.py's run with its episodes played by outside agents instead of its env role."""
+def agents_config(command: list[str], copies: int, step_s: float = NATIVE["step_s"], replicas: int = 1):
+    """bench/agent.py's run with its episodes played by outside agents instead of its env role (on
+    `replicas` rollout replicas)."""
     import msgspec
 
     from rlflow import config as C
@@ -64,7 +85,8 @@ def agents_config(command: list[str], copies: int, step_s: float = NATIVE["step_
     config = native_bench().config_of(**{**NATIVE, "step_s": step_s})
     return msgspec.structs.replace(
         config, pools={name: pool for name, pool in config.pools.items() if name != "tools"},
-        roles=msgspec.structs.replace(config.roles, env=None),
+        roles=msgspec.structs.replace(config.roles, env=None,
+                                      rollout=msgspec.structs.replace(config.roles.rollout, replicas=replicas)),
         agents=C.AgentsConfig(command=command, copies=copies, max_turns=8, max_tokens=8192, idle_timeout_s=120.0))
 
 
@@ -162,6 +184,152 @@ def endpoint_run(work: pathlib.Path, window: float, copies: int, sessions: int):
     return measured
 
 
+def fleet_run(work: pathlib.Path, window: float, via: str, hostile: bool = False):
+    """Two rollout replicas and `PROGRAMS` agent programs that the bench starts once agents.json names
+    both (a fleet that is not rlflow's): `via` "router", every program on the router's address, or
+    "direct", the programs spread over the replicas' own; with `hostile`, hostile clients at the router
+    and a replica meanwhile. The window, and the run's directory."""
+    import subprocess
+    import threading
+
+    import msgspec
+
+    from rlflow.control.launch import run
+    from rlflow.rundir import RunDir
+
+    native = native_bench()
+    config = agents_config([], 1, replicas=2)
+    if hostile:  # a slow client and a big body are refused within seconds
+        config = msgspec.structs.replace(config, agents=msgspec.structs.replace(
+            config.agents, read_timeout_s=5.0, max_body_bytes=1 << 20))
+    run_dir = work / f"fleet-{via}{'-hostile' if hostile else ''}"
+    measured = native.Window(3, window, True)
+    programs: list[subprocess.Popen] = []
+    held: list = []
+    stopping = threading.Event()
+
+    def on_status(status) -> None:
+        if not programs and (info := RunDir(run_dir).read_agents()) is not None and len(info.urls) == 2:
+            spread = sorted(info.urls.values())
+            for i in range(PROGRAMS):
+                url = info.url if via == "router" else spread[i % len(spread)]
+                programs.append(subprocess.Popen(
+                    [sys.executable, str(HERE), "--play", "--sessions", str(SESSIONS)],
+                    env={**os.environ, "RLFLOW_AGENTS_URL": url, "OPENAI_API_KEY": info.api_key}))
+            if hostile:
+                threading.Thread(target=hostile_clients, args=([info.url, spread[0]], info.api_key, held),
+                                 daemon=True).start()
+        if measured.observe(status) and not stopping.is_set():
+            stopping.set()
+            threading.Thread(target=native._stop, args=(run_dir,), daemon=True).start()
+
+    native._wait_for_cpus()
+    started = time.monotonic()
+    try:
+        summary = run(config, run_dir, on_status=on_status)
+    finally:
+        for program in programs:
+            program.kill()
+            program.wait()
+        for sock in held:
+            sock.close()
+    if measured.end is None:
+        raise RuntimeError(f"fleet {via}: the run ended ({summary.state}: {summary.error}) before its window did")
+    print(f"fleet {via}{' (hostile clients)' if hostile else ''}: {measured.episodes_per_s:.2f} episodes/s over "
+          f"{measured.end[0] - measured.start[0]:.0f} s (steps {measured.start[1]}-{measured.end[1]}); "
+          f"run {time.monotonic() - started:.0f} s", flush=True)
+    return measured, run_dir
+
+
+#: Every route of the endpoint, as a client that knows them would ask.
+ROUTES = [("POST", "/rlflow/episodes"), ("POST", "/rlflow/episodes/1-0-00000000/end"),
+          ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+          ("POST", "/episodes/1-0-00000000/v1/completions"), ("GET", "/v1/models")]
+
+
+def hostile_clients(urls: list[str], key: str, held: list) -> None:
+    """At each of `urls`: 500 connections opened and held idle (into `held`); a wrong key on every route,
+    a body that is not JSON on every POST route, HTTP that does not parse, a 10 MB body, a body sent a
+    byte a second. Prints the status each was answered with."""
+    import collections
+    import socket
+
+    answers: dict[str, list[int]] = collections.defaultdict(list)
+
+    def ask(address, head: bytes, body: bytes = b"", slowly: bool = False) -> int:
+        with socket.create_connection(address, timeout=30) as sock:
+            sock.sendall(head)
+            if slowly:  # a byte a second, until answered
+                sock.settimeout(1.0)
+                for byte in body:
+                    try:
+                        return _status(sock.recv(4096))
+                    except TimeoutError:
+                        sock.sendall(bytes([byte]))
+            else:
+                sock.sendall(body)
+            sock.settimeout(30)
+            return _status(sock.recv(4096))
+
+    def request(method: str, path: str, body: bytes, auth: str) -> bytes:
+        return (f"{method} {path} HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {auth}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                ).encode()
+
+    for url in urls:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        address = (host, int(port))
+        held += [socket.create_connection(address) for _ in range(500)]
+        for method, path in ROUTES:
+            answers["wrong key"].append(ask(address, request(method, path, b"{}", "wrong") + b"{}"))
+            if method == "POST":
+                answers["not json"].append(ask(address, request(method, path, b"{not json", key) + b"{not json"))
+        answers["not http"].append(ask(address, b"NOT HTTP AT ALL\r\n\r\n"))
+        big = b"x" * (10 << 20)
+        answers["10 MB"].append(ask(address, request("POST", "/v1/completions", big, key), big))
+        answers["a byte a second"].append(ask(address, request("POST", "/v1/completions", b"{}" * 50, key),
+                                              b"{}" * 50, slowly=True))
+    print("hostile clients answered: " + ", ".join(f"{what} {sorted(set(codes))}" for what, codes in answers.items()),
+          flush=True)
+
+
+def _status(head: bytes) -> int:
+    """The status of an HTTP answer's first bytes (0: the connection closed with none)."""
+    parts = head.split(b" ", 2)
+    return int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+
+
+def frameworks_run(work: pathlib.Path) -> int:
+    """examples/framework_agents.toml for 3 steps (real vLLM, the embedded default, one framework a copy):
+    the frameworks whose agents ended episodes of the groups trained."""
+    from rlflow import config as C
+    from rlflow.control.launch import run
+    from rlflow.rundir import RunDir
+
+    root = HERE.parent.parent
+    record = work / "frameworks"
+    record.mkdir()
+    command = [sys.executable, str(root / "examples" / "framework_agents.py"), "--framework", "copy",
+               "--sessions", "4", "--record", str(record)]
+    config = C.load(root / "examples" / "framework_agents.toml", [
+        f"agents.command={json.dumps(command)}", "run.steps=3", "eval.before=false", "eval.after=false"])
+    native_bench()._wait_for_cpus()
+    summary = run(config, work / "frameworks-run")
+    if summary.state != "stopped":
+        raise RuntimeError(f"frameworks: the run ended {summary.state}: {summary.error}")
+    ledger = RunDir(work / "frameworks-run").ledger.read_text().splitlines()
+    trained = {group for line in ledger if (event := json.loads(line))["event"] == "trained"
+               for group in event["groups"]}
+    played = []
+    for framework in FRAMEWORKS:
+        ended = (record / f"{framework}.txt").read_text().split() if (record / f"{framework}.txt").exists() else []
+        if any(int(episode.split("-")[0]) in trained for episode in ended):
+            played.append(framework)
+    print(f"frameworks: {len(played)} of {len(FRAMEWORKS)} trained ({', '.join(played) or 'none'}; "
+          f"{len(trained)} groups in {summary.steps} steps)", flush=True)
+    return len(played)
+
+
 def native_run(work: pathlib.Path, window: float):
     native = native_bench()
     return native.measure(work, "native", native.Window(3, window, True), **NATIVE)
@@ -248,6 +416,8 @@ def main() -> None:
     parser.add_argument("--record", default="", help="with --play: write each episode's last turn here")
     parser.add_argument("--window", type=float, default=60.0, help="seconds measured per run (at least)")
     parser.add_argument("--quick", action="store_true", help="windows of 20 s (the edit loop)")
+    parser.add_argument("--no-frameworks", action="store_true",
+                        help="leave out the frameworks' run (real vLLM; its dependencies are the test extra's)")
     args = parser.parse_args()
     if args.play:
         return play(args.sessions, args.record)
@@ -260,24 +430,34 @@ def main() -> None:
     work = pathlib.Path(tempfile.mkdtemp(prefix="rlflow-openai-agent-"))
     exact, tokens, episodes = exactness(work, groups=32, sessions=64)
     print(f"token exactness: {exact:.4f} of {tokens} tokens of {episodes} episodes", flush=True)
+    from rlflow.tools.audit import audit
+
     placement.start_ray(C.ClusterConfig())
     try:
-        # 4 agent programs of 144 sessions: as many episodes as the run's credits let it play at once
-        # (72 groups of 8: a step's 8, and 8 steps' more).
-        endpoint = endpoint_run(work, args.window, copies=4, sessions=144)
+        endpoint = endpoint_run(work, args.window, copies=PROGRAMS, sessions=SESSIONS)
         native = native_run(work, args.window)
+        direct, _ = fleet_run(work, args.window, "direct")
+        routed, _ = fleet_run(work, args.window, "router")
+        _, hostile_dir = fleet_run(work, min(args.window, 20.0), "router", hostile=True)
+        frameworks = -1 if args.no_frameworks else frameworks_run(work)
     finally:
         placement.stop_ray()
+    hostile = audit(hostile_dir)
+    print(f"hostile run: {hostile.trained} groups trained, lost {hostile.lost}, duplicated {hostile.duplicated}")
     result = {
         "http_vs_native": endpoint.episodes_per_s / native.episodes_per_s,
         "token_exact": exact,
         "sessions": endpoint.most,
         "slot_occupancy": endpoint.occupancy,
+        "frameworks": frameworks,
+        "router_vs_direct": routed.episodes_per_s / direct.episodes_per_s,
+        "hostile_lost": hostile.lost + hostile.duplicated,
     }
     (work / "result.json").write_text(json.dumps(result, indent=1))
     print(f"results in {work}")
     print(f"RESULT openai_agent http_vs_native={result['http_vs_native']:.2f} token_exact={exact:.4f} "
-          f"sessions={result['sessions']} slot_occupancy={result['slot_occupancy']:.2f}")
+          f"sessions={result['sessions']} slot_occupancy={result['slot_occupancy']:.2f} frameworks={frameworks} "
+          f"router_vs_direct={result['router_vs_direct']:.2f} hostile_lost={result['hostile_lost']}")
 
 
 if __name__ == "__main__":

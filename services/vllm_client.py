@@ -382,13 +382,15 @@ class VllmBackend:
         lora_id: int = 0,
         priority: int = 0,
         seed: int | None = None,
+        on_tokens: Callable[[list[int]], None] | None = None,
     ):
         """The final RequestOutput of one request with `n` samples (`ignore_eos`:
         run to `max_tokens` without changing the sampling distribution;
         `first_token` is set once every sample has its first token; `lora_id`:
         under that adapter, 0: the base alone; `priority`: lower goes first;
         `seed`: the request's own random stream, sample i's seed + i (None: the engine's,
-        shared with whatever else it runs))."""
+        shared with whatever else it runs); `on_tokens`: called in trio with the first sample's
+        tokens so far after each engine step that adds to them)."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -399,8 +401,9 @@ class VllmBackend:
             max_tokens=max_tokens or self.cfg.max_tokens,
             ignore_eos=ignore_eos,
             logprobs=0 if temperature > 0 else None,
-            # Only the final output, unless someone waits for the first tokens.
-            output_kind=RequestOutputKind.FINAL_ONLY if first_token is None else RequestOutputKind.CUMULATIVE,
+            # Only the final output, unless someone waits for the first tokens or follows them.
+            output_kind=RequestOutputKind.FINAL_ONLY if first_token is None and on_tokens is None
+            else RequestOutputKind.CUMULATIVE,
             detokenize=False,  # the roles downstream read token ids
             seed=seed,
         )
@@ -421,6 +424,8 @@ class VllmBackend:
                     if not told and len(out.outputs) == n and all(c.token_ids for c in out.outputs):
                         trio_token.run_sync_soon(first_token.set)
                         told = True
+                    if on_tokens is not None and out.outputs and not out.finished:
+                        trio_token.run_sync_soon(on_tokens, list(out.outputs[0].token_ids))
             finally:
                 if lora_id:
                     self._release(lora_id)

@@ -329,3 +329,99 @@ def test_a_replica_holds_what_the_grants_allow_and_ends_when_they_break_their_ru
         hand_back(send, "c")
     assert [receive.receive_nowait(), receive.receive_nowait()] == ["a", "b"]
     hand_back(send, "c")  # taken: room again
+
+
+async def test_a_streamed_turn_sends_each_token_as_the_engine_makes_it():
+    """Over real HTTP: the simulated engine's turn played back a token at a time through `on_tokens`, each
+    next token made only once the client has read the last one: a streamed completion arrives a token an
+    event, then its finish with the turn's token ids; the text read is the turn's (chat streams the same
+    way: test_vllm.py, on real vLLM). A turn with stop strings comes whole at its end (where it stops is known only
+    then), and a run that ends under a streamed turn says so in the stream."""
+    import dataclasses
+    import json
+    import time
+
+    import httpx
+
+    from rlflow.env.render import EpisodeText
+    from rlflow.protocol import PromptGroup
+    from rlflow.services.base import standalone_context
+    from rlflow.services.rollout.agents import AgentEndpoint
+    from rlflow.services.rollout.sim import SimEngine
+
+    config = agent_run(pathlib.Path("/nonexistent"), "agents.command=[]", "agents.max_turns=4",
+                       "roles.rollout.engine.step_s=0.001", "roles.rollout.engine.response_len.median=6")
+    ctx = standalone_context(config, "rollout")
+    read = trio.Semaphore(0)  # released by the client at each event it reads
+    stuck = trio.Event()  # set: the next turn's engine stops after its first token until the run ends
+
+    class Stepped(SimEngine):
+        async def generate(self, prompt_ids, *, max_tokens, min_version=0, temperature=None, on_tokens=None):
+            out = await super().generate(prompt_ids, max_tokens=max_tokens, min_version=min_version,
+                                         temperature=temperature)
+            # Letters (the simulated engine's tokens are any bytes): each token a character of the text.
+            out = dataclasses.replace(out, token_ids=out.token_ids % 26 + ord("a"))
+            for n in range(1, len(out.token_ids)):
+                if on_tokens is not None:
+                    on_tokens(out.token_ids[:n].tolist())
+                    if stuck.is_set():
+                        await trio.sleep_forever()
+                    await read.acquire()
+            return out
+
+    class Task:
+        def row(self, group_id):
+            return {}
+
+        def decode(self, ids):
+            return ""
+
+    async def events(client: httpx.AsyncClient, path: str, body: dict) -> list[dict]:
+        got = []
+        async with client.stream("POST", path, json={"model": "policy", "stream": True, **body}) as answer:
+            assert answer.status_code == 200, (await answer.aread()).decode()
+            async for line in answer.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    got.append(json.loads(line.removeprefix("data: ")))
+                    if got[-1].get("choices") and got[-1]["choices"][0]["finish_reason"] is None:
+                        read.release()  # a token's event: the engine may make the next
+        return got
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            engine = Stepped(config.roles.rollout.engine, ctx)
+            endpoint = AgentEndpoint(engine, Task(), config.agents, text=EpisodeText(None), make_parser=None,
+                                     turn_tokens=16, counters=ctx.counters, api_key="k3y", rank=0, replicas=1,
+                                     takes_reward=True, holds=1)
+            url = endpoint.bind()
+            await nursery.start(engine.run)
+            await nursery.start(endpoint.run)
+            endpoint.submit(PromptGroup(group_id=1, prompt_ids=[1, 2], n=1), time.time())
+            async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer k3y"}, timeout=30) as client:
+                episode = (await client.post("/rlflow/episodes", json={"wait_s": 5})).json()
+                base = f"/episodes/{episode['id']}/v1"
+                got = await events(client, f"{base}/completions", {"prompt": "p", "return_token_ids": True})
+                *deltas, last = got
+                ids = last["choices"][0]["token_ids"]
+                # A token an event; the last token's comes with the finish.
+                assert len(ids) >= 2 and len(deltas) == len(ids) - 1, got
+                assert [d["choices"][0]["finish_reason"] for d in deltas] == [None] * len(deltas)
+                assert "".join(e["choices"][0]["text"] for e in got) == bytes(ids).decode(errors="replace")
+                assert last["choices"][0]["finish_reason"] in ("stop", "length")
+
+                whole = await events(client, f"{base}/completions", {"prompt": "p", "stop": ["\x00"]})
+                assert len(whole) == 1  # with a stop string: whole at its end
+
+                stuck.set()
+                ended = []
+
+                async def under_way() -> None:
+                    ended.extend(await events(client, f"{base}/completions", {"prompt": "p"}))
+
+                nursery.start_soon(under_way)
+                await read.acquire()  # its first token's event read, the engine stuck after it
+                await endpoint.close("stopped here")
+                while not ended:
+                    await trio.sleep(0.01)
+            assert ended[-1]["error"]["code"] == "run_over" and "stopped here" in ended[-1]["error"]["message"]
+            nursery.cancel_scope.cancel()

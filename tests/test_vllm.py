@@ -535,9 +535,18 @@ async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tie
         # A turn asked for with no new message: the template's generation prompt goes before it.
         messages.append({"role": "assistant", "content": tokenizer.decode(last.model_extra["token_ids"],
                                                                           skip_special_tokens=True)})
-        third = await call(llm.chat.completions.create, model="policy", messages=messages, max_tokens=4,
-                           extra_body=extra)
-        assert third.model_extra["prompt_token_ids"][-1] == tokenizer.convert_tokens_to_ids("=")
+        # Streamed with no tools nor stop strings: the text as the engine makes it, the role first.
+
+        def live():
+            return list(llm.chat.completions.create(model="policy", messages=messages, max_tokens=8, stream=True,
+                                                    extra_body=extra))
+
+        pieces = await call(live)
+        assert pieces[0].choices[0].delta.role == "assistant" and pieces[-1].choices[0].finish_reason is not None
+        third_ids = pieces[-1].choices[0].model_extra["token_ids"]
+        assert "".join(p.choices[0].delta.content or "" for p in pieces) == tokenizer.decode(
+            third_ids, skip_special_tokens=True)
+        assert pieces[0].model_extra["prompt_token_ids"][-1] == tokenizer.convert_tokens_to_ids("=")
         ended = await call(httpx.post, f"{url}/rlflow/episodes/{chat['id']}/end", json={"reward": 0.0},
                            headers=key)
         assert ended.status_code == 200, ended.text
@@ -580,8 +589,7 @@ async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tie
     assert chat_sample[:len(reply.model_extra["prompt_token_ids"])] == reply.model_extra["prompt_token_ids"]
     mine = np.flatnonzero(chatted.loss_mask)
     assert [chat_sample[len(group.prompt_ids) + i] for i in mine] == \
-        reply.choices[0].model_extra["token_ids"] + last.model_extra["token_ids"] + third.choices[0].model_extra[
-            "token_ids"]
+        reply.choices[0].model_extra["token_ids"] + last.model_extra["token_ids"] + third_ids
     assert ctx.counters["agents.abandoned"] == 1 and ctx.counters["agents.refused_key"] == 1
 
 

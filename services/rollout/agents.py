@@ -119,6 +119,26 @@ class _Episode:
     result: Response | None = None
 
 
+@dataclass
+class _Live:
+    """A turn under way that a streamed answer follows: its tokens so far, then how it ended."""
+
+    ids: list[int] = field(default_factory=list)
+    out: Response | None = None
+    refused: _Refused | None = None
+    done: bool = False
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    def update(self, ids: list[int]) -> None:
+        self.ids = ids
+        self.changed.set()
+
+    async def next(self) -> None:
+        """Until the tokens change or the turn ends."""
+        await self.changed.wait()
+        self.changed = trio.Event()
+
+
 class AgentEndpoint:
     """The endpoint of one rollout replica, its episodes, and the agents it starts (see the module).
     Finished groups come out of `finished`; groups given up on, out of `abandoned`."""
@@ -148,6 +168,7 @@ class AgentEndpoint:
         self._turning: set[trio.CancelScope] = set()
         #: The requests under way, until their answers are written.
         self.drain = http.Drain()
+        self._nursery: trio.Nursery | None = None
 
     # -- the replica's side -------------------------------------------------------------------------
 
@@ -163,6 +184,7 @@ class AgentEndpoint:
         # a thread before the first request, so that the replica's loop (its heartbeats) goes on meanwhile
         await trio.to_thread.run_sync(_requests)
         async with self._send, self._abandoned_send, trio.open_nursery() as nursery:
+            self._nursery = nursery  # the streamed turns', which outlive their answers if the client leaves
             # A dead engine ends the endpoint, and with it the replica, which is restarted (its groups granted
             # again), rather than answering 500 to every turn while handing out episodes that cannot be played;
             # so do grants past their rule (`hand_back`).
@@ -418,8 +440,31 @@ class AgentEndpoint:
                     self.counters["agents.template_mismatch"] += 1
         except RenderError as exc:
             raise _Refused(400, str(exc)) from None
-        prompt_ids, out = await self._turn(episode, added, body.get("max_completion_tokens") or body.get("max_tokens"),
-                                           _stops(request.stop))
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        tokens = request.return_token_ids
+        reply_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), request.model or "policy"
+        chunk = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model, **fingerprint}
+        usage_too = bool(request.stream_options and request.stream_options.include_usage)
+        if request.stream and not tools and not _stops(request.stop) and self._nursery is not None:
+            # Streamed as the engine makes it (where a stop string or a tool call starts is known only at the end).
+            seen = len(messages) + 1
+            prompt_ids, live = self._live(episode, added, asked, lambda out: setattr(episode, "seen", seen))
+
+            def delta(text: str, first: bool = False) -> dict[str, Any]:
+                return {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": text} if first
+                                              else {"content": text}, "logprobs": None, "finish_reason": None}],
+                        **({"prompt_token_ids": prompt_ids} if tokens and first else {})}
+
+            async def tail(out: Response, sent: str) -> list[dict[str, Any]]:
+                ids = out.token_ids.tolist()
+                content = self.text.decode(ids)
+                rest = content[len(sent):] if content.startswith(sent) else ""
+                return [delta(rest)] * bool(rest) + self._chat_end(
+                    chunk, out, _FINISH.get(out.finish_reason, "stop"), request.logprobs, tokens,
+                    _usage(prompt_ids, ids) if usage_too else None)
+
+            return http.Streamed(self._follow(live, [delta("", first=True)], delta, tail))
+        prompt_ids, out = await self._turn(episode, added, asked, _stops(request.stop))
         episode.seen = len(messages) + 1
         ids = out.token_ids.tolist()
         content, calls = self.text.decode(ids), []
@@ -432,18 +477,13 @@ class AgentEndpoint:
                 content = rest or None
         finish = "tool_calls" if calls else _FINISH.get(out.finish_reason, "stop")
         usage = _usage(prompt_ids, ids)
-        logprobs = {"content": [{"token": self.text.decode([t]), "logprob": float(lp), "top_logprobs": []}
-                                for t, lp in zip(ids, out.logprobs.tolist())]} if request.logprobs else None
-        tokens = request.return_token_ids
-        reply_id, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), request.model or "policy"
         if not request.stream:
             message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
             return http.HttpResponse.of(200, {
                 "id": reply_id, "object": "chat.completion", "created": created, "model": model, **fingerprint,
-                "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish,
-                             **({"token_ids": ids} if tokens else {})}],
+                "choices": [{"index": 0, "message": message, "logprobs": self._chat_logprobs(out, request.logprobs),
+                             "finish_reason": finish, **({"token_ids": ids} if tokens else {})}],
                 "usage": usage, **({"prompt_token_ids": prompt_ids} if tokens else {})})
-        chunk = {"id": reply_id, "object": "chat.completion.chunk", "created": created, "model": model, **fingerprint}
         deltas = [{"role": "assistant", "content": ""}]
         if content:
             deltas.append({"content": content})
@@ -451,11 +491,46 @@ class AgentEndpoint:
             deltas.append({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]})
         events = [{**chunk, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
                    **({"prompt_token_ids": prompt_ids} if tokens and i == 0 else {})} for i, delta in enumerate(deltas)]
-        events.append({**chunk, "choices": [{"index": 0, "delta": {}, "logprobs": logprobs, "finish_reason": finish,
-                                             **({"token_ids": ids} if tokens else {})}]})
-        if request.stream_options and request.stream_options.include_usage:
-            events.append({**chunk, "choices": [], "usage": usage})
+        events += self._chat_end(chunk, out, finish, request.logprobs, tokens, usage if usage_too else None)
         return http.Streamed(_sse(events))
+
+    def _chat_logprobs(self, out: Response, wanted: bool | None) -> dict[str, Any] | None:
+        return {"content": [{"token": self.text.decode([t]), "logprob": float(lp), "top_logprobs": []}
+                            for t, lp in zip(out.token_ids.tolist(), out.logprobs.tolist())]} if wanted else None
+
+    def _chat_end(self, chunk: dict[str, Any], out: Response, finish: str, logprobs: bool | None, tokens: bool | None,
+                  usage: dict[str, int] | None) -> list[dict[str, Any]]:
+        """A streamed chat answer's last events: how the turn finished (its log-probabilities and token
+        ids, where asked), and its usage (None: not asked)."""
+        events = [{**chunk, "choices": [{"index": 0, "delta": {}, "logprobs": self._chat_logprobs(out, logprobs),
+                                         "finish_reason": finish,
+                                         **({"token_ids": out.token_ids.tolist()} if tokens else {})}]}]
+        if usage is not None:
+            events.append({**chunk, "choices": [], "usage": usage})
+        return events
+
+    async def _follow(self, live: _Live, head: list[dict[str, Any]], delta: Any, tail: Any) -> AsyncIterator[bytes]:
+        """The events of a turn under way as it goes: `head`, a `delta(text)` whenever its text grows, then
+        `tail(out, text sent)`; an error event if the turn is refused (the run ended, its engine failed)."""
+        for event in head:
+            yield _data(event)
+        sent = ""
+        while not live.done:
+            await live.next()
+            text = self.text.decode(live.ids)
+            # A character still incomplete in its bytes waits for the token that completes it.
+            more = text[len(sent):].rstrip("\ufffd") if text.startswith(sent) else ""
+            if more:
+                sent += more
+                yield _data(delta(more))
+        if live.out is None:
+            refused = live.refused or _Refused(500, "the turn ended with no answer", "engine_error")
+            yield _data({"error": {"message": str(refused), "type": refused.kind, "code": refused.kind,
+                                   "status": refused.status}})
+        else:
+            for event in await tail(live.out, sent):
+                yield _data(event)
+        yield b"data: [DONE]\n\n"
 
     async def _complete(self, body: dict[str, Any], episode_id: str) -> http.HttpResponse | http.Streamed:
         request = _validated(_requests()[1], body)
@@ -479,24 +554,42 @@ class AgentEndpoint:
             added = prompt[_common(held_ids, prompt):]
         else:
             raise _Refused(400, "prompt: one text, or one list of token ids")
+        prompt_text = prompt if isinstance(prompt, str) else self.text.decode(prompt)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": request.model or "policy", **fingerprint}
+        usage_too = bool(request.stream_options and request.stream_options.include_usage)
+
+        def answer(out: Response, text: str) -> dict[str, Any]:
+            """The answer's choice: `text` of the turn `out` (all of it, or what a stream has yet to send)."""
+            ids = out.token_ids.tolist()
+            logprobs = {"tokens": [self.text.decode([t]) for t in ids], "token_logprobs": out.logprobs.tolist(),
+                        "top_logprobs": [None] * len(ids), "text_offset": []} if request.logprobs is not None else None
+            return {**head, "choices": [{
+                "index": 0, "text": text, "logprobs": logprobs, "finish_reason": _FINISH.get(out.finish_reason, "stop"),
+                **({"prompt_token_ids": prompt_ids, "token_ids": ids} if request.return_token_ids else {})}]}
+
+        def end(out: Response) -> None:
+            episode.text = prompt_text + self.text.decode(out.token_ids.tolist())
+
+        if request.stream and not _stops(request.stop) and self._nursery is not None:  # as the engine makes it
+            prompt_ids, live = self._live(episode, added, request.max_tokens, end)
+
+            def delta(text: str) -> dict[str, Any]:
+                return {**head, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None}]}
+
+            async def tail(out: Response, sent: str) -> list[dict[str, Any]]:
+                said = self.text.decode(out.token_ids.tolist())
+                usage = [{**head, "choices": [], "usage": _usage(prompt_ids, out.token_ids.tolist())}] * usage_too
+                return [answer(out, said[len(sent):] if said.startswith(sent) else "")] + usage
+
+            return http.Streamed(self._follow(live, [], delta, tail))
         prompt_ids, out = await self._turn(episode, added, request.max_tokens, _stops(request.stop))
-        ids = out.token_ids.tolist()
-        said = self.text.decode(ids)
-        episode.text = (prompt if isinstance(prompt, str) else self.text.decode(prompt)) + said
-        finish = _FINISH.get(out.finish_reason, "stop")
-        usage = _usage(prompt_ids, ids)
-        logprobs = {"tokens": [self.text.decode([t]) for t in ids], "token_logprobs": out.logprobs.tolist(),
-                    "top_logprobs": [None] * len(ids), "text_offset": []} if request.logprobs is not None else None
-        choice = {"index": 0, "text": said, "logprobs": logprobs, "finish_reason": finish,
-                  **({"prompt_token_ids": prompt_ids, "token_ids": ids} if request.return_token_ids else {})}
-        reply = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                 "model": request.model or "policy", **fingerprint, "choices": [choice]}
+        end(out)
+        reply = answer(out, self.text.decode(out.token_ids.tolist()))
+        usage = _usage(prompt_ids, out.token_ids.tolist())
         if not request.stream:
             return http.HttpResponse.of(200, {**reply, "usage": usage})
-        events = [reply]
-        if request.stream_options and request.stream_options.include_usage:
-            events.append({**reply, "choices": [], "usage": usage})
-        return http.Streamed(_sse(events))
+        return http.Streamed(_sse([reply] + [{**reply, "choices": [], "usage": usage}] * usage_too))
 
     def _sampling(self, body: dict[str, Any], episode: _Episode) -> dict[str, str]:
         """Check that a request asks for the run's sampling or none (`agents.sampling`); the answer's
@@ -519,6 +612,40 @@ class AgentEndpoint:
                     stops: Sequence[str] = ()) -> tuple[list[int], Response]:
         """Generate one turn of `episode` after the tokens `added` (the agent's since its last turn), ended
         before the first of `stops` in its text; the tokens it was generated over, and the turn."""
+        first, added, prompt, cap = self._room(episode, added, asked)
+        return prompt, await self._generate(episode, first, added, prompt, cap, stops)
+
+    def _live(self, episode: _Episode, added: list[int], asked: int | None, after: Any) -> tuple[list[int], _Live]:
+        """`_turn` without stop strings, run beside the request so that its answer streams the tokens as the
+        engine makes them; `after(out)` once the turn is the episode's (whether or not its agent still
+        listens). What would refuse the turn before it starts is raised here, as an answer's status."""
+        first, added, prompt, cap = self._room(episode, added, asked)
+        live = _Live()
+
+        async def turn() -> None:
+            try:
+                live.out = await self._generate(episode, first, added, prompt, cap, (), live.update)
+                after(live.out)
+            except _Refused as refused:
+                live.refused = refused
+            except (EngineDead, GrantOverrun) as exc:  # the endpoint ends (its nursery's error): say why first
+                live.refused = _Refused(503, f"{type(exc).__name__}: {exc}", "endpoint_ended")
+                raise
+            except Exception as exc:  # the turn's fault, as a handler's: its agent hears of it, the endpoint stays up
+                http.log.exception("[agents] a streamed turn of %s failed", episode.id)
+                live.refused = _Refused(500, f"{type(exc).__name__}: {exc}", "internal_error")
+            finally:
+                live.done = True
+                live.changed.set()
+
+        assert self._nursery is not None
+        self._nursery.start_soon(turn)
+        return prompt, live
+
+    def _room(self, episode: _Episode, added: list[int], asked: int | None) -> tuple[list[int], list[int], list[int],
+                                                                                         int]:
+        """Whether `episode` may have a turn after `added` (else refused), and its (first prompt, tokens
+        added, whole prompt, most tokens it may have)."""
         if episode.turns >= self.cfg.max_turns:
             episode.cut = FinishReason.TURNS
             raise _Refused(400, f"episode {episode.id} has had its {self.cfg.max_turns} turns (agents.max_turns): "
@@ -539,6 +666,10 @@ class AgentEndpoint:
                 raise _Refused(400, f"the prompt is {len(prompt)} tokens, the model's context {context}: nothing "
                                     "is left to generate; shorten it", "context_length_exceeded")
             cap = min(cap, context - len(prompt))
+        return first, added, prompt, cap
+
+    async def _generate(self, episode: _Episode, first: list[int], added: list[int], prompt: list[int], cap: int,
+                        stops: Sequence[str], on_tokens: Any = None) -> Response:
         episode.busy = True
         scope = trio.CancelScope()
         self._turning.add(scope)
@@ -546,7 +677,7 @@ class AgentEndpoint:
             held = episode.group.group.min_version if episode.group is not None else 0
             with scope:
                 out = await self.engine.generate(prompt, max_tokens=cap, min_version=held,
-                                                 temperature=episode.temperature)
+                                                 temperature=episode.temperature, on_tokens=on_tokens)
         finally:
             self._turning.discard(scope)
             episode.busy = False
@@ -569,7 +700,7 @@ class AgentEndpoint:
         if out.finish_reason == FinishReason.LENGTH:
             episode.cut = FinishReason.LENGTH
         self.counters["episode_turns"] += 1
-        return prompt, out
+        return out
 
     async def _parser(self, tools: list[dict[str, Any]]) -> Any:
         key = json.dumps(tools, sort_keys=True)
@@ -686,8 +817,13 @@ def _body(request: http.HttpRequest) -> dict[str, Any]:
 
 async def _sse(events: list[dict[str, Any]]) -> AsyncIterator[bytes]:
     for event in events:
-        yield b"data: " + json.dumps(event).encode() + b"\n\n"
+        yield _data(event)
     yield b"data: [DONE]\n\n"
+
+
+def _data(event: dict[str, Any]) -> bytes:
+    """One server-sent event."""
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
 
 
 def _plain(row: Any) -> dict[str, Any]:

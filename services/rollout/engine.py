@@ -84,10 +84,13 @@ class RolloutEngine(Protocol):
         """Generate `group` (not before its `min_version` is held)."""
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, min_version: int = 0,
-                       temperature: float | None = None) -> Response:
+                       temperature: float | None = None, on_tokens: Callable[[list[int]], None] | None = None
+                       ) -> Response:
         """One response to `prompt_ids` (an episode's turn: its whole token sequence so far), of at
         most `max_tokens` tokens, batched with the engine's other work; not started on weights older
-        than `min_version`; at the configured temperature unless `temperature` is given."""
+        than `min_version`; at the configured temperature unless `temperature` is given. `on_tokens`
+        is called (in trio) with the tokens so far as the engine makes them, where it makes them one
+        step at a time (the simulated engine makes a turn at once: it never calls it)."""
 
     async def update_weights(self, version: int, transfer: WeightTransfer | None) -> int:
         """Receive `version` (joining `transfer` first, if given) and apply it

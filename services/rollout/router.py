@@ -48,6 +48,8 @@ log = logging.getLogger("rlflow.agents")
 
 #: While no replica has an episode waiting, a take waits on one replica this long, then on the next.
 SLICE_S = 0.5
+#: A replica where nothing listens is left out of takes this long (or until agents.json names it again).
+RETRY_S = 1.0
 #: Headers of a replica's answer passed on to the agent (the rest the router's server writes itself).
 _PASSED = ("retry-after", "cache-control", http.QUEUED)
 
@@ -65,6 +67,8 @@ class Router:
         #: Episodes handed out through the router: id -> (replica, its URL then, last request's time).
         self.owner: dict[str, tuple[str, str, float]] = {}
         self.queued: collections.Counter[str] = collections.Counter()
+        #: Replicas found with nothing listening, left out of takes until then (trio time).
+        self.out_until: dict[str, float] = {}
         self.waiting: collections.Counter[str] = collections.Counter()
         self._turn = itertools.count()
 
@@ -89,15 +93,18 @@ class Router:
                 info = self.run_dir.read_agents()
                 if info is not None:
                     self._seen, self.replicas = seen, dict(info.urls)
+                    self.out_until.clear()
                     self._changed.set()
                     self._changed = trio.Event()
             await trio.sleep(0.1)
 
     def _left_out(self, name: str, url: str) -> None:
-        """`name` did not answer at `url`: left out until agents.json names it again."""
+        """Nothing listens for `name` at `url` (it died): no takes go to it for `RETRY_S`, or until
+        agents.json names it again."""
         if self.replicas.get(name) == url:
-            log.warning("[agents] router: %s at %s does not answer; left out until it is back", name, url)
-            del self.replicas[name]
+            log.warning("[agents] router: nothing listens for %s at %s; left out for %g s, or until it is back",
+                        name, url, RETRY_S)
+            self.out_until[name] = trio.current_time() + RETRY_S
             self.queued.pop(name, None)
 
     async def _forget(self) -> None:
@@ -110,10 +117,11 @@ class Router:
 
     def _choose(self) -> tuple[str, str] | None:
         """The replica a take goes to: most episodes waiting, else fewest takes waiting on it, in turn."""
-        if not self.replicas:
+        now = trio.current_time()
+        names = [name for name in self.replicas if self.out_until.get(name, 0.0) <= now]
+        if not names:
             return None
         turn = next(self._turn)
-        names = list(self.replicas)
         name = min(names, key=lambda n: (-self.queued[n], self.waiting[n], (names.index(n) - turn) % len(names)))
         return name, self.replicas[name]
 
@@ -171,8 +179,8 @@ class Router:
         while True:
             chosen = self._choose()
             left = deadline - trio.current_time()
-            if chosen is None:  # no replica has said hello yet
-                with trio.move_on_after(left):
+            if chosen is None:  # no replica has said hello yet, or none listens now
+                with trio.move_on_after(min(left, RETRY_S)):
                     await self._changed.wait()
                 if trio.current_time() >= deadline:
                     return http.HttpResponse(204)
@@ -182,8 +190,11 @@ class Router:
             self.waiting[name] += 1
             try:
                 answer = await self._send(request, url, "/rlflow/episodes", json.dumps({"wait_s": slice_s}).encode())
-            except httpx.TransportError:
+            except httpx.ConnectError:
                 self._left_out(name, url)
+                continue
+            except httpx.TransportError as exc:  # the answer was cut: ask again (an episode it held is abandoned)
+                log.warning("[agents] router: a take from %s was cut (%s: %s)", name, type(exc).__name__, exc)
                 continue
             finally:
                 self.waiting[name] -= 1
@@ -203,11 +214,16 @@ class Router:
         """`request` answered by the replica at `url`: its answer as it comes, streamed or whole."""
         try:
             answer = await self._send(request, url, path, request.body)
-        except httpx.TransportError:
+        except httpx.ConnectError:
             self._left_out(name, url)
             return http.HttpResponse.error(
                 410, f"{name}, which held episode {episode}, is gone (restarted): its group is played again; "
                      "take another episode" if episode else f"{name} is gone: ask again", "episode_gone")
+        except httpx.TransportError as exc:
+            log.warning("[agents] router: %s %s to %s was cut (%s: %s)", request.method, path, name,
+                        type(exc).__name__, exc)
+            return http.HttpResponse.error(502, f"{name}'s answer was cut ({type(exc).__name__}): its episode "
+                                                "may hold the turn; end it, or take another", "bad_gateway")
         if answer.headers.get("content-type", "").startswith("text/event-stream"):
             return http.Streamed(_chunks(answer), status=answer.status_code, headers=_headers(answer))
         return _response(answer, await answer.aread())

@@ -544,7 +544,7 @@ class SimEngine:
         self._wake.set()  # it may start now, or finish sooner than the engine's next wake
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, min_version: int = 0,
-                       temperature: float | None = None) -> Response:
+                       temperature: float | None = None, on_tokens: Any = None) -> Response:
         """One response (an episode's turn) of at most `max_tokens` tokens, batched with everything else."""
         turn = next(self._turn_ids)
         waiter = self._turns[turn] = [trio.Event(), None]

@@ -275,9 +275,10 @@ class VllmEngine:
         await self._send.send([(item.group, responses)])
 
     async def generate(self, prompt_ids: list[int], *, max_tokens: int, min_version: int = 0,
-                       temperature: float | None = None) -> Response:
+                       temperature: float | None = None, on_tokens: Any = None) -> Response:
         """One response (an episode's turn) to `prompt_ids`, of at most `max_tokens` tokens, not
-        started on weights older than `min_version` (`temperature`: the config's if None)."""
+        started on weights older than `min_version` (`temperature`: the config's if None; `on_tokens`:
+        called with the tokens so far after each engine step)."""
         # A barrier: the weights it may start on are on their way.
         await self._weights_changed.reach(min_version, lambda: self.version)
         temperature = self.cfg.temperature if temperature is None else temperature
@@ -287,7 +288,8 @@ class VllmEngine:
         started = time.time()
         try:
             output = await self.backend.generate(prompt_ids, 1, temperature, max_tokens=max_tokens,
-                                                 lora_id=self.served.lora_id(item.submitted_version))
+                                                 lora_id=self.served.lora_id(item.submitted_version),
+                                                 on_tokens=on_tokens)
         except Exception as exc:
             if compat.engine_dead(exc):
                 raise EngineDead(f"vLLM's engine died while generating an episode's turn: {exc}") from exc
