@@ -15,7 +15,7 @@ STAMP := $(VENV)/.rlflow-installed-$(ACCEL)
 # the CPU build of torch; text models need none of them.
 BROKEN := torchvision torchaudio torchcodec
 
-.PHONY: venv up test test-fast lint typecheck bench peer clean
+.PHONY: venv up test test-fast lint typecheck bench peer verifiers-venv clean
 
 venv: $(STAMP)
 
@@ -41,7 +41,7 @@ up: venv
 # --save-durations rewrites it); the slowest 15 are printed at the end.
 # Two processes, a module to each at a time: the suite waits (on processes
 # starting, on heartbeats, on timeouts it provokes) for about half its time.
-test: venv
+test: venv verifiers-venv
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 $(ARGS)
 
 # The edit-test loop: the tests the last whole run timed under a second,
@@ -82,5 +82,18 @@ $(PEER)/.installed: Makefile
 	$(PEER)/bin/python -c "import torch, trl, transformers"
 	touch $@
 
+# verifiers (examples/verifiers_agent.py) in an environment of its own: it pins openai<3, which the
+# OpenAI Agents SDK of the test extra cannot share. The agent program runs on its interpreter.
+VERIFIERS := .venv-verifiers
+
+verifiers-venv: $(VERIFIERS)/.installed
+
+$(VERIFIERS)/.installed: Makefile
+	$(PYTHON) -m venv $(VERIFIERS)
+	$(VERIFIERS)/bin/python -m pip install --quiet --upgrade pip
+	$(VERIFIERS)/bin/python -m pip install --quiet verifiers==0.4.0
+	$(VERIFIERS)/bin/python -c "import verifiers.v1, httpx"
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(PEER) build dist *.egg-info
+	rm -rf $(VENV) $(PEER) $(VERIFIERS) build dist *.egg-info

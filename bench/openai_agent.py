@@ -116,26 +116,34 @@ def play(sessions: int, record: str) -> None:
                 rng = random.Random(seed)
                 while True:
                     taken = await hand_out.post("/rlflow/episodes", json={"wait_s": 30})
+                    if taken.status_code == 410:  # the run is over
+                        return
                     if taken.status_code != 200:
                         continue
-                    episode = taken.json()
-                    model = llm.with_options(base_url=episode["base_url"])
-                    prompt, turns, spans = "p" * 32, rng.randint(1, 8), []
-                    for turn in range(1, turns + 1):
-                        done = await model.completions.create(model="policy", prompt=prompt, max_tokens=512,
-                                                              extra_body={"return_token_ids": bool(out)})
-                        if out:  # where the engine's own tokens of this turn lie in the episode
-                            extra = done.choices[0].model_extra
-                            spans.append((len(extra["prompt_token_ids"]), len(extra["token_ids"])))
-                        await asyncio.sleep(min(30.0, 0.5 * math.exp(1.25 * rng.gauss(0, 1))))  # the tool
-                        prompt += done.choices[0].text + "o" * 16
-                    if out:
+                    try:
+                        await episode_of(rng, taken.json())
+                    except openai.APIStatusError as exc:  # its replica is gone, or its answer was cut: another
+                        if exc.status_code not in (410, 502):
+                            raise
+
+            async def episode_of(rng: random.Random, episode: dict) -> None:
+                model = llm.with_options(base_url=episode["base_url"])
+                prompt, turns, spans = "p" * 32, rng.randint(1, 8), []
+                for turn in range(1, turns + 1):
+                    done = await model.completions.create(model="policy", prompt=prompt, max_tokens=512,
+                                                          extra_body={"return_token_ids": bool(out)})
+                    if out:  # where the engine's own tokens of this turn lie in the episode
                         extra = done.choices[0].model_extra
-                        out.write(json.dumps({"id": episode["id"], "tokens": extra["prompt_token_ids"] +
-                                              extra["token_ids"], "own": spans}) + "\n")
-                        out.flush()
-                    await hand_out.post(f"/rlflow/episodes/{episode['id']}/end",
-                                        json={"reward": float(rng.random() < 0.5)})
+                        spans.append((len(extra["prompt_token_ids"]), len(extra["token_ids"])))
+                    await asyncio.sleep(min(30.0, 0.5 * math.exp(1.25 * rng.gauss(0, 1))))  # the tool
+                    prompt += done.choices[0].text + "o" * 16
+                if out:
+                    extra = done.choices[0].model_extra
+                    out.write(json.dumps({"id": episode["id"], "tokens": extra["prompt_token_ids"] +
+                                          extra["token_ids"], "own": spans}) + "\n")
+                    out.flush()
+                await hand_out.post(f"/rlflow/episodes/{episode['id']}/end",
+                                    json={"reward": float(rng.random() < 0.5)})
 
             await asyncio.gather(*(session(seed) for seed in range(sessions)))
 
