@@ -37,13 +37,16 @@ async def main() -> None:
         async def session() -> None:
             while True:
                 try:
-                    await play()
-                except openai.APIStatusError as exc:  # 410: its episode was given up on; take another
-                    if exc.status_code != 410:
+                    if not await play():
+                        return  # the run is over
+                except openai.APIError as exc:  # 410 (or an error event ending a stream): its episode is gone
+                    if getattr(exc, "status_code", None) != 410 and exc.code != "episode_gone":
                         raise
 
-        async def play() -> None:
+        async def play() -> bool:
             taken = await hand_out.post("/rlflow/episodes", json={"wait_s": 5})
+            if taken.status_code == 410:  # the run is over
+                return False
             if taken.status_code == 200:
                 episode = taken.json()
                 model = llm if args.user else llm.with_options(base_url=episode["base_url"])
@@ -63,6 +66,7 @@ async def main() -> None:
                     prompt += said + " next:"
                 reward = 1.0 if len(said) > args.long else 0.0
                 await hand_out.post(f"/rlflow/episodes/{episode['id']}/end", json={"reward": reward})
+            return True
 
         await asyncio.gather(*(session() for _ in range(args.sessions)))
 

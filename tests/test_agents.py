@@ -179,7 +179,9 @@ async def test_agents_that_know_the_routers_address_alone_play_every_replica_and
             await process.wait()
     assert summary.state == "stopped" and summary.steps == 10, summary.error
     assert seen[0]["rollout-1"] != seen[1]["rollout-1"] and seen[0]["rollout-0"] == seen[1]["rollout-0"]
-    assert all(code == -signal.SIGKILL for code in [p.returncode for p in agents]), "an agent failed on its own"
+    # Each agent heard that the run was over (410 run_over, from the router itself once its replicas had
+    # stopped) and ended, or was still playing when killed: none failed on its own.
+    assert {p.returncode for p in agents} <= {0, -signal.SIGKILL}, [p.returncode for p in agents]
     # Episodes taken from each replica through the router, the restarted one's new incarnation among them.
     taken = {rank: launchers[0].services[("rollout", rank)].counters["agents.taken"] for rank in (0, 1)}
     assert taken[0] > 0 and taken[1] > 0, taken

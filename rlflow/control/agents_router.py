@@ -14,7 +14,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import trio
@@ -30,20 +30,32 @@ START_S = 120.0
 
 
 @contextlib.asynccontextmanager
-async def agents_router(config: Config, run_dir: RunDir) -> AsyncIterator[str]:
-    """The router's URL while the block runs ("" when the run has none); stopped after it."""
+async def agents_router(config: Config, run_dir: RunDir, why: Callable[[], str]) -> AsyncIterator[str]:
+    """The router's URL while the block runs ("" when the run has none); after it, the router answers
+    every request 410 `run_over` naming `why()` for a moment, and is stopped."""
     if config.agents is None or not config.agents.router:
         yield ""
         return
+    process: list[trio.Process] = []
+    ending = trio.Event()
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(_keep, config, run_dir)
+        url = await nursery.start(_keep, config, run_dir, process, ending)
         try:
             yield url
         finally:
+            ending.set()
+            with trio.CancelScope(shield=True), trio.move_on_after(START_S):
+                try:
+                    await process[-1].stdin.send_all(f"{why()}\n".encode())
+                    await process[-1].stdin.aclose()  # it answers what waits, then ends
+                    await process[-1].wait()
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # it ended already
             nursery.cancel_scope.cancel()
 
 
-async def _keep(config: Config, run_dir: RunDir, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+async def _keep(config: Config, run_dir: RunDir, process_now: list[trio.Process], ending: trio.Event, *,
+                task_status=trio.TASK_STATUS_IGNORED) -> None:
     assert config.agents is not None
     port = config.agents.router_port
     env = {**os.environ, "RLFLOW_AGENTS": msgspec.json.encode(config.agents).decode()}  # with the run's key
@@ -52,6 +64,7 @@ async def _keep(config: Config, run_dir: RunDir, *, task_status=trio.TASK_STATUS
         command = [sys.executable, "-m", "rlflow.services.rollout.router", "--run-dir", str(run_dir.path),
                    "--port", str(port)]
         process = await trio.lowlevel.open_process(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        process_now.append(process)
         try:
             with trio.move_on_after(START_S):
                 url = await _first_line(process.stdout)
@@ -65,6 +78,8 @@ async def _keep(config: Config, run_dir: RunDir, *, task_status=trio.TASK_STATUS
             port = int(url.rsplit(":", 1)[1])
             log.info("[controller] the agents' router serves at %s", url)
             code = await process.wait()
+            if ending.is_set():
+                return
             log.warning("[controller] the agents' router exited (%s); starting it again on port %d", code, port)
             await trio.sleep(1.0)
         finally:

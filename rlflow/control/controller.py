@@ -125,7 +125,8 @@ class Controller:
         self._sinks = open_sinks(self.run_dir, self.config, first_step=self.ledger.steps_done)
         try:
             async with transport.open_router(bind=bind, curve=self.curve, name="controller") as router, \
-                    agents_router(self.config, self.run_dir) as self.agents_url:
+                    agents_router(self.config, self.run_dir, lambda: self.stop_reason or self.error or "run ended") \
+                    as self.agents_url:
                 self.router = self.outboxes.router = router
                 router.on_reject = self._on_reject
                 self.address = transport.bound_address(router)

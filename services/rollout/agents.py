@@ -53,6 +53,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -329,6 +330,8 @@ class AgentEndpoint:
         if len(parts) >= 3 and parts[0] == "episodes" and parts[2] == "v1":
             episode_id, parts = parts[1], parts[2:]
         route = "/" + "/".join(parts)
+        if request.method == "GET" and route == "/rlflow/episodes":
+            return await self._held(request)
         if request.method == "GET" and route == "/v1/models":
             return http.HttpResponse.of(200, {"object": "list", "data": [
                 {"id": "policy", "object": "model", "created": 0, "owned_by": "rlflow"}]})
@@ -362,6 +365,26 @@ class AgentEndpoint:
             "id": episode.id, "base_url": f"{self.url}/episodes/{episode.id}/v1", "row": episode.row,
             "prompt": episode.prompt, "reference": episode.reference, "eval": episode.group is None,
             "max_turns": self.cfg.max_turns})
+        answer.headers.append((http.QUEUED, str(len(self._queue))))
+        return answer
+
+    async def _held(self, request: http.HttpRequest) -> http.HttpResponse:
+        """How many episodes wait to be taken (taking none): with ``?above=N&wait_s=S``, once more than N
+        do, or after S seconds (the router's one request for all the agents it has waiting)."""
+        query = urllib.parse.parse_qs(request.path.partition("?")[2])
+        wait, above = query.get("wait_s", ["0"])[0], query.get("above", ["0"])[0]
+        try:
+            seconds, most = float(wait), int(above)
+        except ValueError:
+            seconds, most = math.nan, 0
+        if not math.isfinite(seconds):
+            raise _Refused(400, f"wait_s {wait!r}, above {above!r}: expected seconds and a count")
+        with trio.move_on_after(max(0.0, min(seconds, 300.0))):
+            while len(self._queue) <= most and not self.over:
+                await self._queued.wait()
+        if self.over:
+            raise _Refused(410, f"the run is over ({self.over}): stop", "run_over")
+        answer = http.HttpResponse.of(200, {"queued": len(self._queue)})
         answer.headers.append((http.QUEUED, str(len(self._queue))))
         return answer
 

@@ -268,6 +268,11 @@ async def _write(send: Callable, answer: HttpResponse | Streamed) -> None:
         await send({"type": "http.response.body", "body": answer.body})
         return
     await send({"type": "http.response.start", "status": answer.status, "headers": headers})
-    async for chunk in answer.chunks:
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    chunks = answer.chunks
+    try:
+        async for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    finally:  # cut short too (the server ending under it): its generator's own cleanup runs now
+        if hasattr(chunks, "aclose"):
+            await chunks.aclose()
     await send({"type": "http.response.body", "body": b""})

@@ -5,9 +5,10 @@ starts itself would have to spread over their URLs and follow them as replicas r
 one HTTP endpoint in front of them all, with the same routes and answers (docs/agents.md):
 
 * ``POST /rlflow/episodes`` goes to the replica with the most episodes waiting (each take's answer
-  says how many it has left, its `http.QUEUED` header), else the one with the fewest takes waiting
-  on it, in turns of `SLICE_S` while none has any, so that an episode granted to any replica is taken
-  within a slice. The answer's ``base_url`` names the router, which remembers whose episode it is.
+  says how many it has left, its `http.QUEUED` header). While none is known to hold one, takes wait
+  in the router, and one request a replica (``GET /rlflow/episodes?wait_s=...``, answered once it
+  holds an episode) stands for all of them: a thousand waiting agents cost the replicas nothing. The
+  answer's ``base_url`` names the router, which remembers whose episode it is.
 * An episode's requests (its ``base_url``, ``/v1/...`` with its id as ``user``, ``/end``) go to the
   replica that handed it out, streamed answers chunk by chunk as they come: an episode's tokens live
   in that replica's engine. A replica that is gone (restarted: its episodes' groups are granted
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import itertools
 import json
@@ -46,10 +48,14 @@ from rlflow.services.rollout import http
 
 log = logging.getLogger("rlflow.agents")
 
-#: While no replica has an episode waiting, a take waits on one replica this long, then on the next.
-SLICE_S = 0.5
+#: How long a watcher's request waits for its replica to hold more episodes before it asks again.
+PEEK_S = 10.0
 #: A replica where nothing listens is left out of takes this long (or until agents.json names it again).
 RETRY_S = 1.0
+#: HTTP clients the requests to the replicas take turns on. An httpx client's pool looks over all its
+#: connections at each request: with a thousand agents' requests under way at once (a connection each),
+#: one pool spent the router's whole core on that and cut agents off; 32 pools of ~30 do not.
+CLIENTS = 32
 #: Headers of a replica's answer passed on to the agent (the rest the router's server writes itself).
 _PASSED = ("retry-after", "cache-control", http.QUEUED)
 
@@ -57,8 +63,9 @@ _PASSED = ("retry-after", "cache-control", http.QUEUED)
 class Router:
     """The routes of the module's docstring, over the replicas named in `agents` (agents.json)."""
 
-    def __init__(self, agents: RunDir, key: str, idle_timeout_s: float, client: httpx.AsyncClient):
-        self.run_dir, self.key, self.idle_timeout_s, self.client = agents, key, idle_timeout_s, client
+    def __init__(self, agents: RunDir, key: str, idle_timeout_s: float, clients: list[httpx.AsyncClient]):
+        self.run_dir, self.key, self.idle_timeout_s, self.clients = agents, key, idle_timeout_s, clients
+        self._next_client = itertools.count()
         self.url = ""
         #: Each replica's endpoint, as agents.json names it now (less those found gone since it changed).
         self.replicas: dict[str, str] = {}
@@ -66,17 +73,24 @@ class Router:
         self._changed = trio.Event()
         #: Episodes handed out through the router: id -> (replica, its URL then, last request's time).
         self.owner: dict[str, tuple[str, str, float]] = {}
+        #: Episodes each replica was last heard to hold (less the takes on their way to it).
         self.queued: collections.Counter[str] = collections.Counter()
+        #: Set (and made anew) when agents.json names other replicas: their watchers start again.
+        self._roster = trio.Event()
+        #: Why the run ended, once the controller says it has: every request is answered 410 `run_over`.
+        self.over = ""
+        #: The requests under way, until their answers are written.
+        self.drain = http.Drain()
         #: Replicas found with nothing listening, left out of takes until then (trio time).
         self.out_until: dict[str, float] = {}
-        self.waiting: collections.Counter[str] = collections.Counter()
         self._turn = itertools.count()
 
     async def run(self, sock: Any, limits: http.Limits, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._follow)
             nursery.start_soon(self._forget)
-            await nursery.start(functools.partial(http.serve, limits=limits), self.handle, sock)
+            nursery.start_soon(self._watch)
+            await nursery.start(functools.partial(http.serve, limits=limits, drain=self.drain), self.handle, sock)
             task_status.started()
 
     # -- the replicas and their episodes ----------------------------------------------------------
@@ -94,8 +108,9 @@ class Router:
                 if info is not None:
                     self._seen, self.replicas = seen, dict(info.urls)
                     self.out_until.clear()
-                    self._changed.set()
-                    self._changed = trio.Event()
+                    self._roster.set()
+                    self._roster = trio.Event()
+                    self._wake()
             await trio.sleep(0.1)
 
     def _left_out(self, name: str, url: str) -> None:
@@ -115,15 +130,19 @@ class Router:
             for episode in [e for e, (_, _, last) in self.owner.items() if last < old]:
                 del self.owner[episode]
 
-    def _choose(self) -> tuple[str, str] | None:
-        """The replica a take goes to: most episodes waiting, else fewest takes waiting on it, in turn."""
+    def _live(self) -> list[tuple[str, str]]:
+        """The replicas takes may go to: named in agents.json, and not found with nothing listening."""
         now = trio.current_time()
-        names = [name for name in self.replicas if self.out_until.get(name, 0.0) <= now]
-        if not names:
+        return [(name, url) for name, url in self.replicas.items() if self.out_until.get(name, 0.0) <= now]
+
+    def _choose(self) -> tuple[str, str] | None:
+        """The replica a take goes to: the one with the most episodes waiting (None: none is known to have
+        one), in turn among equals."""
+        live = [(name, url) for name, url in self._live() if self.queued[name] > 0]
+        if not live:
             return None
         turn = next(self._turn)
-        name = min(names, key=lambda n: (-self.queued[n], self.waiting[n], (names.index(n) - turn) % len(names)))
-        return name, self.replicas[name]
+        return min(live, key=lambda item: (-self.queued[item[0]], (live.index(item) - turn) % len(live)))
 
     # -- HTTP ---------------------------------------------------------------------------------------
 
@@ -135,6 +154,8 @@ class Router:
             return http.HttpResponse.error(
                 401, "no valid API key: send the run's key (agents.json) as 'Authorization: Bearer KEY'",
                 "invalid_api_key")
+        if self.over:
+            return _over(self.over)
         parts = path.strip("/").split("/")
         if request.method == "POST" and parts == ["rlflow", "episodes"]:
             return await self._take(request)
@@ -178,28 +199,30 @@ class Router:
         deadline = trio.current_time() + max(0.0, min(wait, 300.0))
         while True:
             chosen = self._choose()
-            left = deadline - trio.current_time()
-            if chosen is None:  # no replica has said hello yet, or none listens now
-                with trio.move_on_after(min(left, RETRY_S)):
-                    await self._changed.wait()
+            if self.over:
+                return _over(self.over)
+            if chosen is None:  # none known to hold an episode: wait here (the watchers look for them)
                 if trio.current_time() >= deadline:
                     return http.HttpResponse(204)
+                with trio.move_on_at(deadline):
+                    await self._changed.wait()
                 continue
             name, url = chosen
-            slice_s = left if len(self.replicas) == 1 or self.queued[name] else min(left, SLICE_S)
-            self.waiting[name] += 1
+            self.queued[name] -= 1  # this take's; the answer says how many are left
             try:
-                answer = await self._send(request, url, "/rlflow/episodes", json.dumps({"wait_s": slice_s}).encode())
+                answer = await self._send(request, url, "/rlflow/episodes", b'{"wait_s": 0}')
             except httpx.ConnectError:
                 self._left_out(name, url)
                 continue
-            except httpx.TransportError as exc:  # the answer was cut: ask again (an episode it held is abandoned)
-                log.warning("[agents] router: a take from %s was cut (%s: %s)", name, type(exc).__name__, exc)
+            except httpx.TransportError as exc:  # the answer was cut (an episode it held is abandoned)
+                if not await self._listens(url):
+                    self._left_out(name, url)
+                else:
+                    log.warning("[agents] router: a take from %s was cut (%s: %s)", name, type(exc).__name__,
+                                exc)
                 continue
-            finally:
-                self.waiting[name] -= 1
             self.queued[name] = int(answer.headers.get(http.QUEUED, "0") or 0)
-            if answer.status_code == 204 and trio.current_time() < deadline:
+            if answer.status_code == 204:  # another took it first
                 continue
             body = await answer.aread()
             if answer.status_code != 200:
@@ -208,6 +231,47 @@ class Router:
             self.owner[episode["id"]] = (name, url, trio.current_time())
             episode["base_url"] = f"{self.url}/episodes/{episode['id']}/v1"
             return http.HttpResponse(200, json.dumps(episode).encode(), headers=_headers(answer))
+
+    async def _watch(self) -> None:
+        """A watcher for each replica agents.json names, started again as it changes."""
+        while True:
+            roster = self._roster
+            async with trio.open_nursery() as nursery:
+                for name, url in self.replicas.items():
+                    nursery.start_soon(self._watch_one, name, url)
+                await roster.wait()
+                nursery.cancel_scope.cancel()
+
+    async def _watch_one(self, name: str, url: str) -> None:
+        """Keep `queued[name]` as the replica holds episodes: one request at a time asks it to say when it
+        holds more than the router knows of (`GET /rlflow/episodes?above=N&wait_s=...`, which takes
+        nothing), so that takes wait here, however many, and go where episodes are as they come."""
+        client = self.clients[next(self._next_client) % len(self.clients)]
+        while True:
+            if (until := self.out_until.get(name, 0.0)) > trio.current_time():
+                await trio.sleep_until(until)
+            try:
+                answer = await client.get(f"{url}/rlflow/episodes", headers={"authorization": f"Bearer {self.key}"},
+                                          params={"above": max(0, self.queued[name]), "wait_s": PEEK_S})
+            except httpx.ConnectError:
+                self._left_out(name, url)
+                continue
+            except httpx.TransportError:
+                await trio.sleep(0.1)
+                continue
+            if answer.status_code != 200:  # the run is over (410): the takes waiting here hear it from the replica
+                self.queued[name] = 1
+                self._wake()
+                await trio.sleep(RETRY_S)
+                continue
+            self.queued[name] = int(answer.headers.get(http.QUEUED, "0") or 0)
+            if self.queued[name] > 0:
+                self._wake()
+
+    def _wake(self) -> None:
+        """Takes waiting here look again (an episode came, a replica joined, the run ended)."""
+        self._changed.set()
+        self._changed = trio.Event()
 
     async def _pass(self, request: http.HttpRequest, name: str, url: str, path: str, episode: str = ""
                     ) -> http.HttpResponse | http.Streamed:
@@ -220,20 +284,34 @@ class Router:
                 410, f"{name}, which held episode {episode}, is gone (restarted): its group is played again; "
                      "take another episode" if episode else f"{name} is gone: ask again", "episode_gone")
         except httpx.TransportError as exc:
+            if not await self._listens(url):  # it died under the request: as above
+                self._left_out(name, url)
+                return http.HttpResponse.error(
+                    410, f"{name}, which held episode {episode}, is gone (restarted): its group is played again; "
+                         "take another episode" if episode else f"{name} is gone: ask again", "episode_gone")
             log.warning("[agents] router: %s %s to %s was cut (%s: %s)", request.method, path, name,
                         type(exc).__name__, exc)
             return http.HttpResponse.error(502, f"{name}'s answer was cut ({type(exc).__name__}): its episode "
                                                 "may hold the turn; end it, or take another", "bad_gateway")
         if answer.headers.get("content-type", "").startswith("text/event-stream"):
-            return http.Streamed(_chunks(answer), status=answer.status_code, headers=_headers(answer))
+            return http.Streamed(_chunks(answer, name, episode), status=answer.status_code, headers=_headers(answer))
         return _response(answer, await answer.aread())
+
+    async def _listens(self, url: str) -> bool:
+        """Whether something answers at `url` (after a request to it was cut)."""
+        try:
+            await self.clients[0].get(f"{url}/health", timeout=5.0)
+        except httpx.TransportError:
+            return False
+        return True
 
     async def _send(self, request: http.HttpRequest, url: str, path: str, body: bytes) -> httpx.Response:
         """`request` sent on to `url` + `path`; its answer's head (the body still to read)."""
         headers = {"authorization": request.headers.get("authorization", ""),
                    "content-type": request.headers.get("content-type", "application/json")}
-        sent = self.client.build_request(request.method, url + path, headers=headers, content=body)
-        answer = await self.client.send(sent, stream=True)
+        client = self.clients[next(self._next_client) % len(self.clients)]
+        sent = client.build_request(request.method, url + path, headers=headers, content=body)
+        answer = await client.send(sent, stream=True)
         if not answer.headers.get("content-type", "").startswith("text/event-stream"):
             await answer.aread()
             await answer.aclose()
@@ -249,10 +327,17 @@ def _headers(answer: httpx.Response) -> list[tuple[str, str]]:
     return [(name, answer.headers[name]) for name in _PASSED if name in answer.headers]
 
 
-async def _chunks(answer: httpx.Response):
+async def _chunks(answer: httpx.Response, name: str, episode: str):
+    """A streamed answer passed on as it comes; cut on its way (its replica died), it ends as a replica's
+    own stream ends on an error: an error event, then ``[DONE]``."""
     try:
         async for chunk in answer.aiter_raw():
             yield chunk
+    except httpx.TransportError as exc:
+        error = {"message": f"{name}, which held episode {episode}, went away during the turn "
+                            f"({type(exc).__name__}): take another episode", "type": "episode_gone",
+                 "code": "episode_gone", "status": 410}
+        yield b"\n\ndata: " + json.dumps({"error": error}).encode() + b"\n\ndata: [DONE]\n\n"
     finally:
         await answer.aclose()
 
@@ -276,6 +361,10 @@ def _user(body: bytes) -> str:
     return user if isinstance(user, str) else ""
 
 
+def _over(reason: str) -> http.HttpResponse:
+    return http.HttpResponse.error(410, f"the run is over ({reason}): stop", "run_over")
+
+
 def _no_replica() -> http.HttpResponse:
     answer = http.HttpResponse.error(503, "no rollout replica serves agents yet: ask again", "no_replica")
     answer.headers.append(("retry-after", "1"))
@@ -295,15 +384,22 @@ async def main(argv: list[str] | None = None) -> None:
     sock = http.bind(cfg.host, args.port)
     host = cfg.host if cfg.host not in ("0.0.0.0", "::", "") else node_ip()
     timeout = httpx.Timeout(None, connect=10.0)
-    pool = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.max_connections)
-    async with httpx.AsyncClient(timeout=timeout, limits=pool) as client, trio.open_nursery() as nursery:
-        router = Router(RunDir(args.run_dir), cfg.api_key, cfg.idle_timeout_s, client)
+    pool = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.max_connections // CLIENTS + 1)
+    async with contextlib.AsyncExitStack() as stack, trio.open_nursery() as nursery:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(timeout=timeout, limits=pool))
+                   for _ in range(CLIENTS)]
+        router = Router(RunDir(args.run_dir), cfg.api_key, cfg.idle_timeout_s, clients)
         router.url = f"http://{host}:{sock.getsockname()[1]}"
         await nursery.start(router.run, sock, limits)
         print(router.url, flush=True)
+        # The controller's word: a line with why the run ended (every request is answered 410 from then
+        # on, those waiting too), then the end of the stream (it is gone, or done with the router).
         stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
-        while await stdin.receive_some():  # until the controller is gone
-            pass
+        while said := await stdin.receive_some():
+            router.over = said.decode(errors="replace").strip().splitlines()[-1] or "stopped"
+            router._wake()
+        with trio.move_on_after(limits.grace_s):  # the answers given meanwhile reach their agents
+            await router.drain.idle()
         nursery.cancel_scope.cancel()
 
 
