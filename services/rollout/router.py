@@ -116,7 +116,7 @@ class Router:
     def _left_out(self, name: str, url: str) -> None:
         """Nothing listens for `name` at `url` (it died): no takes go to it for `RETRY_S`, or until
         agents.json names it again."""
-        if self.replicas.get(name) == url:
+        if self.replicas.get(name) == url and self.out_until.get(name, 0.0) <= trio.current_time():
             log.warning("[agents] router: nothing listens for %s at %s; left out for %g s, or until it is back",
                         name, url, RETRY_S)
             self.out_until[name] = trio.current_time() + RETRY_S
