@@ -21,7 +21,9 @@ with its reward.
   ``return_token_ids``: its prompt tokens and its own), measured with the
   endpoint and an agent program in this process's event loop;
 * sessions: agent sessions (episodes taken, not yet ended) held at once,
-  at most, while measured;
+  at most, while measured, through the router's one address in the
+  two-replica run below (one replica of 64 slots holds 128 groups at most,
+  1,024 episodes: `rlflow.algo.staleness.groups_held`);
 * slot_occupancy: the share of the engine's slot time in use meanwhile;
 * frameworks: of the four frameworks of examples/framework_agents.py (the
   OpenAI Agents SDK, LangGraph, smolagents, Pydantic AI), those whose
@@ -59,11 +61,11 @@ import time
 
 HERE = pathlib.Path(__file__).resolve()
 
-#: bench/agent.py's settings for both runs: 136 groups of 8 episodes granted at once (a step's 8, and 16
+#: bench/agent.py's settings for both runs: 168 groups of 8 episodes granted at once (a step's 8, and 20
 #: steps' more).
-NATIVE = dict(mode="async", step_s=0.02, replicas=1, workers=2, concurrency=1088, max_staleness=16)
+NATIVE = dict(mode="async", step_s=0.02, replicas=1, workers=2, concurrency=1344, max_staleness=20)
 #: Agent programs, and sessions each: as many episodes as the run's credits let it play at once.
-PROGRAMS, SESSIONS = 4, 272
+PROGRAMS, SESSIONS = 4, 336
 FRAMEWORKS = ("openai-agents", "langgraph", "smolagents", "pydantic-ai")
 
 
@@ -153,10 +155,8 @@ def play(sessions: int, record: str) -> None:
 # -- the bench --------------------------------------------------------------------------------------------
 
 
-def endpoint_run(work: pathlib.Path, window: float, copies: int, sessions: int):
-    """The endpoint's window (bench/agent.py's `Window`), and the most sessions held meanwhile."""
-    from rlflow.control.launch import run
-
+def sessions_window(window: float):
+    """bench/agent.py's `Window` that also keeps the most agent sessions held at once while it measures."""
     native = native_bench()
 
     class Sessions(native.Window):
@@ -168,8 +168,16 @@ def endpoint_run(work: pathlib.Path, window: float, copies: int, sessions: int):
                 self.most = max(self.most, rollout.queues.get("agent_sessions", 0))
             return super().observe(status)
 
+    return Sessions(3, window, True)
+
+
+def endpoint_run(work: pathlib.Path, window: float, copies: int, sessions: int):
+    """The endpoint's window (bench/agent.py's `Window`), and the most sessions held meanwhile."""
+    from rlflow.control.launch import run
+
+    native = native_bench()
     config = agents_config([sys.executable, str(HERE), "--play", "--sessions", str(sessions)], copies)
-    measured = Sessions(3, window, True)
+    measured = sessions_window(window)
     run_dir = work / "endpoint"
 
     import threading
@@ -211,7 +219,7 @@ def fleet_run(work: pathlib.Path, window: float, via: str, hostile: bool = False
         config = msgspec.structs.replace(config, agents=msgspec.structs.replace(
             config.agents, read_timeout_s=5.0, max_body_bytes=1 << 20))
     run_dir = work / f"fleet-{via}{'-hostile' if hostile else ''}"
-    measured = native.Window(3, window, True)
+    measured = sessions_window(window)
     programs: list[subprocess.Popen] = []
     held: list = []
     stopping = threading.Event()
@@ -244,8 +252,8 @@ def fleet_run(work: pathlib.Path, window: float, via: str, hostile: bool = False
     if measured.end is None:
         raise RuntimeError(f"fleet {via}: the run ended ({summary.state}: {summary.error}) before its window did")
     print(f"fleet {via}{' (hostile clients)' if hostile else ''}: {measured.episodes_per_s:.2f} episodes/s over "
-          f"{measured.end[0] - measured.start[0]:.0f} s (steps {measured.start[1]}-{measured.end[1]}); "
-          f"run {time.monotonic() - started:.0f} s", flush=True)
+          f"{measured.end[0] - measured.start[0]:.0f} s (steps {measured.start[1]}-{measured.end[1]}), "
+          f"{measured.most} sessions at most; run {time.monotonic() - started:.0f} s", flush=True)
     return measured, run_dir
 
 
@@ -455,7 +463,7 @@ def main() -> None:
     result = {
         "http_vs_native": endpoint.episodes_per_s / native.episodes_per_s,
         "token_exact": exact,
-        "sessions": endpoint.most,
+        "sessions": routed.most,
         "slot_occupancy": endpoint.occupancy,
         "frameworks": frameworks,
         "router_vs_direct": routed.episodes_per_s / direct.episodes_per_s,

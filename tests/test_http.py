@@ -169,3 +169,29 @@ async def test_connections_over_the_limit_are_told_to_come_back():
             for stream in held:
                 await stream.aclose()
             server.cancel_scope.cancel()
+
+
+async def test_an_answer_that_takes_longer_than_the_read_timeout_still_reaches_its_client():
+    """The read timeout is the request's (its body must come within it), not the answer's: a request whose
+    handler takes three times `read_timeout_s` (a turn queued behind others, a take's long poll) is
+    answered, on a connection the client then uses again."""
+    limits = http.Limits(keep_alive_s=5.0, read_timeout_s=0.5)
+
+    async def slow(request: http.HttpRequest) -> http.HttpResponse:
+        await trio.sleep(1.5)
+        return await handler(request)
+
+    sock = http.bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    with trio.fail_after(30):
+        async with trio.open_nursery() as server:
+            await server.start(functools.partial(http.serve, limits=limits), slow, sock)
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                for path in ("/first", "/second"):
+                    await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+                    answer = b""
+                    while b"}" not in answer:
+                        answer += await stream.receive_some()
+                    assert status(answer) == 200 and path.encode() in answer
+            server.cancel_scope.cancel()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -182,7 +181,10 @@ class _Connection(TCPServer):
 def _config(limits: Limits) -> HypercornConfig:
     config = HypercornConfig()
     config.keep_alive_timeout = limits.keep_alive_s
-    config.read_timeout = math.ceil(limits.read_timeout_s)  # each read; the whole body is the app's
+    # No timeout on each read: hypercorn's applies while a request waits for its answer too (a turn queued
+    # behind others, a take's long poll), and cut those at the first pause longer than it. A head sent too
+    # slowly is the keep-alive timer's (the connection is idle until a request is whole), a body the app's.
+    config.read_timeout = None
     config.keep_alive_max_requests = 1 << 30
     config.include_server_header = False
     config.errorlog = log
