@@ -274,18 +274,24 @@ def hostile_clients(urls: list[str], key: str, held: list) -> None:
 
     def ask(address, head: bytes, body: bytes = b"", slowly: bool = False) -> int:
         with socket.create_connection(address, timeout=30) as sock:
-            sock.sendall(head)
-            if slowly:  # a byte a second, until answered
-                sock.settimeout(1.0)
-                for byte in body:
-                    try:
-                        return _status(sock.recv(4096))
-                    except TimeoutError:
-                        sock.sendall(bytes([byte]))
-            else:
-                sock.sendall(body)
+            try:
+                sock.sendall(head)
+                if slowly:  # a byte a second, until answered
+                    sock.settimeout(1.0)
+                    for byte in body:
+                        try:
+                            return _status(sock.recv(4096))
+                        except TimeoutError:
+                            sock.sendall(bytes([byte]))
+                else:
+                    sock.sendall(body)
+            except (BrokenPipeError, ConnectionResetError):  # answered (and closed) before it was all sent
+                pass
             sock.settimeout(30)
-            return _status(sock.recv(4096))
+            try:
+                return _status(sock.recv(4096))
+            except ConnectionResetError:
+                return 0
 
     def request(method: str, path: str, body: bytes, auth: str) -> bytes:
         return (f"{method} {path} HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {auth}\r\n"

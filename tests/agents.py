@@ -39,6 +39,8 @@ async def main() -> None:
                 try:
                     if not await play():
                         return  # the run is over
+                except (openai.APIConnectionError, httpx.TransportError):  # the endpoint went away: ask again
+                    await asyncio.sleep(0.1)
                 except openai.APIError as exc:  # 410 (or an error event ending a stream): its episode is gone
                     if getattr(exc, "status_code", None) != 410 and exc.code != "episode_gone":
                         raise

@@ -134,13 +134,18 @@ async def test_a_stop_request_ends_a_run_whose_agents_never_came(tmp_path):
     assert summary.state == "stopped" and summary.stop_reason == "rlflow down" and summary.steps == 0
 
 
-async def test_agents_that_know_the_routers_address_alone_play_every_replica_and_outlive_a_restart(tmp_path):
+async def test_agents_that_know_the_routers_address_alone_play_every_replica_and_outlive_restarts(tmp_path):
     """Two rollout replicas; the agents, started by the test, know agents.json's `url` alone (the router):
     one plays each episode at its base URL, one at `/v1` with the episode's id as `user`, one streamed.
     Every replica's episodes are played and trained; a replica killed midway is left out until its next
-    incarnation says hello, then served again at its new address; nothing is lost."""
+    incarnation says hello, then served again at its new address; the router killed midway is started
+    again at its address and finds the episodes handed out before by asking the replicas; nothing is
+    lost."""
     import os
     import signal
+
+    import httpx
+    import psutil
 
     from conftest import until
     from test_controller import run_in_process
@@ -151,11 +156,13 @@ async def test_agents_that_know_the_routers_address_alone_play_every_replica_and
     agents: list[trio.Process] = []
     seen: list[dict[str, str]] = []
     launchers: list = []
+    info_url: list[str] = []
 
     async def play_and_kill(controller, launcher) -> None:
         launchers.append(launcher)
         await until(lambda: (info := RunDir(tmp_path).read_agents()) is not None and info.url != "")
         info = RunDir(tmp_path).read_agents()
+        info_url.append(info.url)
         assert not info.urls or set(info.urls) <= {"rollout-0", "rollout-1"}
         env = {**os.environ, "RLFLOW_AGENTS_URL": info.url, "OPENAI_API_KEY": "k3y"}
         for style in ([], ["--user"], ["--stream"]):
@@ -169,7 +176,31 @@ async def test_agents_that_know_the_routers_address_alone_play_every_replica_and
                     and controller.roster.replicas[("rollout", 1)].live)
         seen.append(dict(RunDir(tmp_path).read_agents().urls))
 
-    config = agent_run(tmp_path, "agents.command=[]", "roles.rollout.replicas=2", "run.steps=10")
+        def router() -> psutil.Process | None:
+            for process in psutil.Process().children(recursive=True):
+                try:
+                    if "rlflow.services.rollout.router" in process.cmdline():
+                        return process
+                except psutil.Error:  # one that ended meanwhile
+                    pass
+            return None
+
+        def answers() -> bool:
+            try:
+                return httpx.get(f"{info.url}/health", timeout=5).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        killed = router()
+        killed.kill()
+        await until(lambda: (now := router()) is not None and now.pid != killed.pid)
+        while not await trio.to_thread.run_sync(answers):
+            await trio.sleep(0.05)
+        restarted.append(controller.ledger.steps_done)
+        await until(lambda: controller.ledger.steps_done >= restarted[0] + 2)
+
+    restarted: list[int] = []
+    config = agent_run(tmp_path, "agents.command=[]", "roles.rollout.replicas=2", "run.steps=14")
     try:
         with trio.fail_after(150):
             controller, summary = await run_in_process(config, tmp_path, during=play_and_kill)
@@ -177,8 +208,9 @@ async def test_agents_that_know_the_routers_address_alone_play_every_replica_and
         for process in agents:
             process.send_signal(signal.SIGKILL)
             await process.wait()
-    assert summary.state == "stopped" and summary.steps == 10, summary.error
+    assert summary.state == "stopped" and summary.steps == 14, summary.error
     assert seen[0]["rollout-1"] != seen[1]["rollout-1"] and seen[0]["rollout-0"] == seen[1]["rollout-0"]
+    assert restarted and RunDir(tmp_path).read_agents().url == info_url[0]  # the router's address kept
     # Each agent heard that the run was over (410 run_over, from the router itself once its replicas had
     # stopped) and ended, or was still playing when killed: none failed on its own.
     assert {p.returncode for p in agents} <= {0, -signal.SIGKILL}, [p.returncode for p in agents]
@@ -187,7 +219,7 @@ async def test_agents_that_know_the_routers_address_alone_play_every_replica_and
     assert taken[0] > 0 and taken[1] > 0, taken
     result = audit(tmp_path)
     assert (result.lost, result.duplicated) == (0, 0), result
-    assert result.trained == 10 * 4
+    assert result.trained == 14 * 4
 
 
 @pytest.mark.parametrize("overrides, key, says", [
