@@ -45,9 +45,11 @@ async def agents_router(config: Config, run_dir: RunDir, why: Callable[[], str])
         finally:
             ending.set()
             with trio.CancelScope(shield=True), trio.move_on_after(START_S):
+                stdin = process[-1].stdin
+                assert stdin is not None  # opened as a pipe
                 try:
-                    await process[-1].stdin.send_all(f"{why()}\n".encode())
-                    await process[-1].stdin.aclose()  # it answers what waits, then ends
+                    await stdin.send_all(f"{why()}\n".encode())
+                    await stdin.aclose()  # it answers what waits, then ends
                     await process[-1].wait()
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass  # it ended already
