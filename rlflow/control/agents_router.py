@@ -14,14 +14,16 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import msgspec
 import trio
 
 from rlflow.config import Config
 from rlflow.errors import RunFailed
-from rlflow.rundir import RunDir
+from rlflow.control.replicas import Replica
+from rlflow.control.status import agents_info
+from rlflow.rundir import RunDir, write_json
 
 log = logging.getLogger("rlflow.controller")
 
@@ -40,6 +42,7 @@ async def agents_router(config: Config, run_dir: RunDir, why: Callable[[], str])
     ending = trio.Event()
     async with trio.open_nursery() as nursery:
         url = await nursery.start(_keep, config, run_dir, process, ending)
+        write_agents(run_dir, (), config, url)  # agents may come before the replicas: the router holds their takes
         try:
             yield url
         finally:
@@ -54,6 +57,12 @@ async def agents_router(config: Config, run_dir: RunDir, why: Callable[[], str])
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass  # it ended already
             nursery.cancel_scope.cancel()
+
+
+def write_agents(run_dir: RunDir, replicas: Iterable[Replica], config: Config, url: str) -> None:
+    """agents.json (owner-only): the router's `url`, each registered rollout replica's endpoint, the key."""
+    assert config.agents is not None  # only a run with [agents] serves agents
+    write_json(run_dir.agents, agents_info(replicas, config.agents.api_key, url), private=True)
 
 
 async def _keep(config: Config, run_dir: RunDir, process_now: list[trio.Process], ending: trio.Event, *,

@@ -29,7 +29,7 @@ import trio
 
 from rlflow.config import Config, kind_of
 from rlflow.control import status as build
-from rlflow.control.agents_router import agents_router
+from rlflow.control.agents_router import agents_router, write_agents
 from rlflow.control import steps
 from rlflow.control.ledger import NO_SIGNAL
 from rlflow.control.record import resume as resume_record
@@ -135,8 +135,6 @@ class Controller:
                     private=True)
                 if self.roster.external:
                     write_json(self.run_dir.join, build.join_info(self), private=True)
-                if self.agents_url:  # agents may come before the replicas do: the router holds their takes
-                    self._write_agents()
                 try:
                     async with trio.open_nursery() as nursery:
                         self._nursery = self.outboxes.nursery = nursery
@@ -303,7 +301,7 @@ class Controller:
             return self.door.refuse(identity, replica)
         self.stats.forget(replica.role, replica.rank)  # a new incarnation counts afresh
         if "agents" in msg.endpoints:  # agents.json names where each rollout replica serves agents now
-            self._write_agents()
+            write_agents(self.run_dir, self.roster, self.config, self.agents_url)
             log.info("[controller] %s serves agents at %s (the key: %s)", replica.name, msg.endpoints["agents"],
                      self.run_dir.agents)
         for problem in msg.problems:
@@ -313,11 +311,6 @@ class Controller:
         self.outboxes.open(replica)
         if self._welcomed:  # a new incarnation: welcomed at once
             self.outboxes.post(replica, welcome(self, replica))
-
-    def _write_agents(self) -> None:
-        assert self.config.agents is not None  # a replica serves agents only in a run with [agents]
-        write_json(self.run_dir.agents, build.agents_info(self.roster, self.config.agents.api_key, self.agents_url),
-                   private=True)
 
     def _on_ready(self, replica: Replica, msg: Ready) -> None:
         replica.state, replica.version = State.READY, msg.version
