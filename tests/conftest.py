@@ -73,11 +73,27 @@ def trained_groups(run_dir) -> list[tuple[int, int, int]]:
 
 async def until(condition, every_s: float = 0.05) -> None:
     """Wait for `condition()` (state another task or process writes: a run's files, a controller's
-    fields) to hold, looking again every `every_s`; bound it with the caller's own deadline."""
+    fields; a coroutine function's too) to hold, looking again every `every_s`; bound it with the
+    caller's own deadline."""
+    import inspect
+
     import trio
 
-    while not condition():
+    while not ((await held) if inspect.isawaitable(held := condition()) else held):
         await trio.sleep(every_s)
+
+
+def until_in_thread(condition, timeout_s: float, every_s: float = 0.05) -> bool:
+    """`until` for a thread of the test (beside a blocking call): whether `condition()` held within
+    `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every_s)
+    return True
 
 
 def late_starts(run_dir, batch_size: int, max_staleness: int) -> list[tuple[int, int, int]]:

@@ -185,17 +185,17 @@ async def test_agents_that_know_the_routers_address_alone_play_every_replica_and
                     pass
             return None
 
-        def answers() -> bool:
+        async def answers() -> bool:
             try:
-                return httpx.get(f"{info.url}/health", timeout=5).status_code == 200
+                async with httpx.AsyncClient(timeout=5) as client:
+                    return (await client.get(f"{info.url}/health")).status_code == 200
             except httpx.TransportError:
                 return False
 
         killed = router()
         killed.kill()
         await until(lambda: (now := router()) is not None and now.pid != killed.pid)
-        while not await trio.to_thread.run_sync(answers):
-            await trio.sleep(0.05)
+        await until(answers)
         restarted.append(controller.ledger.steps_done)
         await until(lambda: controller.ledger.steps_done >= restarted[0] + 2)
 
@@ -376,6 +376,7 @@ async def test_a_streamed_turn_sends_each_token_as_the_engine_makes_it():
     import time
 
     import httpx
+    from conftest import until
 
     from rlflow.env.render import EpisodeText
     from rlflow.protocol import PromptGroup
@@ -455,7 +456,6 @@ async def test_a_streamed_turn_sends_each_token_as_the_engine_makes_it():
                 nursery.start_soon(under_way)
                 await read.acquire()  # its first token's event read, the engine stuck after it
                 await endpoint.close("stopped here")
-                while not ended:
-                    await trio.sleep(0.01)
+                await until(lambda: ended)
             assert ended[-1]["error"]["code"] == "run_over" and "stopped here" in ended[-1]["error"]["message"]
             nursery.cancel_scope.cancel()

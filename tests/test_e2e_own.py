@@ -5,11 +5,11 @@ trainer distills from, real vLLM on CPU and the real trainer on Ray; its vLLM en
 from __future__ import annotations
 
 import pathlib
-import time
 
 import psutil
 
 import pytest
+from conftest import until_in_thread
 from models import tiny_model
 
 from rlflow import config as C
@@ -79,21 +79,22 @@ def own_run(ray_cluster, tmp_path_factory):
     run_dir = root / "run"
     killed: list[int] = []
 
-    def kill_engine_core() -> None:
+    def engine_core_killed() -> bool:
         """Once two steps are trained, SIGKILL the vLLM engine core under this
-        test's own Ray (its processes descend from this one)."""
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and not killed:
-            time.sleep(0.05)
-            if len(RunDir(run_dir).read_metrics()) < 2:
+        test's own Ray (its processes descend from this one); whether it did."""
+        if len(RunDir(run_dir).read_metrics()) < 2:
+            return False
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if "EngineCore" in " ".join(proc.cmdline() + [proc.name()]):
+                    proc.kill()
+                    killed.append(proc.pid)
+            except psutil.NoSuchProcess:
                 continue
-            for proc in psutil.Process().children(recursive=True):
-                try:
-                    if "EngineCore" in " ".join(proc.cmdline() + [proc.name()]):
-                        proc.kill()
-                        killed.append(proc.pid)
-                except psutil.NoSuchProcess:
-                    continue
+        return bool(killed)
+
+    def kill_engine_core() -> None:
+        until_in_thread(engine_core_killed, timeout_s=600)
 
     killer = threading.Thread(target=kill_engine_core, daemon=True)
     killer.start()
