@@ -344,7 +344,8 @@ def frameworks_run(work: pathlib.Path) -> int:
                for group in event["groups"]}
     played = []
     for framework in FRAMEWORKS:
-        ended = (record / f"{framework}.txt").read_text().split() if (record / f"{framework}.txt").exists() else []
+        ended = [line.split()[0] for line in (record / f"{framework}.txt").read_text().splitlines()] \
+            if (record / f"{framework}.txt").exists() else []
         if any(int(episode.split("-")[0]) in trained for episode in ended):
             played.append(framework)
     print(f"frameworks: {len(played)} of {len(FRAMEWORKS)} trained ({', '.join(played) or 'none'}; "

@@ -33,7 +33,7 @@ import asyncio
 import os
 from collections.abc import Awaitable, Callable
 
-import httpx
+from episodes import play_episodes  # examples/episodes.py, beside this file
 
 INSTRUCTIONS = "Add the two numbers: write the sum of each column, then a hash sign and the answer."
 
@@ -102,38 +102,26 @@ async def main() -> None:
     parser.add_argument("--url", default=os.environ.get("RLFLOW_AGENTS_URL", ""), help="the run's endpoint")
     parser.add_argument("--key", default=os.environ.get("OPENAI_API_KEY", ""), help="the run's key")
     parser.add_argument("--sessions", type=int, default=8, help="episodes played at once")
-    parser.add_argument("--record", default="", help="a folder: each ended episode's id, a line, in FRAMEWORK.txt")
+    parser.add_argument("--record", default="",
+                        help="a folder: each ended episode's id and reward, a line, in FRAMEWORK.txt")
     args = parser.parse_args()
     if not args.url or not args.key:
         parser.error("no endpoint: give --url and --key (agents.json of the run has both)")
     name = args.framework
     if name == "copy":
         name = list(FRAMEWORKS)[int(os.environ.get("RLFLOW_AGENT_COPY", "0")) % len(FRAMEWORKS)]
-    play = FRAMEWORKS[name]
-    async with httpx.AsyncClient(base_url=args.url, headers={"Authorization": f"Bearer {args.key}"},
-                                 timeout=60) as hand_out:
+    agent = FRAMEWORKS[name]
 
-        async def session() -> None:
-            while True:
-                taken = await hand_out.post("/rlflow/episodes", json={"wait_s": 20})
-                if taken.status_code == 204:
-                    continue
-                if taken.status_code == 410:
-                    return  # the run is over
-                taken.raise_for_status()
-                episode = taken.json()
-                try:
-                    said = await play(episode["base_url"], args.key, episode["prompt"])
-                except Exception as exc:  # the framework gave up (a refused request, no room left): no answer
-                    print(f"{name}: {type(exc).__name__}: {exc}", flush=True)
-                    said = ""
-                ended = await hand_out.post(f"/rlflow/episodes/{episode['id']}/end",
-                                            json={"reward": reward(episode["row"], said)})
-                if args.record and ended.status_code == 200:
-                    with open(os.path.join(args.record, f"{name}.txt"), "a") as out:
-                        out.write(episode["id"] + "\n")
+    async def play(episode: dict) -> float:
+        try:
+            said = await agent(episode["base_url"], args.key, episode["prompt"])
+        except Exception as exc:  # the framework gave up (a refused request, no room left): no answer
+            print(f"{name}: {type(exc).__name__}: {exc}", flush=True)
+            said = ""
+        return reward(episode["row"], said)
 
-        await asyncio.gather(*(session() for _ in range(args.sessions)))
+    record = os.path.join(args.record, f"{name}.txt") if args.record else ""
+    await play_episodes(args.url, args.key, args.sessions, play, record)
 
 
 if __name__ == "__main__":

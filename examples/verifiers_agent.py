@@ -29,6 +29,7 @@ import sys
 
 import httpx
 import verifiers.v1 as vf
+from episodes import play_episodes  # examples/episodes.py, beside this file
 
 #: The name verifiers finds this program's taskset and harness under (it loads plugins by module).
 PLUGIN = "rlflow_verifiers_agent"
@@ -87,29 +88,16 @@ async def main() -> None:
     env = vf.SingleAgentEnv(vf.SingleAgentEnvConfig(
         taskset={"id": PLUGIN}, agent=vf.AgentConfig(harness={"id": PLUGIN}, runtime=vf.SubprocessConfig()),
         interception={"type": "server"}))
-    async with env.serving(), httpx.AsyncClient(base_url=args.url, timeout=60,
-                                                headers={"Authorization": f"Bearer {args.key}"}) as hand_out:
 
-        async def session() -> None:
-            while True:
-                taken = await hand_out.post("/rlflow/episodes", json={"wait_s": 20})
-                if taken.status_code == 204:
-                    continue
-                if taken.status_code == 410:
-                    return  # the run is over
-                taken.raise_for_status()
-                episode = taken.json()
-                task = SumTask(Sum(prompt=episode["prompt"], answer=episode["reference"]), vf.TaskConfig())
-                model = vf.ModelContext(model="policy", sampling=vf.SamplingConfig(), client=vf.EvalClientConfig(
-                    base_url=episode["base_url"], api_key_var="RLFLOW_VERIFIERS_KEY"))
-                played = await env.run_episode(task, model)
-                reward = played.traces[0].reward if played.traces else 0.0
-                ended = await hand_out.post(f"/rlflow/episodes/{episode['id']}/end", json={"reward": reward or 0.0})
-                if args.record and ended.status_code == 200:
-                    with open(args.record, "a") as out:
-                        out.write(f"{episode['id']} {reward}\n")
+    async def play(episode: dict) -> float:
+        task = SumTask(Sum(prompt=episode["prompt"], answer=episode["reference"]), vf.TaskConfig())
+        model = vf.ModelContext(model="policy", sampling=vf.SamplingConfig(), client=vf.EvalClientConfig(
+            base_url=episode["base_url"], api_key_var="RLFLOW_VERIFIERS_KEY"))
+        played = await env.run_episode(task, model)
+        return (played.traces[0].reward if played.traces else 0.0) or 0.0
 
-        await asyncio.gather(*(session() for _ in range(args.sessions)))
+    async with env.serving():
+        await play_episodes(args.url, args.key, args.sessions, play, args.record)
 
 
 if __name__ == "__main__":

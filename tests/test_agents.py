@@ -24,6 +24,31 @@ def agent_run(tmp_path: pathlib.Path, *overrides: str) -> C.Config:
                "roles.rollout.engine.response_len.median=8", "cluster.heartbeat_timeout_s=5", *overrides)
 
 
+class RowTask:
+    """The endpoint tests' task: a group's row names the group; every prompt reads "p"."""
+
+    def row(self, group_id):
+        return {"n": group_id}
+
+    def decode(self, ids):
+        return "p"
+
+
+async def endpoint_on(nursery: trio.Nursery, engine, config: C.Config, ctx, turn_tokens: int):
+    """An agents' endpoint over real HTTP on `engine` (a simulated one), both started in `nursery`, the
+    key "k3y"; the endpoint and its URL."""
+    from rlflow.env.render import EpisodeText
+    from rlflow.services.rollout.agents import AgentEndpoint
+
+    endpoint = AgentEndpoint(engine, RowTask(), config.agents, text=EpisodeText(None), make_parser=None,
+                             turn_tokens=turn_tokens, counters=ctx.counters, api_key="k3y", rank=0, replicas=1,
+                             takes_reward=True, holds=1)
+    url = endpoint.bind()
+    await nursery.start(engine.run)
+    await nursery.start(endpoint.run)
+    return endpoint, url
+
+
 async def test_a_run_trains_on_what_outside_agents_played_and_drops_the_group_of_one_that_died(tmp_path):
     from test_controller import run_in_process
 
@@ -243,10 +268,8 @@ async def test_requests_the_endpoint_cannot_serve_get_an_error_that_names_what_i
 
     import httpx
 
-    from rlflow.env.render import EpisodeText
     from rlflow.protocol import PromptGroup
     from rlflow.services.base import standalone_context
-    from rlflow.services.rollout.agents import AgentEndpoint
     from rlflow.services import compat
     from rlflow.services.rollout.sim import SimEngine
 
@@ -258,13 +281,6 @@ async def test_requests_the_endpoint_cannot_serve_get_an_error_that_names_what_i
                        "roles.rollout.engine.step_s=0.001")
     ctx = standalone_context(config, "rollout")
 
-    class Task:
-        def row(self, group_id):
-            return {"n": group_id}
-
-        def decode(self, ids):
-            return "p"
-
     async def post(path: str, body=None, *, content: bytes | None = None, key: str = "k3y") -> httpx.Response:
         call = functools.partial(httpx.post, url + path, headers={"Authorization": f"Bearer {key}"}, timeout=30,
                                  **({"content": content} if content is not None else {"json": body}))
@@ -272,13 +288,7 @@ async def test_requests_the_endpoint_cannot_serve_get_an_error_that_names_what_i
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            engine = SimEngine(config.roles.rollout.engine, ctx)
-            endpoint = AgentEndpoint(engine, Task(), config.agents, text=EpisodeText(None), make_parser=None,
-                                     turn_tokens=8, counters=ctx.counters, api_key="k3y", rank=0, replicas=1,
-                                     takes_reward=True, holds=1)
-            url = endpoint.bind()
-            await nursery.start(engine.run)
-            await nursery.start(endpoint.run)
+            endpoint, url = await endpoint_on(nursery, SimEngine(config.roles.rollout.engine, ctx), config, ctx, 8)
             assert loaded_in and loaded_in[0] is not threading.main_thread()
             assert (await post("/rlflow/episodes", {"wait_s": 0})).status_code == 204  # none yet
             endpoint.submit(PromptGroup(group_id=5, prompt_ids=[1, 2], n=1), time.time())
@@ -378,10 +388,8 @@ async def test_a_streamed_turn_sends_each_token_as_the_engine_makes_it():
     import httpx
     from conftest import until
 
-    from rlflow.env.render import EpisodeText
     from rlflow.protocol import PromptGroup
     from rlflow.services.base import standalone_context
-    from rlflow.services.rollout.agents import AgentEndpoint
     from rlflow.services.rollout.sim import SimEngine
 
     config = agent_run(pathlib.Path("/nonexistent"), "agents.command=[]", "agents.max_turns=4",
@@ -404,13 +412,6 @@ async def test_a_streamed_turn_sends_each_token_as_the_engine_makes_it():
                     await read.acquire()
             return out
 
-    class Task:
-        def row(self, group_id):
-            return {}
-
-        def decode(self, ids):
-            return ""
-
     async def events(client: httpx.AsyncClient, path: str, body: dict) -> list[dict]:
         got = []
         async with client.stream("POST", path, json={"model": "policy", "stream": True, **body}) as answer:
@@ -424,13 +425,7 @@ async def test_a_streamed_turn_sends_each_token_as_the_engine_makes_it():
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            engine = Stepped(config.roles.rollout.engine, ctx)
-            endpoint = AgentEndpoint(engine, Task(), config.agents, text=EpisodeText(None), make_parser=None,
-                                     turn_tokens=16, counters=ctx.counters, api_key="k3y", rank=0, replicas=1,
-                                     takes_reward=True, holds=1)
-            url = endpoint.bind()
-            await nursery.start(engine.run)
-            await nursery.start(endpoint.run)
+            endpoint, url = await endpoint_on(nursery, Stepped(config.roles.rollout.engine, ctx), config, ctx, 16)
             endpoint.submit(PromptGroup(group_id=1, prompt_ids=[1, 2], n=1), time.time())
             async with httpx.AsyncClient(base_url=url, headers={"Authorization": "Bearer k3y"}, timeout=30) as client:
                 episode = (await client.post("/rlflow/episodes", json={"wait_s": 5})).json()

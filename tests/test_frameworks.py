@@ -75,7 +75,8 @@ def test_agents_of_four_frameworks_and_a_verifiers_environment_train_the_embedde
     trained = {group for _, group, _ in trained_groups(run_dir)}
     assert len(trained) == 3 * config.run.batch_size
     for framework in FRAMEWORKS:  # each framework's episodes: ended by its agent, and trained
-        ended = (record / f"{framework}.txt").read_text().split() if (record / f"{framework}.txt").exists() else []
+        ended = [line.split()[0] for line in (record / f"{framework}.txt").read_text().splitlines()] \
+            if (record / f"{framework}.txt").exists() else []
         assert any(int(episode.split("-")[0]) in trained for episode in ended), (framework, ended[:5])
     # verifiers' episodes too, each with the reward its environment's rubric computed (0 or 1).
     ended = [line.split() for line in (record / "verifiers.txt").read_text().splitlines()] \
