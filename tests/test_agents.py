@@ -194,6 +194,9 @@ async def test_agents_that_know_the_routers_address_alone_play_every_replica_and
             agents.append(await trio.lowlevel.open_process(
                 [sys.executable, str(AGENT), "--sessions", "4", *style], env=env))
         await until(lambda: controller.ledger.steps_done >= 3)
+        async with httpx.AsyncClient(timeout=30) as client:  # a route of no episode: any replica answers it
+            models = await client.get(f"{info.url}/v1/models", headers={"Authorization": "Bearer k3y"})
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "policy", models.text
         seen.append(dict(RunDir(tmp_path).read_agents().urls))
         before = controller.roster.replicas[("rollout", 1)].incarnation
         await launcher.crash("rollout", 1)

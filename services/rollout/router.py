@@ -166,10 +166,10 @@ class Router:
         elif parts[0] == "v1" and request.method == "POST":
             episode = _user(request.body)
         else:  # /v1/models, and what no replica serves either: any replica answers as it would
-            chosen = self._choose()
-            if chosen is None:
+            live = self._live()
+            if not live:
                 return _no_replica()
-            return await self._pass(request, *chosen, path)
+            return await self._pass(request, *live[0], path)
         if not episode:
             return http.HttpResponse.error(
                 400, "no episode named: use the episode's base_url, or its id as 'user'", "invalid_request_error")
@@ -211,15 +211,8 @@ class Router:
             self.queued[name] -= 1  # this take's; the answer says how many are left
             try:
                 answer = await self._send(request, url, "/rlflow/episodes", b'{"wait_s": 0}')
-            except httpx.ConnectError:
-                self._left_out(name, url)
-                continue
-            except httpx.TransportError as exc:  # the answer was cut (an episode it held is abandoned)
-                if not await self._listens(url):
-                    self._left_out(name, url)
-                else:
-                    log.warning("[agents] router: a take from %s was cut (%s: %s)", name, type(exc).__name__,
-                                exc)
+            except httpx.TransportError as exc:  # gone, or the answer cut (an episode it held is abandoned)
+                await self._dead(name, url, exc, "a take")
                 continue
             self.queued[name] = int(answer.headers.get(http.QUEUED, "0") or 0)
             if answer.status_code == 204:  # another took it first
@@ -278,31 +271,29 @@ class Router:
         """`request` answered by the replica at `url`: its answer as it comes, streamed or whole."""
         try:
             answer = await self._send(request, url, path, request.body)
-        except httpx.ConnectError:
-            self._left_out(name, url)
-            return http.HttpResponse.error(
-                410, f"{name}, which held episode {episode}, is gone (restarted): its group is played again; "
-                     "take another episode" if episode else f"{name} is gone: ask again", "episode_gone")
         except httpx.TransportError as exc:
-            if not await self._listens(url):  # it died under the request: as above
-                self._left_out(name, url)
+            if await self._dead(name, url, exc, f"{request.method} {path}"):
                 return http.HttpResponse.error(
                     410, f"{name}, which held episode {episode}, is gone (restarted): its group is played again; "
                          "take another episode" if episode else f"{name} is gone: ask again", "episode_gone")
-            log.warning("[agents] router: %s %s to %s was cut (%s: %s)", request.method, path, name,
-                        type(exc).__name__, exc)
             return http.HttpResponse.error(502, f"{name}'s answer was cut ({type(exc).__name__}): its episode "
                                                 "may hold the turn; end it, or take another", "bad_gateway")
         if answer.headers.get("content-type", "").startswith("text/event-stream"):
             return http.Streamed(_chunks(answer, name, episode), status=answer.status_code, headers=_headers(answer))
         return _response(answer, await answer.aread())
 
-    async def _listens(self, url: str) -> bool:
-        """Whether something answers at `url` (after a request to it was cut)."""
-        try:
-            await self.clients[0].get(f"{url}/health", timeout=5.0)
-        except httpx.TransportError:
-            return False
+    async def _dead(self, name: str, url: str, exc: httpx.TransportError, what: str) -> bool:
+        """Whether a request to `name` failed with `exc` because the replica is gone (nothing listens, now
+        that the request was refused or cut): then it is left out; else the cut is said in the log."""
+        if not isinstance(exc, httpx.ConnectError):
+            try:
+                await self.clients[0].get(f"{url}/health", timeout=5.0)
+            except httpx.TransportError:
+                pass
+            else:
+                log.warning("[agents] router: %s to %s was cut (%s: %s)", what, name, type(exc).__name__, exc)
+                return False
+        self._left_out(name, url)
         return True
 
     async def _send(self, request: http.HttpRequest, url: str, path: str, body: bytes) -> httpx.Response:
