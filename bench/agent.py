@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -81,6 +82,8 @@ class Window:
     """(time, step, episodes finished, slot seconds) at each status."""
     start: tuple[float, int, int, float] | None = None
     end: tuple[float, int, int, float] | None = None
+    slots: int = 64
+    """The engine slots of the run (its rollout replicas' together)."""
 
     def observe(self, status: Status) -> bool:
         """Note a status; whether the window is over."""
@@ -106,7 +109,11 @@ class Window:
 
     @property
     def occupancy(self) -> float:
-        return (self.end[3] - self.start[3]) / ((self.end[0] - self.start[0]) * 64)
+        return (self.end[3] - self.start[3]) / ((self.end[0] - self.start[0]) * self.slots)
+
+    def more(self) -> str:
+        """What a window of a kind of its own also measured, for the line `measure` prints."""
+        return ""
 
 
 def config_of(*, mode: str, step_s: float, replicas: int, workers: int, concurrency: int, inline: bool = False,
@@ -123,13 +130,17 @@ def config_of(*, mode: str, step_s: float, replicas: int, workers: int, concurre
     })
 
 
-def measure(work: pathlib.Path, name: str, window: Window, config: C.Config | None = None, **fields) -> Window:
-    """Run one configuration (`config`, else `config_of(**fields)`) until `window` is over; the window."""
+def measure(work: pathlib.Path, name: str, window: Window, config: C.Config | None = None,
+            also: Callable[[Status], None] | None = None, **fields) -> Window:
+    """Run one configuration (`config`, else `config_of(**fields)`) until `window` is over (`also` sees
+    each status too); the window."""
     config = config or config_of(**fields)
     run_dir = work / name
     stopping = threading.Event()
 
     def on_status(status: Status) -> None:
+        if also is not None:
+            also(status)
         if window.observe(status) and not stopping.is_set():
             stopping.set()
             threading.Thread(target=_stop, args=(run_dir,), daemon=True).start()
@@ -140,7 +151,7 @@ def measure(work: pathlib.Path, name: str, window: Window, config: C.Config | No
     if window.end is None:
         raise RuntimeError(f"{name}: the run ended ({summary.state}: {summary.error}) before its window did")
     print(f"{name}: {window.episodes_per_s:.2f} episodes/s over {window.end[0] - window.start[0]:.0f} s "
-          f"(steps {window.start[1]}-{window.end[1]}), slot occupancy {window.occupancy:.2f}; "
+          f"(steps {window.start[1]}-{window.end[1]}), slot occupancy {window.occupancy:.2f}{window.more()}; "
           f"run {time.monotonic() - started:.0f} s", flush=True)
     return window
 

@@ -155,7 +155,7 @@ def play(sessions: int, record: str) -> None:
 # -- the bench --------------------------------------------------------------------------------------------
 
 
-def sessions_window(window: float):
+def sessions_window(window: float, slots: int = 64):
     """bench/agent.py's `Window` that also keeps the most agent sessions held at once while it measures."""
     native = native_bench()
 
@@ -168,36 +168,16 @@ def sessions_window(window: float):
                 self.most = max(self.most, rollout.queues.get("agent_sessions", 0))
             return super().observe(status)
 
-    return Sessions(3, window, True)
+        def more(self) -> str:
+            return f", {self.most} sessions at most"
+
+    return Sessions(3, window, True, slots=slots)
 
 
 def endpoint_run(work: pathlib.Path, window: float, copies: int, sessions: int):
     """The endpoint's window (bench/agent.py's `Window`), and the most sessions held meanwhile."""
-    from rlflow.control.launch import run
-
-    native = native_bench()
     config = agents_config([sys.executable, str(HERE), "--play", "--sessions", str(sessions)], copies)
-    measured = sessions_window(window)
-    run_dir = work / "endpoint"
-
-    import threading
-
-    stopping = threading.Event()
-
-    def on_status(status) -> None:
-        if measured.observe(status) and not stopping.is_set():
-            stopping.set()
-            threading.Thread(target=native._stop, args=(run_dir,), daemon=True).start()
-
-    native._wait_for_cpus()
-    started = time.monotonic()
-    summary = run(config, run_dir, on_status=on_status)
-    if measured.end is None:
-        raise RuntimeError(f"endpoint: the run ended ({summary.state}: {summary.error}) before its window did")
-    print(f"endpoint: {measured.episodes_per_s:.2f} episodes/s over {measured.end[0] - measured.start[0]:.0f} s "
-          f"(steps {measured.start[1]}-{measured.end[1]}), slot occupancy {measured.occupancy:.2f}, "
-          f"{measured.most} sessions at most; run {time.monotonic() - started:.0f} s", flush=True)
-    return measured
+    return native_bench().measure(work, "endpoint", sessions_window(window), config)
 
 
 def fleet_run(work: pathlib.Path, window: float, via: str, hostile: bool = False):
@@ -210,50 +190,38 @@ def fleet_run(work: pathlib.Path, window: float, via: str, hostile: bool = False
 
     import msgspec
 
-    from rlflow.control.launch import run
     from rlflow.rundir import RunDir
 
-    native = native_bench()
     config = agents_config([], 1, replicas=2)
     if hostile:  # a slow client and a big body are refused within seconds
         config = msgspec.structs.replace(config, agents=msgspec.structs.replace(
             config.agents, read_timeout_s=5.0, max_body_bytes=1 << 20))
-    run_dir = work / f"fleet-{via}{'-hostile' if hostile else ''}"
-    measured = sessions_window(window)
+    name = f"fleet-{via}{'-hostile' if hostile else ''}"
+    run_dir = work / name
     programs: list[subprocess.Popen] = []
     held: list = []
-    stopping = threading.Event()
 
-    def on_status(status) -> None:
-        if not programs and (info := RunDir(run_dir).read_agents()) is not None and len(info.urls) == 2:
-            spread = sorted(info.urls.values())
-            for i in range(PROGRAMS):
-                url = info.url if via == "router" else spread[i % len(spread)]
-                programs.append(subprocess.Popen(
-                    [sys.executable, str(HERE), "--play", "--sessions", str(SESSIONS)],
-                    env={**os.environ, "RLFLOW_AGENTS_URL": url, "OPENAI_API_KEY": info.api_key}))
-            if hostile:
-                threading.Thread(target=hostile_clients, args=([info.url, spread[0]], info.api_key, held),
-                                 daemon=True).start()
-        if measured.observe(status) and not stopping.is_set():
-            stopping.set()
-            threading.Thread(target=native._stop, args=(run_dir,), daemon=True).start()
+    def start_agents(status) -> None:
+        if programs or (info := RunDir(run_dir).read_agents()) is None or len(info.urls) < 2:
+            return
+        spread = sorted(info.urls.values())
+        for i in range(PROGRAMS):
+            url = info.url if via == "router" else spread[i % len(spread)]
+            programs.append(subprocess.Popen(
+                [sys.executable, str(HERE), "--play", "--sessions", str(SESSIONS)],
+                env={**os.environ, "RLFLOW_AGENTS_URL": url, "OPENAI_API_KEY": info.api_key}))
+        if hostile:
+            threading.Thread(target=hostile_clients, args=([info.url, spread[0]], info.api_key, held),
+                             daemon=True).start()
 
-    native._wait_for_cpus()
-    started = time.monotonic()
     try:
-        summary = run(config, run_dir, on_status=on_status)
+        measured = native_bench().measure(work, name, sessions_window(window, slots=2 * 64), config, also=start_agents)
     finally:
         for program in programs:
             program.kill()
             program.wait()
         for sock in held:
             sock.close()
-    if measured.end is None:
-        raise RuntimeError(f"fleet {via}: the run ended ({summary.state}: {summary.error}) before its window did")
-    print(f"fleet {via}{' (hostile clients)' if hostile else ''}: {measured.episodes_per_s:.2f} episodes/s over "
-          f"{measured.end[0] - measured.start[0]:.0f} s (steps {measured.start[1]}-{measured.end[1]}), "
-          f"{measured.most} sessions at most; run {time.monotonic() - started:.0f} s", flush=True)
     return measured, run_dir
 
 

@@ -75,7 +75,7 @@ async def _keep(config: Config, run_dir: RunDir, process_now: list[trio.Process]
         command = [sys.executable, "-m", "rlflow.services.rollout.router", "--run-dir", str(run_dir.path),
                    "--port", str(port)]
         process = await trio.lowlevel.open_process(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-        process_now.append(process)
+        process_now[:] = [process]  # the one running now
         try:
             with trio.move_on_after(START_S):
                 url = await _first_line(process.stdout)
