@@ -19,6 +19,7 @@ import importlib.metadata
 from collections.abc import Callable
 import os
 import socket
+import types
 from typing import Any
 
 import torch
@@ -327,6 +328,26 @@ def openai_requests() -> tuple[type, type, type]:
     return ChatCompletionRequest, CompletionRequest, VLLMClientError
 
 
+#: vLLM's models of the OpenAI API's answers (`openai_responses`), by module.
+_OPENAI_RESPONSES = {
+    "vllm.entrypoints.generate.base.protocol": ("ToolCall", "DeltaMessage", "DeltaToolCall"),
+    "vllm.entrypoints.serve.engine.protocol": ("UsageInfo",),
+    "vllm.entrypoints.openai.chat_completion.protocol": (
+        "ChatMessage", "ChatCompletionLogProbs", "ChatCompletionResponse", "ChatCompletionResponseChoice",
+        "ChatCompletionStreamResponse", "ChatCompletionResponseStreamChoice"),
+    "vllm.entrypoints.openai.completion.protocol": (
+        "CompletionLogProbs", "CompletionResponse", "CompletionResponseChoice", "CompletionStreamResponse",
+        "CompletionResponseStreamChoice"),
+}
+
+
+def openai_responses() -> types.SimpleNamespace:
+    """vLLM's models of the OpenAI API's answers (chat and completions, whole and streamed, their
+    choices, messages, deltas, tool calls, log-probabilities and usage): the JSON its own server sends."""
+    return types.SimpleNamespace(**{name: getattr(importlib.import_module(module), name)
+                                    for module, names in _OPENAI_RESPONSES.items() for name in names})
+
+
 def tool_parser_names() -> list[str]:
     """The tool-call parsers vLLM has."""
     from vllm.tool_parsers import ToolParserManager
@@ -372,6 +393,7 @@ _VLLM_INTERNALS = (
     ("vllm.entrypoints.openai.chat_completion.protocol", "ChatCompletionRequest"),
     ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
     ("vllm.exceptions", "VLLMClientError"),
+    *[(module, name) for module, names in _OPENAI_RESPONSES.items() for name in names],
 )
 _TORCH_INTERNALS = (
     ("torch.distributed", "ProcessGroupGloo._Options"),

@@ -276,9 +276,12 @@ async def test_requests_the_endpoint_cannot_serve_get_an_error_that_names_what_i
     from rlflow.services import compat
     from rlflow.services.rollout.sim import SimEngine
 
+    from rlflow.services.rollout import openai_api
+
     loaded_in = []
     requests = compat.openai_requests
     monkeypatch.setattr(compat, "openai_requests", lambda: loaded_in.append(threading.current_thread()) or requests())
+    openai_api.requests.cache_clear()  # loaded again, as in a replica's process
 
     config = agent_run(pathlib.Path("/nonexistent"), "agents.command=[]", "agents.max_turns=1",
                        "roles.rollout.engine.step_s=0.001")
@@ -366,7 +369,7 @@ def test_a_replica_holds_what_the_grants_allow_and_ends_when_they_break_their_ru
     import trio
 
     from rlflow.algo.staleness import groups_held
-    from rlflow.services.rollout.episodes import GrantOverrun, hand_back
+    from rlflow.services.rollout.source import GrantOverrun, hand_back
 
     assert groups_held(64, 8) == 128 and groups_held(0, 8) == 16 and groups_held(1, 64) == 1
     send, receive = trio.open_memory_channel(2)
@@ -457,3 +460,115 @@ async def test_a_streamed_turn_sends_each_token_as_the_engine_makes_it():
                 await until(lambda: ended)
             assert ended[-1]["error"]["code"] == "run_over" and "stopped here" in ended[-1]["error"]["message"]
             nursery.cancel_scope.cancel()
+
+
+def _turn(ids: list[int], version: int = 3):
+    import numpy as np
+
+    from rlflow.protocol import FinishReason, Response
+
+    return Response(token_ids=np.asarray(ids, np.int32), logprobs=np.full(len(ids), -0.5, np.float32),
+                    versions=np.full(len(ids), version, np.int32), finish_reason=FinishReason.STOP,
+                    loss_mask=np.ones(len(ids), np.uint8))
+
+
+def test_the_episode_book_is_a_state_machine_on_the_clock_it_is_given():
+    """Every transition of an agent's episode, with no loop and no HTTP: handed out, taken, one request
+    at a time, its turns recorded token for token, the group whole once both agents end theirs; a
+    group with an idle episode abandoned by the clock alone; a held-out episode first in line."""
+    from collections import Counter
+
+    from rlflow.protocol import PromptGroup
+    from rlflow.services.rollout.agent_book import ABANDONED, AgentBook, Refused
+
+    clock = [100.0]
+    cfg = C.AgentsConfig(max_turns=2, max_tokens=12, idle_timeout_s=5.0)
+    book = AgentBook(cfg, Counter(), turn_tokens=4, takes_reward=True, now=lambda: clock[0])
+    book.hand_out(PromptGroup(group_id=7, prompt_ids=[1], n=2), 0.0, {"n": 7}, "p")
+    a, b = book.take(), book.take()
+    assert (a.index, b.index, book.take(), book.sessions, book.groups) == (0, 1, None, 2, 1)
+
+    with pytest.raises(Refused, match="no episode 'nope'") as gone:
+        book.episode("nope")
+    assert (gone.value.status, gone.value.kind) == (410, "episode_gone")
+    first, added, prompt, cap = book.room(book.episode(a.id), [1, 2, 3], None, context=None)
+    assert (first, added, prompt, cap) == ([1, 2, 3], [], [1, 2, 3], 4)
+    book.turn_started(a)
+    with pytest.raises(Refused, match="one request at a time") as busy:
+        book.episode(a.id)
+    assert busy.value.status == 409
+    clock[0] = 103.0
+    book.turn_ended(a)
+    book.record(a, first, added, _turn([9, 9]), version=3)
+    _, added, prompt, cap = book.room(a, [5], 10, context=8)
+    assert (added, prompt, cap) == ([5], [1, 2, 3, 9, 9, 5], 2)  # the model's context leaves 2
+    book.record(a, first, added, _turn([8], version=4), version=4)
+    with pytest.raises(Refused, match="had its 2 turns"):
+        book.room(a, [], None, None)
+    with pytest.raises(Refused, match="scored by its agent"):
+        book.finish(a.id, None, version=4)
+    assert book.finish(a.id, 1.0, version=4) is None  # b still plays
+    with pytest.raises(Refused, match="ended, abandoned"):
+        book.episode(a.id)
+
+    book.record(b, [1, 2, 4], [], _turn([6]), version=3)
+    group, (ra, rb) = book.finish(b.id, 0.0, version=4)
+    assert group.prompt_ids == [1, 2]  # what both first prompts share
+    assert ra.token_ids.tolist() == [3, 9, 9, 5, 8] and ra.loss_mask.tolist() == [0, 1, 1, 0, 1]
+    assert ra.versions.tolist() == [3, 3, 3, 3, 4] and ra.env_rewards.tolist() == [0.0, 1.0]
+    assert rb.token_ids.tolist() == [4, 6] and rb.env_rewards.tolist() == [0.0]
+    assert (book.groups, book.sessions) == (0, 0)
+
+    book.hand_out(PromptGroup(group_id=8, prompt_ids=[1], n=2), 0.0, {"n": 8}, "p")
+    [held] = book.hand_out_first([({"n": 0}, "ref", "p")], temperature=0.5)
+    assert book.take() is held and held.temperature == 0.5
+    taken = book.take()
+    clock[0] = 105.0
+    book.episode(taken.id)  # a request keeps it alive
+    clock[0] = 109.0
+    assert book.idle() == ([], [held])  # the held-out one idled since 103 s; 8's since 105 s
+    assert held.result.failure_kind == ABANDONED
+    clock[0] = 110.5
+    [(group_id, why)], ended = book.idle()
+    assert (group_id, ended, book.groups, book.queue) == (8, [], 0, type(book.queue)())
+    assert "no request for 5 s" in why
+    with pytest.raises(Refused):
+        book.episode(taken.id)
+
+
+def test_answers_are_what_vllm_would_send_and_the_openai_package_reads_them():
+    """The endpoint's answers are written by vLLM's response models: the `openai` package reads each back
+    (whole and streamed, chat with a tool call, completions), token ids where asked."""
+    import json
+
+    import openai.types as ot
+    import openai.types.chat as oc
+
+    from rlflow.services.rollout.openai_api import DONE, ChatAnswer, CompletionAnswer, event, whole
+
+    out = _turn([5, 6, 7])
+    chat = ChatAnswer("policy", [1, 2], True, True, lambda ids: "".join(chr(96 + i) for i in ids))
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{\"a\": 1}"}}
+    read = oc.ChatCompletion.model_validate_json(whole(chat.whole(out, None, [call], "tool_calls")).body)
+    choice = read.choices[0]
+    assert choice.message.tool_calls[0].function.name == "add" and choice.finish_reason == "tool_calls"
+    assert [c.token for c in choice.logprobs.content] == ["e", "f", "g"]
+    assert choice.model_extra["token_ids"] == [5, 6, 7]
+    assert read.usage.total_tokens == 5 and read.model_extra["prompt_token_ids"] == [1, 2]
+
+    events = [event(e) for e in chat.events(out, "efg", [], "stop", usage_too=True)]
+    chunks = [oc.ChatCompletionChunk.model_validate(json.loads(e[len(b"data: "):])) for e in events]
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].model_extra["prompt_token_ids"] == [1, 2]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "efg"
+    assert chunks[-2].choices[0].finish_reason == "stop" and chunks[-1].usage.completion_tokens == 3
+    assert b'"finish_reason":null' in events[1] and b"prompt_token_ids" not in events[1]  # set fields only
+
+    done = CompletionAnswer("policy", [1, 2], 0, False, lambda ids: "x" * len(ids), fingerprint="fp")
+    text = ot.Completion.model_validate_json(whole(done.whole(out, "xxx")).body)
+    assert (text.choices[0].text, text.system_fingerprint, text.choices[0].logprobs.token_logprobs) == (
+        "xxx", "fp", [-0.5] * 3)
+    assert text.choices[0].logprobs.text_offset == [0, 1, 2] and text.choices[0].logprobs.top_logprobs[0] == {"x": -0.5}
+    assert "token_ids" not in (text.choices[0].model_extra or {}) or text.choices[0].model_extra["token_ids"] is None
+    [last] = done.end(out, "x", usage_too=False)
+    assert ot.Completion.model_validate_json(event(last)[len(b"data: "):]).choices[0].finish_reason == "stop"
+    assert DONE == b"data: [DONE]\n\n"

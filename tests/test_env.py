@@ -21,7 +21,8 @@ from rlflow.env.render import ByteTokenizer, EpisodeText
 from rlflow.protocol import EnvReset, EnvStep, FinishReason, PromptGroup, SampleBatch, ToolCall
 from rlflow.services.base import standalone_context
 from rlflow.services.rollout.envclient import InlineEnv
-from rlflow.services.rollout.episodes import EpisodeRunner, episode_metrics
+from rlflow.services.rollout.episodes import EpisodeRunner
+from rlflow.services.rollout.source import episode_metrics
 from rlflow.services.rollout.sim import SimEngine
 from rlflow.tools.check import CheckError
 

@@ -560,8 +560,8 @@ async def test_agents_over_the_openai_api_train_on_what_vllm_sampled(engine, tie
             assert await call(agent.stdout.readline) == "played\n"
             agent.kill()
             agent.wait()
-            group_id, why = await endpoint.abandoned.receive()
-            assert group_id == 1 and "agents.idle_timeout_s" in why
+            given = await endpoint.given_up.receive()
+            assert given.group_id == 1 and not given.again and "agents.idle_timeout_s" in given.why
         finally:
             agent.kill()
             agent.wait()
@@ -623,7 +623,7 @@ async def test_agents_stop_strings_cut_the_trained_turn_and_what_the_endpoint_ca
         assert colder.status_code == 400 and "temperature 0.2: this run samples at temperature 1.0" in colder.text
         said = (await post(f"{base}/completions", {"model": "policy", "prompt": episode["prompt"], "stop": stops,
                                                     "temperature": 1.0, "return_token_ids": True})).json()
-        assert "system_fingerprint" not in said  # the run's own temperature: nothing overridden
+        assert said["system_fingerprint"] is None  # the run's own temperature: nothing overridden
         said = said["choices"][0]
         ended = await post(f"/rlflow/episodes/{episode['id']}/end", {"reward": 1.0})
         assert ended.status_code == 200, ended.text

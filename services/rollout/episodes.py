@@ -21,7 +21,7 @@ environment rewards travel with it (`Response.env_rewards`).
 Failures: the environment failing on a reset or a step fails the episode (a
 failed sample, kind ``env_<status>``). An env replica that is lost with a
 request of the group (`envclient.EnvLost`) gives the whole group back: it is
-granted again (`lost`).
+granted again (`given_up`).
 
 Staleness: admission (the default) bounds the version an episode starts on;
 its later turns run on whatever weights are newest, and a turn or a tool
@@ -37,7 +37,6 @@ import math
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -46,9 +45,9 @@ import trio
 
 from rlflow.algo.staleness import too_stale
 from rlflow.env.pool import plain
-from rlflow.protocol import EnvReply, EnvReset, EnvStep, FinishReason, PromptGroup, Response, Stage
-from rlflow.protocol.batch import N_STAGES
+from rlflow.protocol import EnvReply, EnvReset, EnvStep, FinishReason, PromptGroup, Response
 from rlflow.services.rollout.envclient import EnvLost
+from rlflow.services.rollout.source import GivenUp, Trajectory, episode_metrics, failed, hand_back, stamps
 from rlflow.env.render import EpisodeText, RenderError
 
 
@@ -56,58 +55,9 @@ class _Doomed(Exception):
     """The group's oldest token is past the strict staleness bound: play it again."""
 
 
-@dataclass
-class Trajectory:
-    """One episode's tokens so far, and what it earned."""
-
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    turns: list[str] = field(default_factory=list)
-    started: float = math.nan
-
-    def add(self, response: Response, *, model: bool) -> None:
-        self.ids += response.token_ids.tolist()
-        self.logprobs += response.logprobs.tolist()
-        self.versions += response.versions.tolist()
-        self.mask += [int(model)] * len(response.token_ids)
-
-    def observe(self, ids: list[int], version: int) -> None:
-        self.ids += ids
-        self.logprobs += [0.0] * len(ids)
-        self.versions += [version] * len(ids)
-        self.mask += [0] * len(ids)
-
-    def oldest(self) -> int | None:
-        """The policy version of its oldest model token."""
-        own = [v for v, m in zip(self.versions, self.mask) if m]
-        return min(own) if own else None
-
-
-class GrantOverrun(RuntimeError):
-    """More groups came back out of a replica's episodes at once than the controller lets it hold
-    (`groups_held`): the grants broke their rule. The replica ends (and is restarted, its groups
-    granted again) rather than hold what no rule bounds."""
-
-
-def hand_back(send: trio.MemorySendChannel, item: Any) -> None:
-    """Put a group that leaves the replica's episodes on its way out, never waiting (a request's
-    handler or a failing episode's task sends it). The channel holds as many items as the controller
-    lets the replica hold groups (`groups_held`): a group counts as held until the replica acknowledges
-    it, which it does once the item is taken, so the channel is full only if the grants broke that rule."""
-    try:
-        send.send_nowait(item)
-    except trio.WouldBlock:
-        holds = send.statistics().max_buffer_size
-        raise GrantOverrun(f"more than {holds} groups came back out of this replica's episodes at once: the "
-                           f"controller lets it hold {holds} (groups_held); the replica ends") from None
-
-
 class EpisodeRunner:
-    """Plays the episodes of each group it is given (see the module); finished
-    groups come out of `finished`, groups to grant again out of `lost`."""
+    """Plays the episodes of each group it is given (see the module): an `EpisodeSource`. Finished
+    groups come out of `finished`; groups to grant again, out of `given_up`."""
 
     def __init__(self, engine: Any, env: Any, task: Any, cfg: Any, *, turn_tokens: int, text: EpisodeText,
                  counters: Counter[str], holds: int, strict: bool = False, staleness: int = 0):
@@ -117,7 +67,7 @@ class EpisodeRunner:
         self.strict, self.staleness = strict, staleness
         self._send, self.finished = trio.open_memory_channel(2)
         # As many as the controller lets this replica hold (`groups_held`): lost ones wait here (`hand_back`).
-        self._lost_send, self.lost = trio.open_memory_channel(holds)
+        self._lost_send, self.given_up = trio.open_memory_channel(holds)
         self._nursery: trio.Nursery | None = None
         self.groups = 0
 
@@ -130,6 +80,12 @@ class EpisodeRunner:
     def follow(self, addresses: list[str]) -> None:
         """The env replicas now (the controller's `Peers`)."""
         self.env.follow(addresses)
+
+    def queues(self) -> dict[str, int]:
+        return {"episode_groups": self.groups}
+
+    async def close(self, reason: str) -> None:
+        """Nothing to tell: the env role hears the run's end from the controller."""
 
     def submit(self, group: PromptGroup, issued_at: float) -> None:
         self.groups += 1
@@ -144,7 +100,7 @@ class EpisodeRunner:
                 except _Doomed:
                     self.counters["restarted_groups"] += 1
         except EnvLost as lost:
-            hand_back(self._lost_send, (group.group_id, str(lost)))
+            hand_back(self._lost_send, GivenUp(group.group_id, str(lost), again=True, reason="env replica lost"))
             return
         finally:
             self.groups -= 1
@@ -246,9 +202,7 @@ class EpisodeRunner:
 
     async def evaluate(self, rows: Sequence[tuple[dict[str, Any], str]], concurrency: int, temperature: float
                        ) -> dict[str, float]:
-        """One episode of each held-out (row, reference), at `temperature`: the share solved by each
-        turn (``accuracy.turn<k>``: a positive environment reward at or before turn k), ``accuracy``
-        (by the last turn), the mean reward and turns."""
+        """One episode of each held-out (row, reference), at `temperature`: `episode_metrics`."""
         limit = trio.CapacityLimiter(concurrency)
         played: list[Response | None] = [None] * len(rows)
 
@@ -262,34 +216,3 @@ class EpisodeRunner:
             for i in range(len(rows)):
                 nursery.start_soon(one, i)
         return episode_metrics([r for r in played if r is not None], self.cfg.max_turns)
-
-
-def episode_metrics(played: Sequence[Response], max_turns: int) -> dict[str, float]:
-    """Held-out metrics of played episodes (see `EpisodeRunner.evaluate`); failed ones count as unsolved."""
-    n = max(len(played), 1)
-    out = {"problems": float(len(played)),
-           "failed": float(sum(r.error is not None for r in played)),
-           "reward_mean": float(np.mean([np.sum(r.env_rewards) for r in played if r.env_rewards is not None] or [0])),
-           "turns_mean": float(np.mean([len(r.env_rewards) for r in played if r.env_rewards is not None] or [0]))}
-    for k in range(1, max_turns + 1):
-        solved = sum(r.env_rewards is not None and bool((r.env_rewards[:k] > 0).any()) for r in played)
-        out[f"accuracy.turn{k}"] = solved / n
-    out["accuracy"] = out[f"accuracy.turn{max_turns}"]
-    return out
-
-
-def stamps(issued_at: float, started: float) -> np.ndarray:
-    stamps = np.full(N_STAGES, np.nan)
-    stamps[Stage.ISSUED] = issued_at
-    stamps[Stage.ROLLOUT_START] = started
-    stamps[Stage.ROLLOUT_END] = time.time()
-    return stamps
-
-
-def failed(issued_at: float, kind: str, why: str, path: Trajectory | None = None) -> Response:
-    """A failed episode (its tokens are not to be used: none are kept)."""
-    empty = np.zeros(0, np.int32)
-    return Response(token_ids=empty, logprobs=np.zeros(0, np.float32), versions=empty,
-                    finish_reason=FinishReason.ERROR,
-                    stamps=stamps(issued_at, path.started if path is not None else math.nan),
-                    error=why[:500], failure_kind=kind, loss_mask=np.zeros(0, np.uint8))

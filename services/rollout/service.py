@@ -16,7 +16,8 @@ over the env channel, while the engine serves other episodes; a group whose
 env replica is lost mid-episode is given back (`Expired`), to be granted again.
 With outside agents (`[agents]`) each group is `n` episodes that agents play
 over the replica's OpenAI-compatible endpoint (`agents.AgentEndpoint`); a
-group an agent abandons is dropped (`Dropped`, reason ``abandoned``).
+group an agent abandons is dropped (`Dropped`, reason ``abandoned``). To the replica's loop both are an
+episode source (`source.EpisodeSource`).
 """
 
 from __future__ import annotations
@@ -54,8 +55,9 @@ from rlflow.protocol import (
 from rlflow.roles import MESSAGES_PER_S
 from rlflow.services.base import Control, EngineContext, Service, follow, shm_settings
 from rlflow.services.rollout.engine import Finished, RolloutEngine
-from rlflow.services.rollout.agents import ABANDONED, AgentEndpoint
+from rlflow.services.rollout.agents import AgentEndpoint
 from rlflow.services.rollout.episodes import EpisodeRunner
+from rlflow.services.rollout.source import EpisodeSource
 from rlflow.tasks.core import Task
 
 
@@ -73,7 +75,7 @@ class RolloutService(Service):
         #: Held while the held-out set is evaluated: weights wait, so that an evaluation reads one version.
         self._evaluating = trio.Lock()
         #: Multi-turn episodes, in a run with an environment or outside agents.
-        self.episodes: EpisodeRunner | AgentEndpoint | None = None
+        self.episodes: EpisodeSource | None = None
         self.task: Task | None = None
         #: Whether a replica it streams to asked for text (`Hello.text`): then every batch it sends carries it.
         self.text = False
@@ -135,12 +137,11 @@ class RolloutService(Service):
                 if agents is not None:
                     await nursery.start(agents.run)
                     self.say("agents: serving %s", agents.url)
-                    nursery.start_soon(self.drop_abandoned, agents, control)
                 episodes = self.episodes = agents or await self._episodes(engine, task, welcome, stack, nursery)
                 work = episodes or engine
                 nursery.start_soon(control.heartbeats, self.heartbeat, welcome.heartbeat_s)
                 nursery.start_soon(self.send_finished, out, control, (episodes or engine).finished)
-                if isinstance(episodes, EpisodeRunner):
+                if episodes is not None:
                     nursery.start_soon(self.give_back, episodes, control)
                 nursery.start_soon(self.apply_updates, control)
                 await control.ready(engine.version)
@@ -163,8 +164,8 @@ class RolloutService(Service):
                             nursery.start_soon(self.evaluate, msg, task, control)
                         case Shutdown(reason=reason):
                             self.say("shutting down (%s)", reason)
-                            if agents is not None:
-                                await agents.close(reason)
+                            if episodes is not None:
+                                await episodes.close(reason)
                             break
                 nursery.cancel_scope.cancel()
         finally:
@@ -182,13 +183,11 @@ class RolloutService(Service):
     def queues(self) -> dict[str, int]:
         out = self.engine.queues() if self.engine is not None else {}
         if self.episodes is not None:
-            out["episode_groups"] = self.episodes.groups
-        if isinstance(self.episodes, AgentEndpoint):
-            out["agent_sessions"] = self.episodes.sessions
+            out.update(self.episodes.queues())
         return out
 
     async def _episodes(self, engine: RolloutEngine, task: Task, welcome, stack: contextlib.AsyncExitStack,
-                        nursery: trio.Nursery) -> EpisodeRunner | None:
+                        nursery: trio.Nursery) -> EpisodeSource | None:
         """The episodes of a run with an environment (None without): asked of the env replicas the
         welcome names, or of an env pool of this process (`roles.env.inline`)."""
         env = self.config.roles.env
@@ -249,24 +248,23 @@ class RolloutService(Service):
                              takes_reward=isinstance(self.config.roles.reward.engine, EnvReward),
                              import_dir=self.config.run.import_dir, log=self.log)
 
-    async def drop_abandoned(self, agents: AgentEndpoint, control: Control) -> None:
-        """Tell the controller of each group an agent abandoned: it is dropped for good."""
-        async for group_id, why in agents.abandoned:
-            self.log.warning("[%s] group %d dropped: %s", self.spec.name, group_id, why)
-            await control.send(Dropped(group_ids=[group_id], reason=ABANDONED))
-
-    async def give_back(self, episodes: EpisodeRunner, control: Control) -> None:
-        """Tell the controller of each group whose env replica was lost with it: it is granted again."""
-        async for group_id, why in episodes.lost:
-            lost = [(group_id, why)]
+    async def give_back(self, episodes: EpisodeSource, control: Control) -> None:
+        """Tell the controller of each group the episodes gave up on: granted again (`Expired`: its env
+        replica was lost with it), or dropped for good (`Dropped`: an agent abandoned it)."""
+        async for first in episodes.given_up:
+            given = [first]
             while True:
                 try:
-                    lost.append(episodes.lost.receive_nowait())
+                    given.append(episodes.given_up.receive_nowait())
                 except trio.WouldBlock:
                     break
-            self.log.warning("[%s] %d groups given back: %s", self.spec.name, len(lost), why)
-            await control.send(Expired(group_ids=[g for g, _ in lost], reason="env replica lost",
-                                       errors=[w[:500] for _, w in lost]))
+            for again, reason in sorted({(g.again, g.reason) for g in given}):
+                these = [g for g in given if (g.again, g.reason) == (again, reason)]
+                self.log.warning("[%s] %d groups %s: %s", self.spec.name, len(these),
+                                 "given back" if again else "dropped", these[0].why)
+                ids = [g.group_id for g in these]
+                await control.send(Expired(group_ids=ids, reason=reason, errors=[g.why[:500] for g in these])
+                                   if again else Dropped(group_ids=ids, reason=reason))
 
     def engine_load(self) -> EngineLoad | None:
         return self.engine.load() if self.engine is not None else None
