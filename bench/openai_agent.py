@@ -117,16 +117,18 @@ def play(sessions: int, record: str) -> None:
             async def session(seed: int) -> None:
                 rng = random.Random(seed)
                 while True:
-                    taken = await hand_out.post("/rlflow/episodes", json={"wait_s": 30})
-                    if taken.status_code == 410:  # the run is over
-                        return
-                    if taken.status_code != 200:
-                        continue
                     try:
+                        taken = await hand_out.post("/rlflow/episodes", json={"wait_s": 30})
+                        if taken.status_code == 410:  # the run is over
+                            return
+                        if taken.status_code != 200:
+                            continue
                         await episode_of(rng, taken.json())
                     except openai.APIStatusError as exc:  # its replica is gone, or its answer was cut: another
                         if exc.status_code not in (410, 502):
                             raise
+                    except (openai.APIConnectionError, httpx.TransportError):  # a replica it spoke to went away
+                        await asyncio.sleep(0.5)
 
             async def episode_of(rng: random.Random, episode: dict) -> None:
                 model = llm.with_options(base_url=episode["base_url"])
