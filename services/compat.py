@@ -330,7 +330,7 @@ def openai_requests() -> tuple[type, type, type]:
 
 #: vLLM's models of the OpenAI API's answers (`openai_responses`), by module.
 _OPENAI_RESPONSES = {
-    "vllm.entrypoints.generate.base.protocol": ("ToolCall", "DeltaMessage", "DeltaToolCall"),
+    "vllm.entrypoints.generate.base.protocol": ("DeltaMessage",),
     "vllm.entrypoints.serve.engine.protocol": ("UsageInfo",),
     "vllm.entrypoints.openai.chat_completion.protocol": (
         "ChatMessage", "ChatCompletionLogProbs", "ChatCompletionResponse", "ChatCompletionResponseChoice",
@@ -343,7 +343,7 @@ _OPENAI_RESPONSES = {
 
 def openai_responses() -> types.SimpleNamespace:
     """vLLM's models of the OpenAI API's answers (chat and completions, whole and streamed, their
-    choices, messages, deltas, tool calls, log-probabilities and usage): the JSON its own server sends."""
+    choices, messages, deltas, log-probabilities and usage): the JSON its own server sends."""
     return types.SimpleNamespace(**{name: getattr(importlib.import_module(module), name)
                                     for module, names in _OPENAI_RESPONSES.items() for name in names})
 

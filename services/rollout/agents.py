@@ -53,6 +53,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import time
 import urllib.parse
 from collections import Counter
 from collections.abc import AsyncIterator, Sequence
@@ -164,15 +165,6 @@ class AgentEndpoint:
         self._queued.set()  # agents waiting for an episode hear it too
         with trio.move_on_after(grace_s):
             await self.drain.idle()
-
-    @property
-    def groups(self) -> int:
-        return self.book.groups
-
-    @property
-    def sessions(self) -> int:
-        """Episodes agents hold now: taken, not yet ended."""
-        return self.book.sessions
 
     def queues(self) -> dict[str, int]:
         return {"episode_groups": self.book.groups, "agent_sessions": self.book.sessions}
@@ -362,11 +354,11 @@ class AgentEndpoint:
         asked = body.get("max_completion_tokens") or body.get("max_tokens")
         usage_too = bool(request.stream_options and request.stream_options.include_usage)
         stops = openai_api.stops(request.stop)
-        seen = len(messages) + 1
+        seen, created = len(messages) + 1, int(time.time())
 
         def answer(prompt_ids: list[int]) -> ChatAnswer:
             return ChatAnswer(request.model or "policy", prompt_ids, request.logprobs, request.return_token_ids,
-                              self.text.decode, fingerprint)
+                              self.text.decode, fingerprint, created)
 
         if request.stream and not tools and not stops and self._nursery is not None:
             # Streamed as the engine makes it (where a stop string or a tool call starts is known only at the end).
@@ -443,11 +435,11 @@ class AgentEndpoint:
             raise Refused(400, "prompt: one text, or one list of token ids")
         prompt_text = prompt if isinstance(prompt, str) else self.text.decode(prompt)
         usage_too = bool(request.stream_options and request.stream_options.include_usage)
-        stops = openai_api.stops(request.stop)
+        stops, created = openai_api.stops(request.stop), int(time.time())
 
         def answer(prompt_ids: list[int]) -> CompletionAnswer:
             return CompletionAnswer(request.model or "policy", prompt_ids, request.logprobs, request.return_token_ids,
-                                    self.text.decode, fingerprint)
+                                    self.text.decode, fingerprint, created)
 
         def end(out: Response) -> None:
             episode.text = prompt_text + self.text.decode(out.token_ids.tolist())

@@ -66,13 +66,13 @@ class EpisodeRunner:
         self.text, self.counters = text, counters
         self.strict, self.staleness = strict, staleness
         self._send, self.finished = trio.open_memory_channel(2)
-        # As many as the controller lets this replica hold (`groups_held`): lost ones wait here (`hand_back`).
-        self._lost_send, self.given_up = trio.open_memory_channel(holds)
+        # As many as the controller lets this replica hold (`groups_held`): those given back wait here (`hand_back`).
+        self._given_up_send, self.given_up = trio.open_memory_channel(holds)
         self._nursery: trio.Nursery | None = None
         self.groups = 0
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with self._send, self._lost_send, trio.open_nursery() as nursery:
+        async with self._send, self._given_up_send, trio.open_nursery() as nursery:
             self._nursery = nursery
             task_status.started()
             await trio.sleep_forever()
@@ -100,7 +100,7 @@ class EpisodeRunner:
                 except _Doomed:
                     self.counters["restarted_groups"] += 1
         except EnvLost as lost:
-            hand_back(self._lost_send, GivenUp(group.group_id, str(lost), again=True, reason="env replica lost"))
+            hand_back(self._given_up_send, GivenUp(group.group_id, str(lost), again=True, reason="env replica lost"))
             return
         finally:
             self.groups -= 1

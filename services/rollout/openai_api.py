@@ -129,7 +129,7 @@ def _set(**fields: Any) -> dict[str, Any]:
 class _Answer:
     """An answer's request: the `model` it named, the tokens its turn was generated over, whether it
     asked for log-probabilities and token ids; `decode`: token ids to text; `fingerprint`: the
-    answer's `system_fingerprint` (None: none)."""
+    answer's `system_fingerprint` (None: none); `created`: when the request came."""
 
     model: str
     prompt_ids: list[int]

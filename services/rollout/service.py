@@ -260,9 +260,9 @@ class RolloutService(Service):
                     break
             for again, reason in sorted({(g.again, g.reason) for g in given}):
                 these = [g for g in given if (g.again, g.reason) == (again, reason)]
-                self.log.warning("[%s] %d groups %s: %s", self.spec.name, len(these),
-                                 "given back" if again else "dropped", these[0].why)
                 ids = [g.group_id for g in these]
+                self.log.warning("[%s] groups %s %s: %s", self.spec.name, ids,
+                                 "given back" if again else "dropped", "; ".join(sorted({g.why for g in these})))
                 await control.send(Expired(group_ids=ids, reason=reason, errors=[g.why[:500] for g in these])
                                    if again else Dropped(group_ids=ids, reason=reason))
 

@@ -49,8 +49,6 @@ class EpisodeSource(Protocol):
     finished: trio.MemoryReceiveChannel
     #: Groups given up on (`GivenUp`), each once.
     given_up: trio.MemoryReceiveChannel
-    #: Groups submitted and not yet finished or given up.
-    groups: int
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Serve until cancelled (started in the replica's nursery)."""
@@ -66,10 +64,12 @@ class EpisodeSource(Protocol):
         """One episode of each held-out (row, reference) at `temperature`: `episode_metrics`."""
 
     def queues(self) -> dict[str, int]:
-        """What it holds, for the replica's heartbeat."""
+        """What it holds, for the replica's heartbeat (``episode_groups``: groups submitted and not yet
+        finished or given up)."""
 
     async def close(self, reason: str) -> None:
-        """The run is over (`reason`): say so to whoever waits on the source."""
+        """The run is over (`reason`): the agents' requests under way and to come are answered so (an
+        env source has none to tell)."""
 
 
 @dataclass
