@@ -22,6 +22,7 @@ episode source (`source.EpisodeSource`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import time
@@ -252,14 +253,11 @@ class RolloutService(Service):
         """Tell the controller of each group the episodes gave up on: granted again (`Expired`: its env
         replica was lost with it), or dropped for good (`Dropped`: an agent abandoned it)."""
         async for first in episodes.given_up:
-            given = [first]
-            while True:
-                try:
-                    given.append(episodes.given_up.receive_nowait())
-                except trio.WouldBlock:
-                    break
-            for again, reason in sorted({(g.again, g.reason) for g in given}):
-                these = [g for g in given if (g.again, g.reason) == (again, reason)]
+            given = [first, *_waiting(episodes.given_up)]
+            kinds = collections.defaultdict(list)
+            for g in given:
+                kinds[g.again, g.reason].append(g)
+            for (again, reason), these in kinds.items():
                 ids = [g.group_id for g in these]
                 self.log.warning("[%s] groups %s %s: %s", self.spec.name, ids,
                                  "given back" if again else "dropped", "; ".join(sorted({g.why for g in these})))
@@ -293,11 +291,8 @@ class RolloutService(Service):
                     async for more in source:
                         finished += more
             last = trio.current_time()
-            while True:  # and whatever else has finished by now
-                try:
-                    finished += source.receive_nowait()
-                except trio.WouldBlock:
-                    break
+            for more in _waiting(source):  # and whatever else has finished by now
+                finished += more
             batch = self._batch(finished)
             if self.text:  # the tokenizer's work, off the event loop
                 batch = await trio.to_thread.run_sync(with_text, batch, self.task.decode)
@@ -392,6 +387,16 @@ class RolloutService(Service):
     async def _scored_metrics(self, answers: list) -> dict[str, float]:
         """Mean reward and pass rate of held-out answers under the run's reward functions."""
         return await self.eval_pool.pass_rate(answers, self.config.eval.pass_reward)
+
+
+def _waiting(channel: trio.MemoryReceiveChannel) -> list:
+    """What `channel` holds now, taken without waiting."""
+    out = []
+    while True:
+        try:
+            out.append(channel.receive_nowait())
+        except trio.WouldBlock:
+            return out
 
 
 def make_engine(ctx: EngineContext) -> RolloutEngine:
