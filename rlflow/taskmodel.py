@@ -110,10 +110,12 @@ def resolve_task_model(config: Config) -> pathlib.Path:
 
 
 #: The trainer's learning rate on a model of `TaskRecipe` (the embedded default's, 1e-4, is its own
-#: model's, 7x the parameters): on spell_backward (2-core AMD EPYC, AVX-512; 120 steps of the embedded
-#: default otherwise) held-out 27.0% -> 29.0% at 1e-4 (within an evaluation's noise), -> 35.0% and (seed
-#: 1) 34.5% at 1e-3.
-TASK_LR = 1e-3
+#: model's, 7x the parameters, and barely moves this one). On spell_backward (2-core AMD EPYC, AVX-512)
+#: on-policy training (`run.mode = "sync"`, two seeds of 40 steps from the model built before, 27% on 200
+#: problems) fell to 11.5-20% by step 10 at 1e-3 and read 22.5% at step 40; 5e-4 read 21-28.5% over
+#: steps 5-40, 3e-4 22.5-28.5%. From the model built now (22.0% on 1,000 problems), 120 steps at 5e-4:
+#: sync 32.2%, the asynchronous default 32.7% (three seeds, bench/peer.py); the default 32.0% at 3e-4.
+TASK_LR = 5e-4
 
 
 def task_config(spec: str, overrides: list[str]) -> Config:
