@@ -67,6 +67,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Sequence
 
 import learning  # bench/learning.py (bench/ is on the import path of a script run from it)
 
@@ -89,15 +90,15 @@ PEER_STEPS_OVER = 5
 # -- running -------------------------------------------------------------------------------
 
 
-def default_config(seed: int, task: str = "default"):
-    """The embedded default with `seed`: on its own task, or (`rlflow up --task`) on the reasoning-gym
-    dataset `task` with the model built for it."""
+def default_config(seed: int, task: str = "default", overrides: Sequence[str] = ()):
+    """The embedded default with `seed` and `overrides` (`--set`): on its own task, or (`rlflow up
+    --task`) on the reasoning-gym dataset `task` with the model built for it."""
     from rlflow import config as C
     from rlflow.taskmodel import task_config
 
     if task == "default":
-        return C.load(C.default_config_path(), [f"run.seed={seed}"])
-    return task_config(task, [f"run.seed={seed}", 'roles.rollout.model="task"'])
+        return C.load(C.default_config_path(), [f"run.seed={seed}", *overrides])
+    return task_config(task, [f"run.seed={seed}", 'roles.rollout.model="task"', *overrides])
 
 
 def peer_plan(seed: int, args, folder: pathlib.Path) -> dict:
@@ -108,7 +109,7 @@ def peer_plan(seed: int, args, folder: pathlib.Path) -> dict:
     from rlflow.services.fsdp import bf16_passes
     from rlflow.tasks.core import load_tokenizer, make_task
 
-    config = resolve(default_config(seed, args.task))
+    config = resolve(default_config(seed, args.task, args.set))
     model = config.roles.rollout.model
     tokenizer = load_tokenizer(model)
     task = make_task(config, tokenizer)
@@ -150,7 +151,7 @@ def run_peer(seed: int, args, folder: pathlib.Path) -> None:
     # The evaluator reads the run's config: the default's (on the task), with this seed.
     from rlflow import config as C
 
-    config = default_config(seed, args.task)
+    config = default_config(seed, args.task, args.set)
     (folder / "config.toml").write_text(C.to_toml(C.load(text=C.to_toml(config), overrides=[
         f'roles.rollout.model="{plan["model"]}"'])))
     print(f"[peer] peer seed {seed}: TRL's GRPOTrainer ({args.peer_generation}, {args.peer_precision}), "
@@ -165,7 +166,8 @@ def run_peer(seed: int, args, folder: pathlib.Path) -> None:
 
 
 def run_rlflow(system: str, seed: int, args, folder: pathlib.Path) -> None:
-    steps = args.steps if system == "sync" else args.default_steps or default_config(seed, args.task).run.steps
+    shipped = default_config(seed, args.task, args.set).run.steps
+    steps = args.steps if system == "sync" else args.default_steps or shipped
     extra = [*args.set, *(args.default_set if system == "default" else []),
              f"roles.trainer.engine.lr_decay_steps={args.horizon}"]
     learning.run_one(VARIANT[system], seed, steps, args.every, extra, folder, args.timeout,
@@ -381,7 +383,7 @@ def main() -> None:
                              "it) or --horizon steps")
     parser.add_argument("--peer-threads", type=int, default=len(__import__("os").sched_getaffinity(0)))
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="an override for both rlflow systems (repeatable)")
+                        help="an override for every system (the peer reads its trainer's settings from it; repeatable)")
     parser.add_argument("--default-set", action="append", default=[], metavar="KEY=VALUE",
                         help="an override for the default alone (repeatable): a variant of it to compare")
     parser.add_argument("--tag", default="")
@@ -402,11 +404,11 @@ def run_task(task: str, seeds: list[int], systems: list[str], args) -> str:
     """Every system and seed on `task` ("default": the embedded default's; else a reasoning-gym dataset,
     its model built first); the tables and plot written; its RESULT line."""
     args.task = task
-    args.steps = args.steps_given or default_config(0, task).run.steps
+    args.steps = args.steps_given or default_config(0, task, args.set).run.steps
     if task != "default":
         from rlflow.taskmodel import build_task_model, task_model_dir
 
-        config = default_config(0, task)
+        config = default_config(0, task, args.set)
         if not (task_model_dir(config) / "config.json").exists():
             print(f"[peer] building the model of {task}", flush=True)
             build_task_model(config)
