@@ -166,8 +166,8 @@ def run_peer(seed: int, args, folder: pathlib.Path) -> None:
 
 
 def run_rlflow(system: str, seed: int, args, folder: pathlib.Path) -> None:
-    shipped = default_config(seed, args.task, args.set).run.steps
-    steps = args.steps if system == "sync" else args.default_steps or shipped
+    steps = args.steps if system == "sync" else (
+        args.default_steps or default_config(seed, args.task, args.set).run.steps)
     extra = [*args.set, *(args.default_set if system == "default" else []),
              f"roles.trainer.engine.lr_decay_steps={args.horizon}"]
     learning.run_one(VARIANT[system], seed, steps, args.every, extra, folder, args.timeout,

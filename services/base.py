@@ -291,6 +291,17 @@ def shm_token(config: Config) -> str:
     return host_token() if takes_shm(config) else ""
 
 
+def waiting(channel: trio.MemoryReceiveChannel, most: int | None = None) -> list:
+    """What `channel` holds now (at most `most` of it), taken without waiting."""
+    out: list = []
+    while most is None or len(out) < most:
+        try:
+            out.append(channel.receive_nowait())
+        except trio.WouldBlock:
+            break
+    return out
+
+
 def follow(push: transport.Push, current: list[str], peers: list[str], shm_peers: list[str] = ()) -> list[str]:
     """Point `push` at `peers` (after a replica of the next role was replaced):
     connect the new addresses (those in `shm_peers` take shared memory), let
@@ -654,12 +665,8 @@ class StageService(Service):
                             self._pacing = False
                             self._retime()
                         last = trio.current_time()
-                        results = [result]
-                        while len(results) < JOIN_AT_MOST:  # and those done by now: one message
-                            try:
-                                results.append(done_recv.receive_nowait())
-                            except trio.WouldBlock:
-                                break
+                        # and those done by now: one message
+                        results = [result, *waiting(done_recv, JOIN_AT_MOST - 1)]
                         for _, run in itertools.groupby(results, key=layout):
                             run = list(run)
                             batch = concat(run)

@@ -54,7 +54,7 @@ from rlflow.protocol import (
     with_text,
 )
 from rlflow.roles import MESSAGES_PER_S
-from rlflow.services.base import Control, EngineContext, Service, follow, shm_settings
+from rlflow.services.base import Control, EngineContext, Service, follow, shm_settings, waiting
 from rlflow.services.rollout.engine import Finished, RolloutEngine
 from rlflow.services.rollout.agents import AgentEndpoint
 from rlflow.services.rollout.episodes import EpisodeRunner
@@ -253,7 +253,7 @@ class RolloutService(Service):
         """Tell the controller of each group the episodes gave up on: granted again (`Expired`: its env
         replica was lost with it), or dropped for good (`Dropped`: an agent abandoned it)."""
         async for first in episodes.given_up:
-            given = [first, *_waiting(episodes.given_up)]
+            given = [first, *waiting(episodes.given_up)]
             kinds = collections.defaultdict(list)
             for g in given:
                 kinds[g.again, g.reason].append(g)
@@ -291,7 +291,7 @@ class RolloutService(Service):
                     async for more in source:
                         finished += more
             last = trio.current_time()
-            for more in _waiting(source):  # and whatever else has finished by now
+            for more in waiting(source):  # and whatever else has finished by now
                 finished += more
             batch = self._batch(finished)
             if self.text:  # the tokenizer's work, off the event loop
@@ -387,16 +387,6 @@ class RolloutService(Service):
     async def _scored_metrics(self, answers: list) -> dict[str, float]:
         """Mean reward and pass rate of held-out answers under the run's reward functions."""
         return await self.eval_pool.pass_rate(answers, self.config.eval.pass_reward)
-
-
-def _waiting(channel: trio.MemoryReceiveChannel) -> list:
-    """What `channel` holds now, taken without waiting."""
-    out = []
-    while True:
-        try:
-            out.append(channel.receive_nowait())
-        except trio.WouldBlock:
-            return out
 
 
 def make_engine(ctx: EngineContext) -> RolloutEngine:
