@@ -74,7 +74,7 @@ def test_the_kl_reference_is_the_base_with_the_adapter_off(model_path, kl_in):
     first = engine.train(batch)
     engine.train(batch)
     row = next(iter(samples(batch)))
-    reference = engine.weights.base_logprobs(*pack([row])).numpy()
+    reference = engine.weights.base_logprobs(pack([row])).numpy()
     np.testing.assert_allclose(reference, base_logprobs(model_path, row.prompt_ids, row.response_ids), atol=1e-5)
     if kl_in == "loss":
         # At the first step the adapter is zero: the policy is the base, KL 0; later it has moved.

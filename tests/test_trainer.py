@@ -193,9 +193,9 @@ def test_a_step_reports_the_gap_and_what_its_correction_did(model_path):
 
 
 def test_micro_batches_respect_the_token_budget(model_path):
-    engine = TorchEngine(TorchTrainer(micro_batch_tokens=24), str(model_path))
+    engine = TorchEngine(TorchTrainer(micro_batch_tokens=24, share_prompts=False), str(model_path))
     batch = fixed_batch(engine)
-    big = TorchEngine(TorchTrainer(micro_batch_tokens=4096), str(model_path))
+    big = TorchEngine(TorchTrainer(micro_batch_tokens=4096, share_prompts=False), str(model_path))
     small_metrics = engine.train(batch)
     big_metrics = big.train(batch)
     # 8 samples of 11 tokens: two per micro-batch of at most 24 tokens.
@@ -203,6 +203,49 @@ def test_micro_batches_respect_the_token_budget(model_path):
     # Accumulating over micro-batches gives the same step.
     for a, b in zip(engine.model.parameters(), big.model.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+    # Shared prompts: a group's prompt (5 tokens) once and three responses of 6 fill a row of 23,
+    # the fourth goes in a row of 11 with the prompt again; the two rows of 11 share a pass.
+    shared = TorchEngine(TorchTrainer(micro_batch_tokens=24), str(model_path))
+    assert shared.train(batch)["micro_batches"] == 3
+
+
+def gradient(engine: TorchEngine, batch) -> list[torch.Tensor]:
+    """The gradient of one step on `batch` (the step's optimizer update held back)."""
+    engine.optimizer.step = lambda: None
+    engine.optimizer.zero_grad = lambda set_to_none=True: None
+    engine.train(batch)
+    return [p.grad.clone() for p in engine.model.parameters()]
+
+
+@pytest.mark.parametrize("objective", ["ppo", "gspo"])
+def test_shared_prompts_give_the_gradient_of_a_row_per_sample(model_path, objective):
+    """Each group's prompt through the model once, its responses (of different lengths, some
+    tokens observations outside the loss) behind a block mask: the gradient of a row per sample,
+    to float32 rounding, across micro-batches that split a group."""
+    rng = np.random.default_rng(3)
+    groups, rewards = [], []
+    for g in range(3):
+        prompt = [int(x) for x in rng.integers(3, 17, int(rng.integers(3, 9)))]
+        responses = []
+        for i in range(4):
+            n = int(rng.integers(1, 9))
+            observed = (rng.random(n) < 0.8).astype(np.uint8)
+            observed[0] = 1
+            responses.append(Response(rng.integers(3, 17, n).astype(np.int32), np.full(n, -2.5, np.float32),
+                                      np.zeros(n, np.int32), FinishReason.STOP, loss_mask=observed))
+            rewards.append(float(rng.integers(0, 2)))
+        groups.append((PromptGroup(group_id=g, prompt_ids=prompt, n=4), responses))
+    batch = msgspec.structs.replace(build_batch(groups), rewards=Tensor.of(rewards, "float32"))
+    grads = {
+        (share, budget): gradient(TorchEngine(TorchTrainer(objective=objective, share_prompts=share,
+                                                           micro_batch_tokens=budget), str(model_path)), batch)
+        for share, budget in [(False, 4096), (True, 4096), (True, 20)]
+    }
+    reference = grads[False, 4096]
+    assert max(float(g.abs().max()) for g in reference) > 1e-3
+    for key, got in grads.items():
+        for a, b in zip(got, reference):
+            torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-4, msg=lambda m: f"{key}: {m}")
 
 
 def test_a_checkpoint_round_trips_weights_optimizer_and_rng(model_path, tmp_path):

@@ -146,6 +146,11 @@ class TorchTrainer(Table, tag_field="kind", tag="torch", frozen=True):
     advantages are still computed with them)."""
     micro_batch_tokens: PosInt = 8192
     """Tokens per forward / backward pass (samples are packed up to this)."""
+    share_prompts: bool = True
+    """The samples of one prompt in one row of a pass: the prompt through the model once, each
+    response attending to it and to its own tokens (a block mask). The same loss and gradient as a
+    row per sample, over fewer tokens: GRPO's group of n samples passes its prompt once, not n times
+    (false: a row per sample)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameters and compute."""
     mixed_precision: bool | Literal["auto"] = False

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from rlflow.protocol import Adapter, AdapterUpdate, ParamSpec
 from rlflow.services.fsdp import Solo
-from rlflow.services.trainer.packing import Packed, pack
+from rlflow.services.trainer.packing import Packed, logits_at, pack
 from rlflow.services.trainer.trained import TrainedWeights
 from rlflow.services.weights import tensors_checksum
 
@@ -168,23 +168,19 @@ class AdapterWeights(TrainedWeights):
         return self.base_rows(rows) if self.base_reference else super().reference_rows(rows)
 
     def reference(self, part: list, packed: Packed, keep: torch.Tensor | None) -> torch.Tensor:
-        return self.base_logprobs(*packed) if self.base_reference else super().reference(part, packed, keep)
+        return self.base_logprobs(packed) if self.base_reference else super().reference(part, packed, keep)
 
     def idle_reference(self, ids: torch.Tensor) -> None:
         if self.base_reference:  # as a real pass: the base's forward first
             with torch.no_grad(), self.model.disable_adapter():
                 self.model(input_ids=ids)
 
-    def base_logprobs(self, ids: torch.Tensor, mask: torch.Tensor, targets: torch.Tensor,
-                      where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def base_logprobs(self, packed: Packed) -> torch.Tensor:
         """The base model's log-probabilities of `targets` (the packed inputs of
         `packing.pack`), with the adapter turned off: the reference of a KL penalty."""
         device = self.ranks.device
         with torch.no_grad(), self.model.disable_adapter():
-            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[
-                where[0].to(device), where[1].to(device)
-            ]
-            return token_logprobs(logits, targets.to(device), self.temperature)
+            return token_logprobs(logits_at(self.model, packed, device), packed.targets.to(device), self.temperature)
 
     def base_rows(self, rows: list) -> list[np.ndarray]:
         """The base's log-probabilities of every sample's response tokens, in
@@ -195,7 +191,7 @@ class AdapterWeights(TrainedWeights):
             chosen = [j for j in micro if len(rows[j].response_ids)]
             if not chosen:
                 continue
-            flat = self.base_logprobs(*pack([rows[j] for j in chosen])).float().cpu().numpy()
+            flat = self.base_logprobs(pack([rows[j] for j in chosen])).float().cpu().numpy()
             offsets = np.cumsum([0] + [len(rows[j].response_ids) for j in chosen])
             for k, j in enumerate(chosen):
                 out[j] = flat[offsets[k] : offsets[k + 1]]

@@ -1,35 +1,120 @@
 """A step's samples as the torch trainer's passes take them: packed into
 right-padded rows, their per-token columns concatenated, and the loss mask
-(a run with an environment: observations are not trained on)."""
+(a run with an environment: observations are not trained on).
+
+A group's samples share their prompt: packed as one row (`prompt_units`),
+the prompt goes through the model once, then each response, every response
+attending to the prompt and to its own tokens alone (a block mask, the
+positions of each response counted on from the prompt's end). The
+log-probabilities, and so the loss and its gradient, are those of a row per
+sample; the tokens through the model are the prompt once where they were
+the prompt once a sample (GRPO's 8 or 16 samples of a prompt: several times
+fewer where prompts are long and answers short)."""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from rlflow.algo.values import own_count, own_tokens
 
-#: Right-padded ids and mask, the response tokens, and where their predictions sit in the logits (rows, columns).
-Packed = tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+class Packed(NamedTuple):
+    """A pass's inputs, and where the predictions of its response tokens sit in the logits."""
+
+    ids: torch.Tensor
+    """[rows, width] token ids, right-padded."""
+    mask: torch.Tensor
+    """[rows, width] 1 for a token, 0 for padding; with shared prompts a [rows, 1, width, width]
+    boolean block mask (which token each token attends to)."""
+    positions: torch.Tensor | None
+    """[rows, width] each token's position (shared prompts; None: counted from each row's start)."""
+    targets: torch.Tensor
+    """The response tokens, sample after sample in the order of the part packed."""
+    where: tuple[torch.Tensor, torch.Tensor]
+    """The row and column of each target's prediction."""
 
 
-def pack(part: list) -> Packed:
-    """Right-padded ids and mask, the response tokens, and where their
-    predictions sit in the logits."""
-    width = max(len(r.prompt_ids) + len(r.response_ids) for r in part)
-    ids = torch.zeros((len(part), width), dtype=torch.long)
-    mask = torch.zeros((len(part), width), dtype=torch.long)
-    rows_idx, cols_idx, targets = [], [], []
-    for row, sample in enumerate(part):
-        seq = np.concatenate([sample.prompt_ids, sample.response_ids])
-        ids[row, : len(seq)] = torch.from_numpy(seq.astype(np.int64))
-        mask[row, : len(seq)] = 1
-        start = len(sample.prompt_ids)
-        positions = torch.arange(start - 1, start - 1 + len(sample.response_ids))
-        rows_idx.append(torch.full_like(positions, row))
-        cols_idx.append(positions)
-        targets.append(torch.from_numpy(sample.response_ids.astype(np.int64)))
-    return ids, mask, torch.cat(targets), (torch.cat(rows_idx), torch.cat(cols_idx))
+def prompt_units(part: list, budget: int) -> list[list[int]]:
+    """Indices of `part`, the samples with one prompt together (in the order first seen), each unit
+    at most `budget` tokens with its prompt counted once (a sample longer alone is a unit alone)."""
+    by_prompt: dict[bytes, list[int]] = {}
+    for i, sample in enumerate(part):
+        by_prompt.setdefault(np.asarray(sample.prompt_ids, np.int64).tobytes(), []).append(i)
+    units: list[list[int]] = []
+    for same in by_prompt.values():
+        prompt = len(part[same[0]].prompt_ids)
+        unit: list[int] = []
+        width = prompt
+        for i in same:
+            n = len(part[i].response_ids)
+            if unit and width + n > budget:
+                units.append(unit)
+                unit, width = [], prompt
+            unit.append(i)
+            width += n
+        units.append(unit)
+    return units
+
+
+def unit_width(part: list, unit: list[int]) -> int:
+    """The tokens of `unit`'s row: its prompt once and every response."""
+    return len(part[unit[0]].prompt_ids) + sum(len(part[i].response_ids) for i in unit)
+
+
+def pack(part: list, units: list[list[int]] | None = None) -> Packed:
+    """`part` packed a row per unit of `units` (samples sharing their prompt, see `prompt_units`;
+    None: a row per sample)."""
+    units = units if units is not None else [[i] for i in range(len(part))]
+    shared = any(len(u) > 1 for u in units)
+    width = max(unit_width(part, u) for u in units)
+    ids = torch.zeros((len(units), width), dtype=torch.long)
+    positions = torch.zeros((len(units), width), dtype=torch.long)
+    mask = torch.zeros((len(units), 1, width, width) if shared else (len(units), width),
+                       dtype=torch.bool if shared else torch.long)
+    rows_idx: list[torch.Tensor] = [torch.zeros(0, dtype=torch.long)] * len(part)
+    cols_idx: list[torch.Tensor] = list(rows_idx)
+    for row, unit in enumerate(units):
+        prompt = torch.from_numpy(np.asarray(part[unit[0]].prompt_ids, np.int64))
+        n_prompt = len(prompt)
+        ids[row, :n_prompt] = prompt
+        positions[row, :n_prompt] = torch.arange(n_prompt)
+        if shared:
+            mask[row, 0, :n_prompt, :n_prompt] = torch.ones(n_prompt, n_prompt, dtype=torch.bool).tril()
+        start = n_prompt
+        for i in unit:
+            response = torch.from_numpy(np.asarray(part[i].response_ids, np.int64))
+            n = len(response)
+            end = start + n
+            ids[row, start:end] = response
+            positions[row, start:end] = torch.arange(n_prompt, n_prompt + n)
+            if shared:
+                mask[row, 0, start:end, :n_prompt] = True
+                mask[row, 0, start:end, start:end] = torch.ones(n, n, dtype=torch.bool).tril()
+            else:
+                mask[row, :end] = 1
+            # The first token is predicted at the prompt's last, each next one at the token before it.
+            cols = torch.arange(start - 1, end - 1)
+            if n:
+                cols[0] = n_prompt - 1
+            rows_idx[i], cols_idx[i] = torch.full_like(cols, row), cols
+            start = end
+        if shared:  # padding attends to itself alone (a row of nothing would be NaN)
+            pad = torch.arange(start, width)
+            mask[row, 0, pad, pad] = True
+    targets = [torch.from_numpy(np.asarray(s.response_ids, np.int64)) for s in part]
+    return Packed(ids, mask, positions if shared else None, torch.cat(targets),
+                  (torch.cat(rows_idx), torch.cat(cols_idx)))
+
+
+def logits_at(model: torch.nn.Module, packed: Packed, device: torch.device) -> torch.Tensor:
+    """The model's logits at the predictions of `packed`'s targets, [targets, vocabulary]."""
+    rows, cols = packed.where
+    kwargs = {} if packed.positions is None else {"position_ids": packed.positions.to(device)}
+    out = model(input_ids=packed.ids.to(device), attention_mask=packed.mask.to(device), **kwargs)
+    return out.logits[rows.to(device), cols.to(device)]
 
 
 def column(part: list, name: str, keep: torch.Tensor | None = None) -> torch.Tensor:

@@ -41,7 +41,9 @@ from rlflow.protocol import FinishReason, SampleBatch, Tensor, samples, take
 from rlflow.services.fsdp import Solo, autocast, bf16_passes
 from rlflow.services.trainer import checkpoint
 from rlflow.services.trainer.lora import AdapterWeights
-from rlflow.services.trainer.packing import column, loss_mask, own, pack, token_mean
+from rlflow.services.trainer.packing import (
+    column, logits_at, loss_mask, own, pack, prompt_units, token_mean, unit_width,
+)
 from rlflow.services.trainer.schedule import learning_rate
 from rlflow.services.trainer.trained import TrainedWeights, WholeWeights
 
@@ -196,8 +198,21 @@ class TorchEngine:
         # The loss normaliser as a factor on each advantage (the surrogate is linear in it).
         scaled = advantages[trained_mask] * normaliser_weights(responses, trained_mask, cfg.loss_norm)
         trained = msgspec.structs.replace(take(batch, chosen), advantages=Tensor.from_numpy(scaled.numpy()))
-        lengths = [len(rows[i].prompt_ids) + len(rows[i].response_ids) for i in chosen]
-        return stats, [take(trained, part) for part in deal(lengths, ranks)]
+        return stats, self._shares(trained, ranks)
+
+    def _shares(self, trained: SampleBatch, ranks: int) -> list[SampleBatch]:
+        """`trained` dealt into `ranks` shares by tokens; with shared prompts, a unit of samples
+        sharing a prompt (`packing.prompt_units`) goes to one rank whole."""
+        rows = list(samples(trained))
+        units = self._units(rows)
+        shares = deal([unit_width(rows, u) for u in units], ranks)
+        return [take(trained, sorted(i for u in share for i in units[u])) for share in shares]
+
+    def _units(self, rows: list) -> list[list[int]]:
+        """What each row of a pass holds: the samples of one prompt (`share_prompts`), or one sample."""
+        if self.cfg.share_prompts:
+            return prompt_units(rows, self.cfg.micro_batch_tokens)
+        return [[i] for i in range(len(rows))]
 
     def _prepare_gae(self, batch: SampleBatch, rows: list, ranks: int,
                      stats: dict[str, float]) -> tuple[dict[str, float], list[SampleBatch]]:
@@ -225,8 +240,7 @@ class TorchEngine:
         stats["trained_tokens"] = float(keep.sum())
         trained = msgspec.structs.replace(trained, token_advantages=Tensor.from_numpy(tokens.astype(np.float32)),
                                           advantages=Tensor.from_numpy(np.asarray(per_sample, np.float32)))
-        lengths = [len(rows[i].prompt_ids) + len(rows[i].response_ids) for i in chosen]
-        return stats, [take(trained, part) for part in deal(lengths, ranks)]
+        return stats, self._shares(trained, ranks)
 
     def step(self, share: SampleBatch) -> dict[str, float]:
         """This rank's part of one optimizer step (every rank at once: each
@@ -236,7 +250,9 @@ class TorchEngine:
         if rows and share.advantages is None:
             raise ValueError("a share of a step without advantages")
         advantages = share.advantages.torch() if share.advantages is not None else torch.zeros(0)
-        micro = micro_batches([len(r.prompt_ids) + len(r.response_ids) for r in rows], cfg.micro_batch_tokens)
+        units = self._units(rows)
+        micro = [[units[u] for u in part] for part in
+                 micro_batches([unit_width(rows, u) for u in units], cfg.micro_batch_tokens)]
         # Every rank takes as many passes (the collectives pair up), and
         # divides by the tokens of the whole step.
         passes = self.ranks.max(len(micro))
@@ -251,7 +267,8 @@ class TorchEngine:
         gap = Gap()
         for i in range(passes):
             if i < len(micro):
-                self._pass([rows[j] for j in micro[i]], advantages[micro[i]], tokens, sums, gap)
+                chosen = [j for unit in micro[i] for j in unit]
+                self._pass([rows[j] for j in chosen], _renumbered(micro[i]), advantages[chosen], tokens, sums, gap)
             else:
                 self._idle_pass()
         sums = dict(zip(SUMS, self.ranks.sum(list(sums.values()))))
@@ -280,19 +297,19 @@ class TorchEngine:
             out["distill_loss"] = sums["distill_loss"] / tokens
         return out
 
-    def _pass(self, part: list, advantages: torch.Tensor, tokens: float, sums: dict[str, float], gap: Gap) -> None:
-        """Forward and backward over one micro-batch, its loss scaled by 1 / `tokens`."""
+    def _pass(self, part: list, units: list[list[int]], advantages: torch.Tensor, tokens: float,
+              sums: dict[str, float], gap: Gap) -> None:
+        """Forward and backward over one micro-batch (a row per unit of `units`), its loss scaled by 1 / `tokens`."""
         cfg, w, device = self.cfg, self.cfg.distill_coef, self.ranks.device
-        ids, mask, targets, where = pack(part)
+        packed = pack(part, units)
         keep = loss_mask(part)
         if keep is not None:  # the loss mask: an episode's observations are not trained on
-            targets, where = targets[keep], (where[0][keep], where[1][keep])
+            where = packed.where
+            packed = packed._replace(targets=packed.targets[keep], where=(where[0][keep], where[1][keep]))
         with autocast(self.mixed):
-            logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[
-                where[0].to(device), where[1].to(device)
-            ]
+            logits = logits_at(self.model, packed, device)
         logits = logits.float() if self.mixed else logits
-        targets = targets.to(device)
+        targets = packed.targets.to(device)
         if w > 0 and cfg.distill == "topk":
             # The sampled token and the teacher's top k from one log-softmax: a single
             # [tokens, vocabulary] gradient in the backward pass, as for plain GRPO.
@@ -309,7 +326,7 @@ class TorchEngine:
         if w > 0 and cfg.distill == "sampled":
             # The sampled token's reverse KL to the teacher, as an advantage.
             adv = (1 - w) * adv + w * (column(part, "teacher_logprobs", keep).to(device) - behaviour)
-        sample = where[0].to(device)
+        sample = _sample_of(part, keep).to(device)
         out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg, sample)
         gap.add(logprobs, behaviour, sample)
         loss = out.loss
@@ -319,7 +336,7 @@ class TorchEngine:
             loss = (1 - w) * loss + w * distill
             sums["distill_loss"] += distill.item()
         if cfg.kl_coef > 0 and cfg.kl_in == "loss":
-            reference = self.weights.reference(part, (ids, mask, targets, where), keep)
+            reference = self.weights.reference(part, packed, keep)
             kl = (out.weight * kl_to_reference(logprobs, reference, cfg.kl_estimator)).sum()
             loss = loss + cfg.kl_coef * kl
             sums["kl_loss"] += kl.item()
@@ -388,3 +405,19 @@ class TorchEngine:
         ranks); the run state. The weights are the folder's model, loaded at start."""
         self.steps, run_state = checkpoint.load(folder, weights=self.weights, optimizer=self.optimizer)
         return run_state
+
+
+def _renumbered(units: list[list[int]]) -> list[list[int]]:
+    """`units` as indices into the list of their samples in order (what a pass packs)."""
+    out, start = [], 0
+    for unit in units:
+        out.append(list(range(start, start + len(unit))))
+        start += len(unit)
+    return out
+
+
+def _sample_of(part: list, keep: torch.Tensor | None) -> torch.Tensor:
+    """Each response token's sample (its index in `part`), at the tokens `keep` says are trained on."""
+    lengths = torch.tensor([len(r.response_ids) for r in part])
+    sample = torch.repeat_interleave(torch.arange(len(part)), lengths)
+    return sample if keep is None else sample[keep]
