@@ -6,9 +6,10 @@ dataset's own verifier as the reward in all three), task stream (each
 seed's prompts, in the order rlflow grants them), held-out set, batch (32 prompts x 8
 samples), sampling (temperature 1, top-p 1, 100 tokens), optimizer (AdamW
 at rlflow's lr and betas, no weight decay, the gradient's norm clipped at
-1.0), schedule (rlflow's shape, over the steps each trainer makes: the
-default run's 120; the peer's over its `--peer-time` budget, however many
-steps that is, `--peer-schedule`) and loss (the clipped surrogate at 0.2 /
+1.0), schedule (rlflow's shape, over the steps each trainer makes in the
+`--peer-time` budget: the default's as many as its pace fits in it, measured
+first by a run of its shipped steps, `--default-budget`; sync's the
+default's; the peer's however many it makes, `--peer-schedule`) and loss (the clipped surrogate at 0.2 /
 0.28, no KL, summed over tokens over every response token of the batch) in
 three trainers, one run at a time with nothing else running, each seed. The
 peer in the configuration a TRL user picks (`--peer-generation`,
@@ -166,12 +167,27 @@ def run_peer(seed: int, args, folder: pathlib.Path) -> None:
 
 
 def run_rlflow(system: str, seed: int, args, folder: pathlib.Path) -> None:
-    steps = args.steps if system == "sync" else (
-        args.default_steps or default_config(seed, args.task, args.set).run.steps)
+    steps = args.steps if system == "sync" else args.default_steps_now
     extra = [*args.set, *(args.default_set if system == "default" else []),
-             f"roles.trainer.engine.lr_decay_steps={args.horizon}"]
+             f"roles.trainer.engine.lr_decay_steps={args.horizon or args.default_steps_now}"]
     learning.run_one(VARIANT[system], seed, steps, args.every, extra, folder, args.timeout,
                      task="" if args.task == "default" else args.task)
+
+
+def budget_steps(args, runs: pathlib.Path) -> int:
+    """The steps the default makes in `--peer-time` seconds of training (a multiple of `--every`): its
+    pace read from a run of its shipped steps (seed 0, no marks, into `runs`/pace)."""
+    folder = runs / "pace"
+    shipped = default_config(0, args.task, args.set).run.steps
+    if not (args.reuse and (folder / "metrics.jsonl").exists()):
+        learning.run_one(VARIANT["default"], 0, shipped, shipped, [*args.set, *args.default_set], folder,
+                         args.timeout, task="" if args.task == "default" else args.task)
+    metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    pace = metrics[-1]["time_s"] / len(metrics)
+    steps = max(args.every, args.every * int(args.peer_time / pace / args.every))
+    print(f"[peer] the default's pace on {args.task}: {pace:.3f} s a step ({len(metrics)} steps): "
+          f"{steps} steps in {args.peer_time} s", flush=True)
+    return steps
 
 
 # -- reading -------------------------------------------------------------------------------
@@ -364,12 +380,17 @@ def main() -> None:
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--steps", type=int, default=0,
                         help="steps sync runs (0: as many as the default): A and D are read at every mark of them")
-    parser.add_argument("--default-steps", type=int, default=0, help="steps the default runs (0: as it ships)")
+    parser.add_argument("--default-steps", type=int, default=0,
+                        help="steps the default runs (0: as --default-budget says)")
+    parser.add_argument("--default-budget", choices=("time", "steps"), default="time",
+                        help="with no --default-steps, the default runs the steps its pace fits in --peer-time "
+                             "(time) or its shipped run.steps (steps)")
     parser.add_argument("--every", type=int, default=5, help="write the weights every this many steps")
     parser.add_argument("--mark-every", type=int, default=10, help="the step marks A and D are read at")
     parser.add_argument("--peer-time", type=int, default=420, help="seconds of the peer's training R is read at")
     parser.add_argument("--time-every", type=int, default=60, help="the peer's weights every this many seconds")
-    parser.add_argument("--horizon", type=int, default=120, help="steps the learning-rate schedule spans")
+    parser.add_argument("--horizon", type=int, default=0,
+                        help="steps rlflow's learning-rate schedule spans (0: the default's steps)")
     parser.add_argument("--peer-accumulation", type=int, default=1,
                         help="the peer's gradient accumulation steps per optimizer step (its micro-batches)")
     parser.add_argument("--peer-generation", choices=("padded", "continuous"), default="padded",
@@ -404,7 +425,6 @@ def run_task(task: str, seeds: list[int], systems: list[str], args) -> str:
     """Every system and seed on `task` ("default": the embedded default's; else a reasoning-gym dataset,
     its model built first); the tables and plot written; its RESULT line."""
     args.task = task
-    args.steps = args.steps_given or default_config(0, task, args.set).run.steps
     if task != "default":
         from rlflow.taskmodel import build_task_model, task_model_dir
 
@@ -414,6 +434,13 @@ def run_task(task: str, seeds: list[int], systems: list[str], args) -> str:
             build_task_model(config)
     name = "peer" + (f"-{args.tag}" if args.tag else "") + ("" if task == "default" else f"-{task}")
     runs = RUNS / (args.tag or "default") / ("" if task == "default" else task)
+    if args.default_steps:
+        args.default_steps_now = args.default_steps
+    elif args.default_budget == "time" and {"sync", "default"} & set(systems):
+        args.default_steps_now = budget_steps(args, runs)
+    else:
+        args.default_steps_now = default_config(0, task, args.set).run.steps
+    args.steps = args.steps_given or args.default_steps_now
 
     results: dict[str, dict[int, dict]] = {}
     for seed in seeds:
