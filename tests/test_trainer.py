@@ -10,8 +10,8 @@ import pytest
 import torch
 from models import tiny_model
 
-from rlflow.config import TorchTrainer
-from rlflow.protocol import FinishReason, PromptGroup, Response, Tensor, build_batch
+from rlflow.config import Lora, TorchTrainer
+from rlflow.protocol import FinishReason, PromptGroup, Response, Tensor, build_batch, samples
 from rlflow.services.trainer.torch_engine import TorchEngine, learning_rate
 
 
@@ -209,19 +209,47 @@ def test_micro_batches_respect_the_token_budget(model_path):
     assert shared.train(batch)["micro_batches"] == 3
 
 
+def test_a_response_shares_its_prompts_row_where_that_costs_less():
+    """Short answers to a long prompt share one row; long answers to a short prompt (attention over
+    a long row costing more than the prompt saved) keep one each; no row past the budget. The cost
+    by the model's shape: Qwen2.5-0.5B's (d 896, 14 heads of 64, 2 key-value heads, MLP 4,864, 24
+    layers, 151,936 tokens) attends over 11,487 tokens for what its linear layers cost a token."""
+    from transformers import Qwen2Config
+
+    from rlflow.services.trainer.packing import attention_weight, prompt_units
+
+    weight = attention_weight(Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2,
+                                          intermediate_size=4864, num_hidden_layers=24, vocab_size=151936))
+    linear = 2 * (2 * 896 * 896 + 2 * 896 * 128 + 3 * 896 * 4864) + 2 * 896 * 151936 / 24
+    assert weight == pytest.approx(4 * 896 / linear) and 1 / weight == pytest.approx(11487, abs=1)
+
+    def rows(prompt: int, answers: list[int], budget: int = 8192) -> list[list[int]]:
+        responses = [Response(np.ones(n, np.int32), np.zeros(n, np.float32), np.zeros(n, np.int32),
+                              FinishReason.STOP) for n in answers]
+        batch = build_batch([(PromptGroup(group_id=0, prompt_ids=[1] * prompt, n=len(answers)), responses)])
+        return prompt_units(list(samples(batch)), budget, weight)
+
+    assert rows(300, [20] * 8) == [list(range(8))]
+    assert rows(20, [3000] * 4) == [[0], [1], [2], [3]]
+    assert rows(300, [20] * 8, budget=350) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
 def gradient(engine: TorchEngine, batch) -> list[torch.Tensor]:
     """The gradient of one step on `batch` (the step's optimizer update held back)."""
     engine.optimizer.step = lambda: None
     engine.optimizer.zero_grad = lambda set_to_none=True: None
     engine.train(batch)
-    return [p.grad.clone() for p in engine.model.parameters()]
+    return [p.grad.clone() for p in engine.model.parameters() if p.requires_grad]
 
 
-@pytest.mark.parametrize("objective", ["ppo", "gspo"])
-def test_shared_prompts_give_the_gradient_of_a_row_per_sample(model_path, objective):
+@pytest.mark.parametrize("settings", [{}, {"objective": "gspo"},
+                                      {"lora": Lora(rank=4, alpha=8, reference="base"), "kl_coef": 0.5}],
+                         ids=["ppo", "gspo", "lora-kl-to-base"])
+def test_shared_prompts_give_the_gradient_of_a_row_per_sample(model_path, settings):
     """Each group's prompt through the model once, its responses (of different lengths, some
     tokens observations outside the loss) behind a block mask: the gradient of a row per sample,
-    to float32 rounding, across micro-batches that split a group."""
+    to float32 rounding, across micro-batches that split a group (with LoRA, the KL penalty's
+    reference, the base, read from the same shared rows)."""
     rng = np.random.default_rng(3)
     groups, rewards = [], []
     for g in range(3):
@@ -236,11 +264,14 @@ def test_shared_prompts_give_the_gradient_of_a_row_per_sample(model_path, object
             rewards.append(float(rng.integers(0, 2)))
         groups.append((PromptGroup(group_id=g, prompt_ids=prompt, n=4), responses))
     batch = msgspec.structs.replace(build_batch(groups), rewards=Tensor.of(rewards, "float32"))
-    grads = {
-        (share, budget): gradient(TorchEngine(TorchTrainer(objective=objective, share_prompts=share,
-                                                           micro_batch_tokens=budget), str(model_path)), batch)
-        for share, budget in [(False, 4096), (True, 4096), (True, 20)]
-    }
+    grads, rows = {}, {}
+    for share, budget in [(False, 4096), (True, 4096), (True, 20)]:
+        engine = TorchEngine(TorchTrainer(share_prompts=share, micro_batch_tokens=budget, **settings), str(model_path))
+        rows[share, budget] = [len(unit) for unit in engine._units(list(samples(batch)))]
+        grads[share, budget] = gradient(engine, batch)
+    # A row per sample; a row per group; some group split over rows, some row still shared.
+    assert rows[False, 4096] == [1] * 12 and rows[True, 4096] == [4, 4, 4], rows
+    assert len(rows[True, 20]) > 3 and max(rows[True, 20]) > 1, rows
     reference = grads[False, 4096]
     assert max(float(g.abs().max()) for g in reference) > 1e-3
     for key, got in grads.items():

@@ -149,8 +149,10 @@ class TorchTrainer(Table, tag_field="kind", tag="torch", frozen=True):
     share_prompts: bool = True
     """The samples of one prompt in one row of a pass: the prompt through the model once, each
     response attending to it and to its own tokens (a block mask). The same loss and gradient as a
-    row per sample, over fewer tokens: GRPO's group of n samples passes its prompt once, not n times
-    (false: a row per sample)."""
+    row per sample, over fewer tokens: GRPO's group of n samples passes its prompt once, not n times.
+    A response joins the row only where that costs less than a row of its own (a longer row costs
+    more attention): long answers to a short prompt keep a row each. Under sdpa attention without
+    sliding windows; other models keep a row per sample (false: a row per sample always)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameters and compute."""
     mixed_precision: bool | Literal["auto"] = False

@@ -9,7 +9,14 @@ positions of each response counted on from the prompt's end). The
 log-probabilities, and so the loss and its gradient, are those of a row per
 sample; the tokens through the model are the prompt once where they were
 the prompt once a sample (GRPO's 8 or 16 samples of a prompt: several times
-fewer where prompts are long and answers short)."""
+fewer where prompts are long and answers short). A longer row costs more
+attention, which a block mask does not save (the kernels compute the whole
+square): a response joins its prompt's row only where that costs less than
+a row of its own (`row_cost`, by the model's shape: `attention_weight`), so
+long answers to a short prompt keep a row each. Only under sdpa attention
+without sliding windows (`can_share`): eager attention adds a mask where
+sdpa selects by it, flash attention takes no block mask, and a window would
+have to be drawn into the mask."""
 
 from __future__ import annotations
 
@@ -37,9 +44,36 @@ class Packed(NamedTuple):
     """The row and column of each target's prediction."""
 
 
-def prompt_units(part: list, budget: int) -> list[list[int]]:
+def can_share(config) -> bool:
+    """Whether a model of this (Hugging Face) config takes the block mask of shared prompts as meant:
+    sdpa attention, no sliding window."""
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or ()) or (
+        getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None))
+    return getattr(config, "_attn_implementation", None) == "sdpa" and not sliding
+
+
+def attention_weight(config) -> float:
+    """What attention costs a token per token of its row, over what its linear layers cost (FLOPs of
+    a layer: the projections with their key-value heads, a gated MLP, the output layer's share)."""
+    d, heads = config.hidden_size, config.num_attention_heads
+    head = getattr(config, "head_dim", None) or d // heads
+    queries, keys = heads * head, getattr(config, "num_key_value_heads", None) or heads
+    ffn = getattr(config, "intermediate_size", None) or 4 * d
+    linear = 2 * (2 * d * queries + 2 * d * keys * head + 3 * d * ffn) + 2 * d * config.vocab_size / max(
+        1, config.num_hidden_layers)
+    return 4 * queries / linear
+
+
+def row_cost(width: int, weight: float) -> float:
+    """A row of `width` tokens in units of one token's linear layers: each token also attends over the
+    whole row (the kernels compute the square, masked or not), `weight` (`attention_weight`) a token."""
+    return width * (1 + weight * width)
+
+
+def prompt_units(part: list, budget: int, weight: float) -> list[list[int]]:
     """Indices of `part`, the samples with one prompt together (in the order first seen), each unit
-    at most `budget` tokens with its prompt counted once (a sample longer alone is a unit alone)."""
+    at most `budget` tokens with its prompt counted once (a sample longer alone is a unit alone); a
+    sample joins a unit only where that costs less than a row of its own (`row_cost`)."""
     by_prompt: dict[bytes, list[int]] = {}
     for i, sample in enumerate(part):
         by_prompt.setdefault(np.asarray(sample.prompt_ids, np.int64).tobytes(), []).append(i)
@@ -50,7 +84,8 @@ def prompt_units(part: list, budget: int) -> list[list[int]]:
         width = prompt
         for i in same:
             n = len(part[i].response_ids)
-            if unit and width + n > budget:
+            joined = row_cost(width + n, weight) - row_cost(width, weight)
+            if unit and (width + n > budget or joined > row_cost(prompt + n, weight)):
                 units.append(unit)
                 unit, width = [], prompt
             unit.append(i)

@@ -42,7 +42,7 @@ from rlflow.services.fsdp import Solo, autocast, bf16_passes
 from rlflow.services.trainer import checkpoint
 from rlflow.services.trainer.lora import AdapterWeights
 from rlflow.services.trainer.packing import (
-    column, logits_at, loss_mask, own, pack, prompt_units, token_mean, unit_width,
+    attention_weight, can_share, column, logits_at, loss_mask, own, pack, prompt_units, token_mean, unit_width,
 )
 from rlflow.services.trainer.schedule import learning_rate
 from rlflow.services.trainer.trained import TrainedWeights, WholeWeights
@@ -100,6 +100,10 @@ class TorchEngine:
         #: bf16 forward and backward passes on a CPU (`mixed_precision`; CUDA's are FSDP's business).
         self.mixed = bf16_passes(cfg.mixed_precision, self.ranks.device)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype)
+        #: Whether a pass packs a group's samples in one row (`share_prompts`, where the model's attention
+        #: takes the block mask), and what attention costs there against the linear layers.
+        self.share_prompts = cfg.share_prompts and can_share(model.config)
+        self.attention_weight = attention_weight(model.config) if self.share_prompts else 0.0
         #: The LoRA adapter trained on the frozen base (None: the whole model trains).
         self.lora = cfg.lora
         #: What trains, leaves and is saved: the whole model, or with LoRA the adapter alone.
@@ -202,16 +206,20 @@ class TorchEngine:
 
     def _shares(self, trained: SampleBatch, ranks: int) -> list[SampleBatch]:
         """`trained` dealt into `ranks` shares by tokens; with shared prompts, a unit of samples
-        sharing a prompt (`packing.prompt_units`) goes to one rank whole."""
+        sharing a prompt (`packing.prompt_units`, none wider than an even share) goes to one rank whole."""
         rows = list(samples(trained))
         units = self._units(rows)
+        if ranks > 1 and units:
+            even = -(-sum(unit_width(rows, u) for u in units) // ranks)
+            units = self._units(rows, min(self.cfg.micro_batch_tokens, even))
         shares = deal([unit_width(rows, u) for u in units], ranks)
         return [take(trained, sorted(i for u in share for i in units[u])) for share in shares]
 
-    def _units(self, rows: list) -> list[list[int]]:
-        """What each row of a pass holds: the samples of one prompt (`share_prompts`), or one sample."""
-        if self.cfg.share_prompts:
-            return prompt_units(rows, self.cfg.micro_batch_tokens)
+    def _units(self, rows: list, budget: int = 0) -> list[list[int]]:
+        """What each row of a pass holds, at most `budget` tokens (0: `micro_batch_tokens`): the samples
+        of one prompt (`share_prompts`), or one sample."""
+        if self.share_prompts:
+            return prompt_units(rows, budget or self.cfg.micro_batch_tokens, self.attention_weight)
         return [[i] for i in range(len(rows))]
 
     def _prepare_gae(self, batch: SampleBatch, rows: list, ranks: int,
