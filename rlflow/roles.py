@@ -15,7 +15,9 @@ imports it; it imports nothing of rlflow).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,12 @@ class RoleSpec:
     """Models rlflow builds for the role (``rlflow model build NAME``; on first use by a config that names
     one): (name, held-out accuracy its warm start stops at, most warm-start steps), each the default
     model's recipe warm-started further."""
+    attaches: tuple[str, ...] = ()
+    """Columns of the wire's `SampleBatch` it may attach for the trainer to read (which ones a run's table of it
+    attaches: `RoleTable.attaches`); a trainer's setting that reads one no role attaches is refused."""
+    batch_stats: str = ""
+    """``module:function`` giving, from a trainer step's batch and the step, statistics of the columns it
+    attached (``{}``: none there), added to the step's metrics ("" for none)."""
     counters: tuple[tuple[str, str], ...] = ()
     """Families of counts its replicas keep by name, each (prefix, field): a count named
     ``<prefix>.<key>`` goes to the `Counters` map `field` under ``<key>`` (e.g. ``reward.<function>.<status>``
@@ -88,13 +96,16 @@ ROLES: tuple[RoleSpec, ...] = (
     RoleSpec("teacher", 3, "rlflow.services.teacher.service:TeacherService", takes="samples", hands_on="samples",
              busy="scoring", optional=True, external=True,
              curves=(("kl_teacher", "KL"),), curves_title="KL to the teacher (per token)",
-             models=(("default-teacher", 0.8, 8000),)),
+             models=(("default-teacher", 0.8, 8000),),
+             attaches=("teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs")),
     RoleSpec("critic", 6, "rlflow.services.critic.service:CriticService", takes="samples", hands_on="samples",
              busy="valuing and training", optional=True, versioned=True, stateful=True,
              report="rlflow.services.critic.report:line",
              curves=(("critic_value_loss", "value loss"), ("critic_explained_var", "explained variance")),
              curves_title="critic (on each step's samples, before it trained on them)",
-             plan="rlflow.services.critic.plan:costs"),
+             plan="rlflow.services.critic.plan:costs",
+             attaches=("values", "returns", "token_advantages", "critic_versions"),
+             batch_stats="rlflow.services.critic.stats:of_batch"),
     RoleSpec("trainer", 4, "rlflow.services.trainer.service:TrainerService", takes="samples", hands_on="weights",
              busy="training", versioned=True, stateful=True, report="rlflow.services.trainer.report:line",
              curves=(("gap_p99", "p99"), ("gap_mean", "mean")),
@@ -113,6 +124,12 @@ VERSIONED: tuple[str, ...] = tuple(role.name for role in ROLES if role.versioned
 COUNTER_FAMILIES: dict[str, str] = {prefix: field for role in ROLES for prefix, field in role.counters}
 #: Roles whose replicas a user may start.
 EXTERNAL: tuple[str, ...] = tuple(role.name for role in ROLES if role.external)
+
+
+def hook(path: str) -> Any:
+    """The function a registry entry names by ``module:function`` (`RoleSpec.report`, `plan`, ...)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def spoken(names: tuple[str, ...]) -> str:

@@ -16,9 +16,11 @@ from ranks import run_ranks
 
 from rlflow import config as C
 from rlflow.algo.values import (
-    centre_by_returns, critic_stats, explained_variance, gae, token_rewards, value_loss, whiten,
+    centre_by_returns, explained_variance, gae, token_rewards, value_loss, whiten,
 )
 from rlflow.protocol import Codec, FinishReason, PromptGroup, Response, Tensor, build_batch, samples
+from rlflow.services.critic.config import TorchCritic
+from rlflow.services.critic.stats import of_batch
 
 # -- GAE, by hand ------------------------------------------------------------------------------
 
@@ -115,11 +117,11 @@ def test_critic_statistics_of_a_trainer_step():
     returns = np.array([1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0], np.float32)
     batch = msgspec.structs.replace(batch, values=Tensor.from_numpy(values), returns=Tensor.from_numpy(returns),
                                     critic_versions=Tensor.of([4, 4, 6], "int32"))
-    stats = critic_stats(batch, step=6)
+    stats = of_batch(batch, step=6)
     assert stats["critic_value_loss"] == pytest.approx(0.5 * 3 * 0.25 / 9)
     assert stats["critic_explained_var"] == pytest.approx(explained_variance(values, returns))
     assert stats["critic_staleness_mean"] == pytest.approx(4 / 3) and stats["critic_staleness_max"] == 2
-    assert critic_stats(_batch(), step=1) == {}
+    assert of_batch(_batch(), step=1) == {}
 
 
 # -- the value model ------------------------------------------------------------------------------
@@ -179,7 +181,7 @@ def test_the_critic_learns_that_more_digits_earn_less():
     path = resolve_model("default")
     tokenizer = load_tokenizer(path)
     chance = {1: 0.9, 2: 0.5, 3: 0.1}
-    model = CriticModel(C.TorchCritic(lr=3e-4, value_clip=0.0, micro_batch_tokens=4096), str(path))
+    model = CriticModel(TorchCritic(lr=3e-4, value_clip=0.0, micro_batch_tokens=4096), str(path))
     heldout, digits = arith_batch(tokenizer, np.random.default_rng(99), 300, chance)
     before = first_values(model, heldout)
     rng = np.random.default_rng(0)
@@ -204,7 +206,7 @@ def critic_frames(model_path) -> list[bytes]:
     return [bytes(f) for f in Codec().encode(batch)]
 
 
-CFG = C.TorchCritic(lr=1e-4, micro_batch_tokens=60, value_clip=0.2)
+CFG = TorchCritic(lr=1e-4, micro_batch_tokens=60, value_clip=0.2)
 
 
 @pytest.mark.slow
@@ -262,7 +264,7 @@ def test_the_critic_trains_on_an_episodes_own_tokens_alone(model_path):
 
     after, stats = [], []
     for observed, masked in ((0.0, True), (7.0, True), (7.0, False)):
-        model = CriticModel(C.TorchCritic(lr=1e-3, micro_batch_tokens=64, value_clip=0.0), str(model_path))
+        model = CriticModel(TorchCritic(lr=1e-3, micro_batch_tokens=64, value_clip=0.0), str(model_path))
         stats.append(model.step(batch(observed, masked)))
         after.append([p.detach().clone() for p in model.model.parameters()])
     assert stats[0]["tokens"] == stats[1]["tokens"] == 4 * 7 and stats[2]["tokens"] == 4 * 10
@@ -283,7 +285,7 @@ def test_a_mixed_precision_critic_values_and_steps_as_the_float32_one_to_bf16_ac
     batch = msgspec.structs.replace(build_batch(items), rewards=Tensor.of([1.0, 0.0, 1.0, 0.0], "float32"))
     values, stats = {}, {}
     for mixed in (False, True):
-        model = CriticModel(C.TorchCritic(lr=1e-3, value_clip=0.0, mixed_precision=mixed), str(model_path))
+        model = CriticModel(TorchCritic(lr=1e-3, value_clip=0.0, mixed_precision=mixed), str(model_path))
         values[mixed] = model.values(batch)
         stats[mixed] = model.step(with_targets(batch, values[False]))
         assert all(p.dtype == torch.float32 for p in model.model.parameters())
@@ -361,7 +363,8 @@ BASE = {
 
 
 def test_gae_needs_a_critic_and_a_critic_needs_gae():
-    with pytest.raises(C.ConfigError, match="roles.trainer.engine.advantage.*needs a critic role"):
+    with pytest.raises(C.ConfigError, match=r"roles.trainer.engine.advantage = 'gae': reads the column token_advantages, "
+                                            r"which no role of this config attaches \(\[roles.critic\] does"):
         C.build(BASE, {"pools": {"v": None}})
     with pytest.raises(C.ConfigError, match="would ignore the critic's advantages"):
         C.build(BASE, {"roles": {"critic": {"pool": "v"}}}, overrides=["roles.trainer.engine.advantage=grpo"])

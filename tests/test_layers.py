@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("rlflow.control",),
     ("rlflow.tools",),
     ("rlflow.__main__",),
-    ("rlflow.services",),  # protocol <- rlflow <- services: nothing of rlflow's imports a service
+    ("rlflow.services",),  # protocol <- rlflow <- services: nothing of rlflow's imports a service (but a role's tables)
 )
 LAYER = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
 
@@ -43,8 +43,12 @@ def modules() -> dict[str, pathlib.Path]:
 
 def unit(module: str) -> str:
     """The entry of LAYERS that `module` belongs to: rlflow's package or
-    top-level module it is in (``rlflow.config.schema`` -> ``rlflow.config``)."""
-    return ".".join(module.split(".")[:2])
+    top-level module it is in (``rlflow.config.schema`` -> ``rlflow.config``);
+    a role's tables in its folder are the config's (``rlflow.services.critic.config``)."""
+    parts = module.split(".")
+    if parts[:2] == ["rlflow", "services"] and len(parts) == 4 and parts[3] == "config":
+        return "rlflow.config"
+    return ".".join(parts[:2])
 
 
 def imports(module: str, path: pathlib.Path, known: set[str]) -> set[str]:

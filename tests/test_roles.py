@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from rlflow import config as C
-from rlflow.protocol import Role
-from rlflow.roles import BY_NAME, EXTERNAL, NAMES, ROLES, STATEFUL
+from rlflow.protocol import Role, SampleBatch
+from rlflow.roles import BY_NAME, EXTERNAL, NAMES, ROLES, STATEFUL, hook
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -34,6 +34,9 @@ def test_every_role_is_one_entry_that_the_wire_the_config_and_its_folder_agree_w
         assert role.external == ("launch" in table.__struct_fields__), role.name
         # A role whose state is its own stops the run when one of its replicas is lost: rlflow starts it.
         assert not (role.stateful and role.external), role.name
+        # Its table is in the config's module of its name or in its own folder; what it attaches, columns.
+        assert table.__module__ in (f"rlflow.config.{role.name}", f"rlflow.services.{role.name}.config"), table
+        assert set(role.attaches) <= set(SampleBatch.__struct_fields__), role.attaches
     assert STATEFUL == ("critic", "trainer") and set(EXTERNAL) == {"rollout", "env", "reward", "teacher"}
     assert BY_NAME["trainer"].hands_on == "weights" and BY_NAME["env"].takes == "requests"
 
@@ -44,16 +47,17 @@ def test_the_roles_a_config_lists_are_in_the_registrys_order():
     assert names == [n for n in NAMES if n in names] and "critic" in names
 
 
-#: Outside its folder, what names each role by an identifier besides its entry, its config and its
-#: columns: the algorithm that reads its columns (GAE; the KL and distillation terms) and the trainer's
-#: loss and figures over them.
+#: Outside its folder, what names each role by an identifier besides its entry, the config's root and
+#: the wire's stages and columns: the trainer's settings that read its columns (and, for the critic, the
+#: simulated trainer's own critic in its process), and the loss and figures that read them.
 NAMED_BY = {
-    "critic": ["rlflow/algo/values.py", "services/trainer/service.py", "services/trainer/sim.py"],
-    "teacher": ["rlflow/algo/losses.py", "services/critic/service.py", "services/trainer/torch_engine.py",
+    "critic": ["rlflow/config/trainer.py", "services/trainer/sim.py"],
+    "teacher": ["rlflow/config/trainer.py", "services/critic/service.py", "services/trainer/torch_engine.py",
                 "services/trainer/trained.py"],
 }
-#: Where every role is named: its registry entry, the config (a folder), the wire's stages and columns.
-NAMED_BY_ALL = ["rlflow/roles.py", "rlflow/config/", "protocol/batch.py", "protocol/checks.py",
+#: Where every role is named: its registry entry, the config's root (which holds each role's table, its
+#: own in the role's folder), the wire's stages and columns.
+NAMED_BY_ALL = ["rlflow/roles.py", "rlflow/config/schema.py", "protocol/batch.py", "protocol/checks.py",
                 "protocol/messages.py"]
 
 
@@ -103,10 +107,9 @@ def _under(path: str, place: str) -> bool:
 @pytest.mark.parametrize("role", sorted(NAMED_BY))
 def test_a_role_is_named_outside_its_folder_only_by_its_entry_its_config_its_columns_and_their_algorithm(role):
     """What a role is lives in its folder and its registry entry; the tools reach it through the entry
-    (`report`, `curves`, `plan`, `models`, `asked_by`, `RunDir.role_checkpoint`). Read by identifier:
+    (`report`, `curves`, `plan`, `batch_stats`, `attaches`, `models`, `asked_by`,
+    `RunDir.role_checkpoint`). Read by identifier:
     `critic_stats` names the critic, a docstring's prose does not."""
-    import importlib
-
     naming = sorted(str(path.relative_to(ROOT)) for top in ("rlflow", "services", "protocol")
                     for path in (ROOT / top).rglob("*.py")
                     if not path.is_relative_to(ROOT / "services" / role)
@@ -117,10 +120,9 @@ def test_a_role_is_named_outside_its_folder_only_by_its_entry_its_config_its_col
     # Each place allowed to name it does: a stale entry would let a stray in there unseen.
     assert [place for place in allowed if not any(_under(path, place) for path in naming)] == []
     # Its entry's hooks resolve.
-    for hook in (BY_NAME[role].report, BY_NAME[role].plan):
-        if hook:
-            module, _, name = hook.partition(":")
-            assert callable(getattr(importlib.import_module(module), name)), hook
+    for path in (BY_NAME[role].report, BY_NAME[role].plan, BY_NAME[role].batch_stats):
+        if path:
+            assert callable(hook(path)), path
 
 
 def test_each_family_of_counts_goes_to_the_counters_map_its_role_declares():

@@ -212,8 +212,14 @@ def test_a_teacher_at_another_temperature_is_refused(teacher_path):
     with pytest.raises(C.ConfigError, match=r"roles.teacher.engine.temperature = 1.0: "
                                             r"must equal the rollout's sampling temperature \(0.7\)"):
         config_for(teacher_path, "roles.teacher.engine.temperature=1.0")
-    with pytest.raises(C.ConfigError, match="roles.trainer.engine.distill_coef = 0.5: needs a teacher"):
+    refused = r"roles.trainer.engine.{} = {}: reads the column teacher_logprobs, which no role of this config " \
+              r"attaches \(\[roles.teacher\] does"
+    with pytest.raises(C.ConfigError, match=refused.format("distill_coef", "0.5")):
         C.load(ROOT / "rlflow" / "defaults" / "default.toml", ["roles.trainer.engine.distill_coef=0.5"])
+    with pytest.raises(C.ConfigError, match=refused.format("kl_coef", "0.1")):  # a simulated teacher's are made up
+        config_for(teacher_path, "roles.teacher.engine={kind='sim'}", "roles.trainer.engine.kl_coef=0.1")
+    assert config_for(teacher_path, "roles.trainer.engine.kl_coef=0.1").roles.teacher.attaches() == {
+        "teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs"}
     with pytest.raises(C.ConfigError, match="roles.teacher.engine.top_k = 0: must be at least 1"):
         config_for(teacher_path, "roles.teacher.engine.top_k=0", "roles.trainer.engine.distill_coef=1.0",
                    "roles.trainer.engine.distill=topk")

@@ -285,10 +285,10 @@ def kl_to_reference(logprobs: torch.Tensor, reference: torch.Tensor, estimator: 
     raise ValueError(f"unknown KL estimator {estimator!r}")
 
 
-def topk_reverse_kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """Per token, KL(student || teacher) over the teacher's top-k tokens, both
-    renormalised to that set: ``student`` and ``teacher`` are the two models'
-    log-probabilities of the same k tokens ([tokens, k])."""
+def topk_reverse_kl(student: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per token, KL(student || target) over the target model's top-k tokens,
+    both renormalised to that set: ``student`` and ``target`` are the two
+    models' log-probabilities of the same k tokens ([tokens, k])."""
     s = student - torch.logsumexp(student, dim=-1, keepdim=True)
-    t = teacher - torch.logsumexp(teacher, dim=-1, keepdim=True)
+    t = target - torch.logsumexp(target, dim=-1, keepdim=True)
     return (s.exp() * (s - t)).sum(-1)

@@ -6,7 +6,8 @@ One module per job:
   tagged unions on a ``kind`` key for alternatives (which engine a role runs)
   and a docstring on every field: `schema` (the root, `Config`, and the
   tables of no role), one module per role, named after it (its
-  `[roles.NAME]` table, its engines and its own checks),
+  `[roles.NAME]` table, its engines and its own checks; the teacher's and
+  the critic's are ``config`` in their folders under ``services/``),
   `run` (`[run]` and `[task]`), `cluster` (`[cluster]`, `[pools.NAME]`),
   and `base` (what they share: `Table`, bounded numbers, distributions, and
   `RoleTable` / `StartedRole`, the fields every role's table has);
@@ -47,7 +48,6 @@ from rlflow.config.base import (
     Table,
 )
 from rlflow.config.cluster import ClusterConfig, PoolConfig
-from rlflow.config.critic import CriticEngine, CriticRole, SimCritic, TorchCritic
 from rlflow.config.env import EnvRole
 from rlflow.config.reward import EnvReward, FunctionsReward, RewardEngine, RewardRole, SimReward, TaskReward
 from rlflow.config.rollout import RolloutEngine, RolloutRole, SimRollout, VllmRollout
@@ -62,7 +62,6 @@ from rlflow.config.schema import (
     undocumented_fields,
     WandbConfig,
 )
-from rlflow.config.teacher import ModelTeacher, SimTeacher, TeacherEngine, TeacherRole
 from rlflow.config.trainer import ADAPTER_DIR, Lora, SimTrainer, TorchTrainer, TrainerEngine, TrainerRole
 
 __all__ = [
@@ -71,8 +70,6 @@ __all__ = [
     "ClusterConfig",
     "Config",
     "ConfigError",
-    "CriticEngine",
-    "CriticRole",
     "DatasetTask",
     "default_config_path",
     "Distribution",
@@ -89,7 +86,6 @@ __all__ = [
     "LogNormal",
     "Lora",
     "MetricsConfig",
-    "ModelTeacher",
     "NonNegFloat",
     "NonNegInt",
     "Pareto",
@@ -103,19 +99,14 @@ __all__ = [
     "RolloutEngine",
     "RolloutRole",
     "RunConfig",
-    "SimCritic",
     "SimReward",
     "SimRollout",
     "SimTask",
-    "SimTeacher",
     "SimTrainer",
     "Table",
     "TaskConfig",
     "TaskReward",
-    "TeacherEngine",
-    "TeacherRole",
     "ToolSpec",
-    "TorchCritic",
     "TorchTrainer",
     "TrainerEngine",
     "TrackioConfig",

@@ -3,7 +3,9 @@ the distributions of simulated lengths and latencies, and the base of a
 role's table (`RoleTable`: its pool and replicas; `StartedRole` adds
 `launch`, for the roles a user may start, and the checks and predicates a
 role's table answers for itself). Each role's own tables live in a module
-named after it; `schema` puts them together into `Config`.
+named after it (here, or ``config`` in the role's folder under ``services/``,
+as the teacher's and the critic's); `schema` puts them together into
+`Config`.
 """
 
 from __future__ import annotations
@@ -88,6 +90,11 @@ class RoleTable(Table, frozen=True):
         """Whether this role keeps the policy as it is at the trainer's step `step` (no role does but
         one whose own learning goes first)."""
         return False
+
+    def attaches(self) -> frozenset[str]:
+        """The `SampleBatch` columns this role attaches that a trainer may learn from (a simulated
+        engine's are made up: none); the trainer's table says which it reads (`TrainerRole.check`)."""
+        return frozenset()
 
 
 class StartedRole(RoleTable, frozen=True):

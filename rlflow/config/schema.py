@@ -6,7 +6,9 @@ docstring (`undocumented_fields` lists those that do not, and a test keeps
 it empty). What involves several fields is checked in `checks`.
 
 This module holds the root, `Config`, and the tables of no role; each
-role's tables are in a module of the role's name, on the bases in `base`.
+role's tables are in a module of the role's name, on the bases in `base`:
+here, or the ``config`` module of the role's folder under ``services/``
+(the teacher's and the critic's so far).
 """
 
 from __future__ import annotations
@@ -17,15 +19,15 @@ import msgspec
 
 from rlflow.config.base import NonNegFloat, NonNegInt, PosFloat, PosInt, Table, kind_of
 from rlflow.config.cluster import ClusterConfig, PoolConfig
-from rlflow.config.critic import CriticRole
 from rlflow.config.env import EnvRole
 from rlflow.config.reward import RewardRole
 from rlflow.config.rollout import RolloutRole
 from rlflow.config.run import RunConfig, SimTask, TaskConfig
-from rlflow.config.teacher import TeacherRole
 from rlflow.config.trainer import ADAPTER_DIR, Lora, TrainerRole
 from rlflow.protocol.spec import field_docs
 from rlflow.roles import NAMES
+from rlflow.services.critic.config import CriticRole
+from rlflow.services.teacher.config import TeacherRole
 
 
 class RolesConfig(Table, frozen=True):

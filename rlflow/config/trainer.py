@@ -8,7 +8,7 @@ from msgspec import Meta
 
 from rlflow.config.base import Fraction, NonNegFloat, NonNegInt, PosFloat, PosInt, RoleTable, Table
 from rlflow.config.errors import ConfigError
-from rlflow.config.teacher import ModelTeacher
+from rlflow.roles import ROLES, spoken
 
 #: A checkpoint's LoRA adapter, in PEFT's format, is this folder of it.
 ADAPTER_DIR = "adapter"
@@ -207,28 +207,42 @@ class TrainerRole(RoleTable, kw_only=True, frozen=True):
     """The training engine and its settings."""
 
     def check(self, config: Any) -> None:
-        """The terms of its loss have the roles that send what they read: GAE advantages a critic role,
-        a KL penalty (but to the base of a LoRA adapter) or distillation a teacher that scores with a
-        model; and neither GAE nor distillation beside the signal filter, whose groups of equal rewards
-        they would still learn from."""
+        """The terms of its loss have a role that attaches the columns they read (`reads`); neither GAE
+        nor distillation beside the signal filter, whose groups of equal rewards they would still learn
+        from."""
         engine = self.engine
         if not isinstance(engine, TorchTrainer):
             return
         if config.run.filter == "signal" and engine.advantage == "gae":
-            raise ConfigError("run.filter", config.run.filter, "the critic's advantages (advantage = 'gae') are not "
-                              "group-relative: a group with equal rewards still teaches; use filter = 'none'")
+            raise ConfigError("run.filter", config.run.filter, "the learned values' advantages (advantage = 'gae') "
+                              "are not group-relative: a group with equal rewards still teaches; use filter = 'none'")
         if config.run.filter == "signal" and engine.distill_coef > 0:
             raise ConfigError("run.filter", config.run.filter, "with distillation (distill_coef > 0) a group with "
-                              "equal rewards still learns from the teacher; use filter = 'none'")
-        if engine.advantage == "gae" and config.roles.critic is None:
-            raise ConfigError("roles.trainer.engine.advantage", "gae",
-                              "needs a critic role that attaches the advantages ([roles.critic])")
-        base_reference = config.lora is not None and config.lora.reference == "base"
-        if (engine.kl_coef > 0 and not base_reference) or engine.distill_coef > 0:
-            teacher = config.roles.teacher
-            if teacher is None or not isinstance(teacher.engine, ModelTeacher):
-                key, value = ("distill_coef", engine.distill_coef) if engine.distill_coef > 0 else \
-                    ("kl_coef", engine.kl_coef)
+                              "equal rewards still learns from the reference model; use filter = 'none'")
+        attached = frozenset().union(*(role.attaches() for _, role in config.role_items()))
+        for key, value, column in self.reads(config):
+            if column not in attached:
+                by = spoken(tuple(f"[roles.{role.name}]" for role in ROLES if column in role.attaches))
                 raise ConfigError(f"roles.trainer.engine.{key}", value,
-                                  "needs a teacher that scores with a model ([roles.teacher] with engine.kind = "
-                                  "'model')")
+                                  f"reads the column {column}, which no role of this config attaches ({by} does, "
+                                  "unless its engine is simulated and makes them up)")
+
+    def reads(self, config: Any) -> list[tuple[str, Any, str]]:
+        """(key, value, column): the columns of `SampleBatch` that its settings read, each with the setting
+        that reads it (GAE the per-token advantages; a KL penalty, but to the base of a LoRA adapter, and
+        distillation a reference model's log-probabilities; distillation over the top k their top k)."""
+        engine = self.engine
+        assert isinstance(engine, TorchTrainer)
+        out: list[tuple[str, Any, str]] = []
+        if engine.advantage == "gae":
+            out.append(("advantage", "gae", "token_advantages"))
+        if engine.advantage == "gae" and engine.advantage_norm == "returns":
+            out.append(("advantage_norm", "returns", "returns"))
+        base_reference = config.lora is not None and config.lora.reference == "base"
+        if engine.kl_coef > 0 and not base_reference:
+            out.append(("kl_coef", engine.kl_coef, "teacher_logprobs"))
+        if engine.distill_coef > 0:
+            out.append(("distill_coef", engine.distill_coef, "teacher_logprobs"))
+        if engine.distill_coef > 0 and engine.distill == "topk":
+            out += [("distill", "topk", "teacher_topk_ids"), ("distill", "topk", "teacher_topk_logprobs")]
+        return out

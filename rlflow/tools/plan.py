@@ -24,7 +24,6 @@ hold against measured runs.
 from __future__ import annotations
 
 import heapq
-import importlib
 import itertools
 import json
 import math
@@ -37,7 +36,7 @@ import numpy as np
 import tomli_w
 
 from rlflow.config import SimRollout, SimTrainer, load
-from rlflow.roles import MESSAGES_PER_S, ROLES
+from rlflow.roles import MESSAGES_PER_S, ROLES, hook
 from rlflow.rundir import RunDir
 
 
@@ -383,8 +382,7 @@ def workload_from_run(run_dir: str | pathlib.Path) -> tuple[Workload, int, int]:
     learner = None
     for role in ROLES:  # the role that values and trains beside the trainer, costed by its registry entry
         if role.plan and getattr(config.roles, role.name, None) is not None:
-            module, _, name = role.plan.partition(":")
-            costs = getattr(importlib.import_module(module), name)(folder, config, _devices(config, role.name))
+            costs = hook(role.plan)(folder, config, _devices(config, role.name))
             learner = Learner(role=role.name, **costs)
     workload = Workload(
         slots_per_device=max(1, slots // max(rollout_devices, 1)),

@@ -16,7 +16,6 @@ directory:
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import pathlib
@@ -27,7 +26,7 @@ import msgspec
 
 from rlflow import timeline
 from rlflow.control.stats import TREND_STEPS
-from rlflow.roles import NAMES, ROLES
+from rlflow.roles import NAMES, ROLES, hook
 from rlflow.rundir import EvalRow, RunDir, Status, StepRow, Summary
 from rlflow.runstate import RunState, run_state
 
@@ -141,8 +140,7 @@ def role_lines(rows: list[StepRow]) -> list[str]:
     out = []
     for role in ROLES:
         if role.report:
-            module, _, name = role.report.partition(":")
-            said = getattr(importlib.import_module(module), name)(rows)
+            said = hook(role.report)(rows)
             if said:
                 out.append(said)
     return out

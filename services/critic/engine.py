@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import trio
 
-from rlflow.config import SimCritic, TorchCritic
+from rlflow.services.critic.config import SimCritic, TorchCritic
 from rlflow.protocol import SampleBatch
 from rlflow.services.base import EngineContext
 

@@ -16,7 +16,7 @@ import shutil
 import numpy as np
 import trio
 
-from rlflow.config import SimCritic
+from rlflow.services.critic.config import SimCritic
 from rlflow.protocol import SampleBatch
 from rlflow.rundir import RUN_STATE, beside
 from rlflow.services.base import EngineContext

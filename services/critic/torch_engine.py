@@ -36,7 +36,7 @@ import trio
 
 from rlflow.algo.balance import deal, micro_batches
 from rlflow.algo.values import own_count, own_tokens, value_loss
-from rlflow.config import TorchCritic
+from rlflow.services.critic.config import TorchCritic
 from rlflow.protocol import Codec, SampleBatch, samples
 from rlflow.rundir import TRAINER_OPTIMIZER, beside
 from rlflow.services.base import EngineContext

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from rlflow.config import ModelTeacher, SimTeacher
+from rlflow.services.teacher.config import ModelTeacher, SimTeacher
 from rlflow.protocol import SampleBatch
 from rlflow.services.base import EngineContext
 from rlflow.services.teacher.scores import Scores

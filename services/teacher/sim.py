@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import trio
 
-from rlflow.config import SimTeacher
+from rlflow.services.teacher.config import SimTeacher
 from rlflow.protocol import SampleBatch
 from rlflow.services.base import EngineContext
 from rlflow.services.teacher.scores import PROBE_IDS, PROBE_PROMPT, Scores

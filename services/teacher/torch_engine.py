@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import trio
 
-from rlflow.config import ModelTeacher
+from rlflow.services.teacher.config import ModelTeacher
 from rlflow.protocol import SampleBatch, samples
 from rlflow.services.base import EngineContext
 from rlflow.services.teacher.scores import PROBE_IDS, PROBE_PROMPT, Scores

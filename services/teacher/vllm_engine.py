@@ -13,7 +13,8 @@ from __future__ import annotations
 import numpy as np
 import trio
 
-from rlflow.config import ModelTeacher, VllmRollout
+from rlflow.config import VllmRollout
+from rlflow.services.teacher.config import ModelTeacher
 from rlflow.protocol import SampleBatch, samples
 from rlflow.services.base import EngineContext
 from rlflow.services.vllm_client import VllmBackend

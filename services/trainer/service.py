@@ -59,7 +59,7 @@ from rlflow.services.base import Control, Service, bind_host, shm_settings, take
 from rlflow.services.trainer.engine import TrainerEngine, make_engine
 
 from rlflow.algo.staleness import too_stale
-from rlflow.algo.values import critic_stats
+from rlflow.roles import ROLES, hook
 from rlflow.data import transport
 
 #: Messages in, at most, whose groups one `Ack` acknowledges: those already waiting when one is read.
@@ -197,7 +197,7 @@ class TrainerService(Service):
                     stats, parts = await self.engine.deal(batch)
                     for out, part in zip(outs, parts[1:], strict=True):
                         await out.send(part)
-                    metrics = {**stats, **critic_stats(batch, self.step)}
+                    metrics = {**stats, **self._batch_stats(batch)}
                     if self.held:
                         metrics["actor_held"] = 1.0
                     else:
@@ -297,6 +297,14 @@ class TrainerService(Service):
                 if self.lead and generation == self._asked:
                     await control.send(ErrorReport(fatal=False, kind=WEIGHT_GROUP_BROKEN,
                                                    message=f"sending v{version}: {type(exc).__name__}: {exc}"[:500]))
+
+    def _batch_stats(self, batch: SampleBatch) -> dict[str, float]:
+        """What the roles of this run that attached columns say of them in this step (`RoleSpec.batch_stats`)."""
+        out: dict[str, float] = {}
+        for role in ROLES:
+            if role.batch_stats and getattr(self.config.roles, role.name, None) is not None:
+                out.update(hook(role.batch_stats)(batch, self.step))
+        return out
 
     def _record_lengths(self, batch: SampleBatch, oldest: list[int]) -> None:
         """Per step: the response lengths (for `rlflow plan` to replay) and,

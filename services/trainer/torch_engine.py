@@ -150,14 +150,14 @@ class TorchEngine:
         cfg = self.cfg
         rows = list(samples(batch))
         w = cfg.distill_coef
-        teacher_terms = w > 0 or (cfg.kl_coef > 0 and not self.base_reference)
-        if teacher_terms and any(r.teacher_logprobs is None for r in rows):
+        reference_terms = w > 0 or (cfg.kl_coef > 0 and not self.base_reference)
+        if reference_terms and any(r.teacher_logprobs is None for r in rows):
             raise ValueError("a sample without the teacher's log-probabilities reached a trainer that needs them")
         rewards = torch.tensor([r.reward if r.reward is not None else math.nan for r in rows], dtype=torch.float32)
         if torch.isnan(rewards).any() and w < 1:
             raise ValueError("a sample without a reward reached the trainer")
         stats: dict[str, float] = {}
-        if teacher_terms:
+        if reference_terms:
             stats["kl_teacher"] = token_mean(rows, lambda r: r.logprobs - r.teacher_logprobs)
         if cfg.kl_coef > 0 and cfg.kl_in == "reward":
             references = self.weights.reference_rows(rows)

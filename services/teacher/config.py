@@ -1,4 +1,5 @@
-"""The teacher role's tables: `[roles.teacher]` and its engines (simulated, a frozen model)."""
+"""The teacher role's tables: `[roles.teacher]` and its engines (simulated, a frozen model), the
+config's `RolesConfig.teacher`."""
 
 from __future__ import annotations
 
@@ -54,6 +55,14 @@ class TeacherRole(StartedRole, frozen=True):
 
     engine: TeacherEngine = SimTeacher()
     """The scoring model."""
+
+    def attaches(self) -> frozenset[str]:
+        """A scoring model's log-probabilities, and its top k where it sends them (a simulated teacher's
+        are made up)."""
+        if not isinstance(self.engine, ModelTeacher):
+            return frozenset()
+        topk = {"teacher_topk_ids", "teacher_topk_logprobs"} if self.engine.top_k > 0 else set()
+        return frozenset({"teacher_logprobs", *topk})
 
     def check(self, config: Any) -> None:
         """A scoring model sends what the trainer's distillation reads (its top k), scored at the

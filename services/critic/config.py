@@ -1,4 +1,5 @@
-"""The critic role's tables: `[roles.critic]` and its engines (simulated, torch)."""
+"""The critic role's tables: `[roles.critic]` and its engines (simulated, torch), the config's
+`RolesConfig.critic`."""
 
 from __future__ import annotations
 
@@ -82,6 +83,11 @@ class CriticRole(RoleTable, kw_only=True, frozen=True):
     def holds_policy(self, step: int) -> bool:
         """The warm-up: in its first `warmup_steps` steps only the critic learns."""
         return step < self.warmup_steps
+
+    def attaches(self) -> frozenset[str]:
+        """Its values, GAE advantages and returns, and the version that computed them (a simulated critic's
+        values are 0, so its advantages are the discounted rewards: real all the same)."""
+        return frozenset({"values", "returns", "token_advantages", "critic_versions"})
 
     def check(self, config: Any) -> None:
         """The trainer uses the advantages this role attaches, and a simulated critic is one rank."""
