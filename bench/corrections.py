@@ -14,8 +14,8 @@ and evaluated after the run checkpoint by checkpoint, as bench/learning.py does 
 
 and once more, on the default task, with the gap made large on purpose (`--mismatch`: the rollout
 four versions ahead of the trainer at most, `run.max_staleness = 4`, at 3x the learning rate) for
-`none` and for the correction that did best: does a correction keep a run learning where none
-stalls?
+`none` and for the correction that did best, or those of `--mismatch-corrections`: does a correction
+keep a run learning where none stalls?
 
 Writes `bench/results/corrections[-TAG].{json,md}` and ends with
 
@@ -23,9 +23,10 @@ Writes `bench/results/corrections[-TAG].{json,md}` and ends with
 
 B: the best correction's held-out accuracy minus the default's (`none`) at the last mark (mean over
 seeds, its worst task); G: the default's per-token p99 gap |log p_train - log p_rollout| (mean over
-its steps, seeds and tasks); K: 1 if the best correction's mismatched run ends at least 2 points above
-`none`'s mismatched run, where that one ends no higher than it started + 2 points; else 0 ("na"
-without `--mismatch`).
+its steps, seeds and tasks); K: 1 if `none`'s mismatched run stalls (ends no more than 2 points
+above its start) or collapses (falls 10 points or more below its start at some mark) and some
+correction's keeps learning (never more than 2 points below the start, ending at least 2 above it
+and no more than 2 below `none`'s end); else 0 ("na" without `--mismatch`).
 """
 
 from __future__ import annotations
@@ -58,6 +59,19 @@ DEFAULT = "none"
 MISMATCH = ['run.mode="async"', "run.max_staleness=4", f"{ENGINE}.lr=3e-4"]
 
 
+def collapse_kept(mismatched: dict[str, dict]) -> bool:
+    """K: the uncorrected mismatched run stalls (ends no more than 2 points above its start) or collapses
+    (falls 10 points or more below its start at some mark), and some correction keeps it learning: never
+    more than 2 points below the start, ending 2 points above it and no more than 2 below `none`'s end."""
+    curves = {name: [p["accuracy"] for p in run["curve"]] for name, run in mismatched.items()}
+    plain = curves[DEFAULT]
+    start, end = plain[0], plain[-1]
+    if end > start + 0.02 and min(plain) > start - 0.10:
+        return False
+    return any(min(c) >= start - 0.02 and c[-1] >= start + 0.02 and c[-1] >= end - 0.02
+               for name, c in curves.items() if name != DEFAULT)
+
+
 def run_and_read(name: str, overrides: list[str], seed: int, task: str, args, folder: pathlib.Path) -> dict:
     if not (args.reuse and (folder / "heldout.jsonl").exists()):
         learning.run_one("default", seed, args.steps, args.every, overrides, folder, args.timeout,
@@ -84,6 +98,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--every", type=int, default=10, help="checkpoint (and evaluate) every this many steps")
     parser.add_argument("--mismatch", action="store_true", help="also the deliberately mismatched runs")
+    parser.add_argument("--mismatch-corrections", default="",
+                        help="the corrections the mismatched run is tried with besides none (default: the best, "
+                             "or tis where none is the best)")
     parser.add_argument("--tag", default="")
     parser.add_argument("--reuse", action="store_true", help="keep runs already finished and evaluated")
     parser.add_argument("--timeout", type=float, default=3600.0)
@@ -129,12 +146,15 @@ def main() -> None:
     kept = "na"
     mismatched: dict[str, dict] = {}
     if args.mismatch:
-        for name in dict.fromkeys([DEFAULT, best if best != DEFAULT else "tis"]):
+        tried = [n.strip() for n in args.mismatch_corrections.split(",") if n.strip()] or \
+            [best if best != DEFAULT else "tis"]
+        unknown = sorted(set(tried) - set(CORRECTIONS))
+        if unknown:
+            raise SystemExit(f"--mismatch-corrections: unknown {unknown}; of {', '.join(CORRECTIONS)}")
+        for name in dict.fromkeys([DEFAULT, *tried]):
             mismatched[name] = run_and_read(f"{name} (mismatched)", [*CORRECTIONS[name], *MISMATCH], seeds[0],
                                             "default", args, runs / f"mismatch-{name}-s{seeds[0]}")
-        start = mismatched[DEFAULT]["curve"][0]["accuracy"]
-        plain, corrected = (mismatched[n]["curve"][-1]["accuracy"] for n in mismatched)
-        kept = "1" if plain <= start + 0.02 and corrected >= plain + 0.02 else "0"
+        kept = "1" if collapse_kept(mismatched) else "0"
         for name, run in mismatched.items():
             curve = " / ".join(f"{100 * p['accuracy']:.1f}" for p in run["curve"])
             lines.append(f"| default, mismatched | {name} | {curve} | {run['gap_p99']:.3f} | {run['gap_mean']:.4f} | "
