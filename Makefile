@@ -59,6 +59,10 @@ typecheck: venv
 	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/rlflow
 	for f in rlflow/*; do ln -s "$(CURDIR)/$$f" $(TYPECHECK)/rlflow/; done
 	ln -s "$(CURDIR)/protocol" $(TYPECHECK)/rlflow/protocol
+	# The roles' tables that live in their folders (services/NAME/config.py) are the config's: checked too.
+	mkdir -p $(TYPECHECK)/rlflow/services && ln -s "$(CURDIR)/services/__init__.py" $(TYPECHECK)/rlflow/services/
+	for f in services/*/config.py; do d=$$(dirname $$f); mkdir -p $(TYPECHECK)/rlflow/$$d; \
+		ln -s "$(CURDIR)/$$d/__init__.py" "$(CURDIR)/$$f" $(TYPECHECK)/rlflow/$$d/; done
 	cd $(TYPECHECK) && $(CURDIR)/$(BIN)/mypy --config-file $(CURDIR)/pyproject.toml -p rlflow
 
 bench: venv

@@ -363,8 +363,9 @@ BASE = {
 
 
 def test_gae_needs_a_critic_and_a_critic_needs_gae():
-    with pytest.raises(C.ConfigError, match=r"roles.trainer.engine.advantage = 'gae': reads the column token_advantages, "
-                                            r"which no role of this config attaches \(\[roles.critic\] does"):
+    refused = r"roles.trainer.engine.advantage = 'gae': reads the column token_advantages, which no role of this " \
+              r"config attaches \(\[roles.critic\] does"
+    with pytest.raises(C.ConfigError, match=refused):
         C.build(BASE, {"pools": {"v": None}})
     with pytest.raises(C.ConfigError, match="would ignore the critic's advantages"):
         C.build(BASE, {"roles": {"critic": {"pool": "v"}}}, overrides=["roles.trainer.engine.advantage=grpo"])

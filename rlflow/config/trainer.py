@@ -214,11 +214,11 @@ class TrainerRole(RoleTable, kw_only=True, frozen=True):
         if not isinstance(engine, TorchTrainer):
             return
         if config.run.filter == "signal" and engine.advantage == "gae":
-            raise ConfigError("run.filter", config.run.filter, "the learned values' advantages (advantage = 'gae') "
-                              "are not group-relative: a group with equal rewards still teaches; use filter = 'none'")
+            raise ConfigError("run.filter", config.run.filter, "the critic's advantages (advantage = 'gae') are not "
+                              "group-relative: a group with equal rewards still teaches; use filter = 'none'")
         if config.run.filter == "signal" and engine.distill_coef > 0:
             raise ConfigError("run.filter", config.run.filter, "with distillation (distill_coef > 0) a group with "
-                              "equal rewards still learns from the reference model; use filter = 'none'")
+                              "equal rewards still learns from the teacher; use filter = 'none'")
         attached = frozenset().union(*(role.attaches() for _, role in config.role_items()))
         for key, value, column in self.reads(config):
             if column not in attached:
