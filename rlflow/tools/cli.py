@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--task", metavar="DATASET",
                     help="the embedded default on a reasoning-gym dataset, scored by its own verifier, from the model "
                          "`rlflow model build --task DATASET` builds for it (built first if need be), the trainer's "
-                         "lr that model's (1e-3)")
+                         "lr that model's (rlflow.taskmodel.TASK_LR: 5e-4)")
     up.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY.PATH=VALUE",
                     help="override one config value (repeatable)")
     up.add_argument("--steps", type=int, help="optimizer steps (same as --set run.steps=N)")
