@@ -92,7 +92,8 @@ def test_a_kl_penalty_needs_a_teacher_only_for_another_reference():
             "kind": "torch", "kl_coef": 0.1, "kl_in": "loss", "lora": {"reference": "base"}}}},
     }
     C.build(base)
-    with pytest.raises(C.ConfigError, match="roles.trainer.engine.kl_coef = 0.1: needs a teacher"):
+    with pytest.raises(C.ConfigError, match=r"roles.trainer.engine.kl_coef = 0.1: reads the column teacher_logprobs, "
+                                            r"which no role of this config attaches \(\[roles.teacher\] does"):
         C.build(base, {"roles": {"trainer": {"engine": {"lora": {"reference": "teacher"}}}}})
     with pytest.raises(C.ConfigError, match="roles.trainer.engine.kl_in = 'reward': with lora.reference = 'base' "
                                             "and several trainer ranks"):
