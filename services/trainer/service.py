@@ -102,6 +102,9 @@ class TrainerService(Service):
         self._checksum = ""
         #: The newest generation of the weight group the controller asked for (0: the first).
         self._asked = 0
+        #: What the run's roles that attach columns say of them each step (`RoleSpec.batch_stats`), resolved once.
+        self._stats_of = [hook(role.batch_stats) for role in ROLES
+                          if role.batch_stats and getattr(self.config.roles, role.name, None) is not None]
 
     def queues(self) -> dict[str, int]:
         return {"groups": len(self.buffer)}
@@ -300,11 +303,7 @@ class TrainerService(Service):
 
     def _batch_stats(self, batch: SampleBatch) -> dict[str, float]:
         """What the roles of this run that attached columns say of them in this step (`RoleSpec.batch_stats`)."""
-        out: dict[str, float] = {}
-        for role in ROLES:
-            if role.batch_stats and getattr(self.config.roles, role.name, None) is not None:
-                out.update(hook(role.batch_stats)(batch, self.step))
-        return out
+        return {key: value for stats_of in self._stats_of for key, value in stats_of(batch, self.step).items()}
 
     def _record_lengths(self, batch: SampleBatch, oldest: list[int]) -> None:
         """Per step: the response lengths (for `rlflow plan` to replay) and,
