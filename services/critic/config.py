@@ -8,6 +8,7 @@ from typing import Any, Literal, Union
 from rlflow.config.base import Fraction, NonNegFloat, NonNegInt, PosFloat, PosInt, RoleTable, Table
 from rlflow.config.errors import ConfigError
 from rlflow.config.trainer import SimTrainer, TorchTrainer
+from rlflow.roles import BY_NAME
 
 
 class SimCritic(Table, tag_field="kind", tag="sim", frozen=True):
@@ -87,7 +88,7 @@ class CriticRole(RoleTable, kw_only=True, frozen=True):
     def attaches(self) -> frozenset[str]:
         """Its values, GAE advantages and returns, and the version that computed them (a simulated critic's
         values are 0, so its advantages are the discounted rewards: real all the same)."""
-        return frozenset({"values", "returns", "token_advantages", "critic_versions"})
+        return frozenset(BY_NAME["critic"].attaches)
 
     def check(self, config: Any) -> None:
         """The trainer uses the advantages this role attaches, and a simulated critic is one rank."""
