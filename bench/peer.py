@@ -9,16 +9,20 @@ at rlflow's lr and betas, no weight decay, the gradient's norm clipped at
 1.0), schedule (rlflow's shape, over the steps each trainer makes in the
 `--peer-time` budget: the default's as many as its pace fits in it, measured
 first by a run of its shipped steps, `--default-budget`; sync's the
-default's; the peer's however many it makes, `--peer-schedule`) and loss (the clipped surrogate at 0.2 /
+default's; the peer's however many it makes, `--peer-schedule`, and
+lockstep's as many as the peer's) and loss (the clipped surrogate at 0.2 /
 0.28, no KL, summed over tokens over every response token of the batch) in
-three trainers, one run at a time with nothing else running, each seed. The
+every trainer, one run at a time with nothing else running, each seed. The
 peer in the configuration a TRL user picks (`--peer-generation`,
 `--peer-precision`; docs/benchmarks.md lists what each gave):
 
     peer     Hugging Face TRL's GRPOTrainer (`bench/peer_trl.py`, in the
              virtual environment `make peer` makes): transformers `generate`,
              fully on-policy, in one process
-    sync     rlflow, run.mode = "sync" (a barrier per step: on-policy)
+    lockstep rlflow, run.mode = "sync", step for step with the peer: the steps
+             the peer made on that seed, its schedule over them
+    sync     rlflow, run.mode = "sync" (a barrier per step: on-policy), the
+             default's steps and schedule
     default  rlflow's embedded default as it ships (async, max_staleness 1)
 
 What cannot match, and why (docs/benchmarks.md lists them too): TRL
@@ -46,11 +50,12 @@ line per task (`--task`, comma-separated; the default task's name is
     RESULT peer task=NAME sync_vs_peer_points=A async_vs_sync_points=D time_to_peer_ratio=R
         time_to_peer_ratio_high=H peer_samples_per_s=P samples_per_s=S      (one line)
 
-A: rlflow sync's held-out accuracy minus the peer's, the worst over the
-step marks of the whole run where both have one (means over seeds; the
-peer's schedule spans its budget, sync's the default's steps, so A holds the
-schedules' difference too: `--peer-schedule steps` puts both on one); D: the default's minus
-sync's at the same marks (worst); R: the default's wall time to the peer's
+A: rlflow's held-out accuracy minus the peer's, step for step: lockstep's
+(its schedule over the steps the peer made, as the peer's spans them) at
+every step mark of the peer's run, the worst (means over seeds; without
+lockstep, sync's, whose schedule spans the default's steps, so that A holds
+the schedules' difference too); D: the default's minus sync's at every
+step mark of the default's run (worst); R: the default's wall time to the peer's
 accuracy at `--peer-time` seconds of training (the first of its marks whose
 mean over seeds reaches it), over `--peer-time`; H: the upper end of R's
 90% bootstrap interval over seeds (`ratio_high`; "na" where a draw never
@@ -78,9 +83,9 @@ ROOT = learning.ROOT
 RESULTS = learning.RESULTS
 RUNS = ROOT / "runs" / "peer"
 PEER_PYTHON = ROOT / ".venv-peer" / "bin" / "python"
-SYSTEMS = ("peer", "sync", "default")
+SYSTEMS = ("peer", "lockstep", "sync", "default")
 #: rlflow's variant (bench/learning.py) of each rlflow system.
-VARIANT = {"sync": "sync", "default": "default"}
+VARIANT = {"lockstep": "sync", "sync": "sync", "default": "default"}
 TARGETS = {"A": -1.5, "D": -1.5, "R": 0.5}
 #: With its schedule over its time budget, the prompts the peer is given: this many times the
 #: schedule's steps (it stops at the end of its budget: 89-100 steps in 420 s on the default task, 1.2-2.7 s a
@@ -167,11 +172,24 @@ def run_peer(seed: int, args, folder: pathlib.Path) -> None:
 
 
 def run_rlflow(system: str, seed: int, args, folder: pathlib.Path) -> None:
-    steps = args.steps if system == "sync" else args.default_steps_now
+    if system == "lockstep":
+        steps = horizon = peer_steps(folder.parent / f"peer-s{seed}")
+    else:
+        steps = args.steps if system == "sync" else args.default_steps_now
+        horizon = args.horizon or args.default_steps_now
     extra = [*args.set, *(args.default_set if system == "default" else []),
-             f"roles.trainer.engine.lr_decay_steps={args.horizon or args.default_steps_now}"]
+             f"roles.trainer.engine.lr_decay_steps={horizon}"]
     learning.run_one(VARIANT[system], seed, steps, args.every, extra, folder, args.timeout,
                      task="" if args.task == "default" else args.task)
+
+
+def peer_steps(folder: pathlib.Path) -> int:
+    """The steps the peer's run in `folder` made (lockstep makes as many, its schedule over them)."""
+    done = folder / "done.json"
+    if not done.exists():
+        raise RuntimeError(f"lockstep runs the peer's steps, and the peer has no finished run in {folder}: "
+                           "run the peer first (--systems peer,lockstep)")
+    return int(json.loads(done.read_text())["steps"])
 
 
 def budget_steps(args, runs: pathlib.Path) -> int:
@@ -268,7 +286,9 @@ def summarise(results: dict[str, dict[int, dict]], args) -> dict:
                 if systems[a]["at_steps"][m] is not None and systems[b]["at_steps"][m] is not None]
         return 100 * min(gaps) if gaps else None
 
-    out["A"], out["D"] = gap("sync", "peer"), gap("default", "sync")
+    out["A_sync"] = gap("sync", "peer")
+    out["A"] = gap("lockstep", "peer") if "lockstep" in systems else out["A_sync"]
+    out["D"] = gap("default", "sync")
     out["R"] = out["target"] = out["time_to_target_s"] = None
     if "peer" in systems and "default" in systems:
         target = systems["peer"]["at_time"][args.peer_time]["accuracy"]
@@ -337,8 +357,9 @@ def plot(results: dict[str, dict[int, dict]], summary: dict, path: pathlib.Path,
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
-    colours = {"peer": "#7f7f7f", "sync": "#1f77b4", "default": "#d62728"}
-    labels = {"peer": "TRL GRPOTrainer (on-policy)", "sync": "rlflow sync", "default": "rlflow default (async)"}
+    colours = {"peer": "#7f7f7f", "lockstep": "#17becf", "sync": "#1f77b4", "default": "#d62728"}
+    labels = {"peer": "TRL GRPOTrainer (on-policy)", "lockstep": "rlflow sync, the peer's steps",
+              "sync": "rlflow sync", "default": "rlflow default (async)"}
     for system, by_seed in results.items():
         mean = summary["systems"][system]["mean"]
         n = len(by_seed)
@@ -379,7 +400,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}")
     parser.add_argument("--steps", type=int, default=0,
-                        help="steps sync runs (0: as many as the default): A and D are read at every mark of them")
+                        help="steps sync runs (0: as many as the default): D is read at every mark of them")
     parser.add_argument("--default-steps", type=int, default=0,
                         help="steps the default runs (0: as --default-budget says)")
     parser.add_argument("--default-budget", choices=("time", "steps"), default="time",
@@ -411,7 +432,8 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="keep runs already finished and evaluated")
     parser.add_argument("--timeout", type=float, default=3600.0)
     args = parser.parse_args()
-    systems = learning.chosen(parser, args.systems, SYSTEMS, "system")
+    # In SYSTEMS' order, whatever the order given: lockstep runs the steps of the peer's run before it.
+    systems = sorted(learning.chosen(parser, args.systems, SYSTEMS, "system"), key=SYSTEMS.index)
     if "peer" in systems and not PEER_PYTHON.exists():
         parser.error(f"the peer's environment is missing ({PEER_PYTHON}): run `make peer` first")
     seeds = [0] if args.quick else [int(s) for s in args.seeds.split(",")]
@@ -464,6 +486,8 @@ def run_task(task: str, seeds: list[int], systems: list[str], args) -> str:
     text = table(summary)
     (RESULTS / f"{name}.md").write_text(f"# {title}\n\n{text}")
     print(text)
+    if summary["A_sync"] is not None and "lockstep" in summary["systems"]:
+        print(f"sync (its schedule over the default's steps) minus the peer, worst: {summary['A_sync']:.1f} points")
     if summary["target"] is not None:
         reached = summary["time_to_target_s"]
         print(f"the peer's accuracy at {args.peer_time} s: {100 * summary['target']:.1f}%; the default reaches it "
