@@ -130,7 +130,8 @@ def peer_plan(seed: int, args, folder: pathlib.Path) -> dict:
         "out": str(folder), "model": model, "seed": seed, "threads": args.peer_threads,
         "task": args.task, "prompts": prompts, "answers": [task.prompt(g, 1).reference for g in groups],
         "rows": [json.dumps(dict(task.row(g))) for g in groups],
-        "prompt_ids": [tokenizer.encode(p, add_special_tokens=False) for p in prompts[:8]],
+        # The token ids rlflow's rollout is given (not the text encoded again): TRL's must be these.
+        "prompt_ids": [list(map(int, task.prompt(g, 1).prompt_ids)) for g in groups[:8]],
         "batch_size": run.batch_size, "samples_per_prompt": run.samples_per_prompt,
         "accumulation": args.peer_accumulation,
         "max_tokens": rollout.max_tokens, "temperature": rollout.temperature, "top_p": rollout.top_p,
