@@ -45,9 +45,9 @@ one before the step, so its log-probabilities are the current ones,
 detached: no extra forward pass is needed.
 
 Teacher terms (see `kl_to_reference`, `topk_reverse_kl`): a KL penalty to a
-frozen reference, and on-policy distillation towards a teacher, by the
+frozen reference, and on-policy distillation towards a reference model, by the
 sampled token's reverse KL as a per-token advantage or by the reverse KL
-over the teacher's top-k tokens as a loss; both are reweighted by the same
+over the reference's top-k tokens as a loss; both are reweighted by the same
 behaviour importance weights as the policy loss.
 
 The loss works on flat per-token tensors (the tokens of every sample of a

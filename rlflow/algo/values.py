@@ -1,8 +1,8 @@
 """A learned value function's side of PPO: per-token rewards, GAE, the
-clipped value loss, and the statistics that say how well the critic fits.
+clipped value loss, and the statistics that say how well the value model fits.
 
 Indexing: a sample's response tokens are ``r_0 .. r_{T-1}``; ``V_t`` is the
-critic's value of the state before ``r_t`` (the prompt and ``r_0 .. r_{t-1}``),
+value model's estimate of the state before ``r_t`` (the prompt and ``r_0 .. r_{t-1}``),
 read at the position whose hidden state predicts ``r_t``, as the policy's
 log-probability of ``r_t`` is. The episode ends after ``r_{T-1}`` (a response
 cut at the length cap too: nothing follows it), so ``V_T = 0``.
@@ -13,7 +13,7 @@ every token. GAE (Schulman et al., 2016)::
 
     delta_t = r_t + gamma * V_{t+1} - V_t
     A_t     = delta_t + gamma * lam * A_{t+1}
-    R_t     = A_t + V_t                  (the critic's regression target)
+    R_t     = A_t + V_t                  (the value model's target)
 
 ``lam = 0`` gives the one-step TD error, ``lam = 1`` the discounted return
 minus the value. In an episode with an environment, the observation tokens
@@ -22,7 +22,7 @@ over the model's own tokens alone (the value after a turn's last token is
 the value before the next turn's first), and an observation token gets
 advantage 0 and its own value as its return (nothing to learn there).
 Everything here but `value_loss` is numpy (the trainer reads the statistics
-of the critic's columns without torch).
+of the value columns without torch).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def batch_gae(batch: Any, values: np.ndarray, gamma: float, lam: float,
     a sample's per-token penalty, already scaled (None: none). Failed samples
     and those without a finite reward get NaN."""
     if batch.rewards is None:
-        raise ValueError("a batch without rewards reached the critic: the reward role comes before it")
+        raise ValueError("a batch without rewards reached the advantage estimate: the reward role comes before it")
     failed = {f.index for f in batch.failures}
     advantages = np.full(batch.n_tokens, np.nan, np.float32)
     returns = np.full(batch.n_tokens, np.nan, np.float32)
@@ -118,7 +118,7 @@ def whiten(x: np.ndarray, eps: float = 1e-8) -> np.ndarray:
 def centre_by_returns(advantages: np.ndarray, returns: np.ndarray, eps: float = 1e-8) -> np.ndarray:
     """`advantages` less their mean, over the standard deviation of `returns`
     (the same tokens'): the step's advantages in units of how much its
-    outcomes vary. Unlike `whiten`, a critic that fits well leaves small
+    outcomes vary. Unlike `whiten`, a value model that fits well leaves small
     advantages small (its residuals are not blown up to unit size), and a
     batch whose returns do not vary, with nothing to teach, gets 0."""
     advantages, returns = np.asarray(advantages, np.float64), np.asarray(returns, np.float64)

@@ -6,8 +6,8 @@ One module per job:
   tagged unions on a ``kind`` key for alternatives (which engine a role runs)
   and a docstring on every field: `schema` (the root, `Config`, and the
   tables of no role), one module per role, named after it (its
-  `[roles.NAME]` table, its engines and its own checks; the teacher's and
-  the critic's are ``config`` in their folders under ``services/``),
+  `[roles.NAME]` table, its engines and its own checks; some roles'
+  are ``config`` in their folders under ``services/``),
   `run` (`[run]` and `[task]`), `cluster` (`[cluster]`, `[pools.NAME]`),
   and `base` (what they share: `Table`, bounded numbers, distributions, and
   `RoleTable` / `StartedRole`, the fields every role's table has);

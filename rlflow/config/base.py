@@ -4,7 +4,7 @@ role's table (`RoleTable`: its pool and replicas; `StartedRole` adds
 `launch`, for the roles a user may start, and the checks and predicates a
 role's table answers for itself). Each role's own tables live in a module
 named after it (here, or ``config`` in the role's folder under ``services/``,
-as the teacher's and the critic's); `schema` puts them together into
+as some roles' own); `schema` puts them together into
 `Config`.
 """
 

@@ -26,13 +26,13 @@ class ClusterConfig(Table, frozen=True):
     """Seconds between service heartbeats (longer in a run of more than 50 replicas: the controller asks
     for at most 100 a second of them all)."""
     heartbeat_timeout_s: PosFloat = 60.0
-    """A service silent for this long is presumed dead (restarted, but for the trainer and the critic, whose
+    """A service silent for this long is presumed dead (restarted, but for the roles that train, whose
     loss stops the run)."""
     progress_timeout_s: PosFloat = 300.0
-    """A replica (not the trainer's or the critic's) that holds work but makes no progress (no decode step, no
+    """A replica (not of a role that trains) that holds work but makes no progress (no decode step, no
     finished group) for this long is presumed hung, and restarted."""
     max_restarts: NonNegInt = 3
-    """Deaths of a replica, the trainer's and the critic's aside (dying, hanging, going silent), within
+    """Deaths of a replica, those of the roles that train aside (dying, hanging, going silent), within
     `restart_window_s` after which it is not restarted again but given up on (the run goes on with the
     role's other replicas, if it has any): a long run survives a death a day."""
     restart_window_s: PosFloat = 3600.0

@@ -1,5 +1,5 @@
 """The trainer's torch engine: a Hugging Face causal LM trained with GRPO / RLOO,
-or with PPO's per-token GAE advantages from the critic role.
+or with PPO's per-token GAE advantages from the batch's columns.
 
 The model class is the Hugging Face class of the rollout's model, so the
 names of its parameters are the names vLLM loads. One optimizer step per
@@ -224,7 +224,7 @@ class TorchEngine:
 
     def _prepare_gae(self, batch: SampleBatch, rows: list, ranks: int,
                      stats: dict[str, float]) -> tuple[dict[str, float], list[SampleBatch]]:
-        """advantage = "gae": the critic's per-token advantages, scaled over the
+        """advantage = "gae": the per-token advantages the batch carries, scaled over the
         step's tokens if asked; every sample with a response is trained on (one
         sample per prompt has no group to compare within)."""
         if batch.token_advantages is None:
@@ -319,7 +319,7 @@ class TorchEngine:
         logits = logits.float() if self.mixed else logits
         targets = packed.targets.to(device)
         if w > 0 and cfg.distill == "topk":
-            # The sampled token and the teacher's top k from one log-softmax: a single
+            # The sampled token and the reference's top k from one log-softmax: a single
             # [tokens, vocabulary] gradient in the backward pass, as for plain GRPO.
             topk = column(part, "teacher_topk_ids", keep).long().to(device)
             both = logprobs_at(logits, torch.cat([targets.unsqueeze(-1), topk], dim=-1), self.temperature)
@@ -329,10 +329,10 @@ class TorchEngine:
         behaviour = column(part, "logprobs", keep).to(device)
         adv = torch.cat([a.repeat(len(r.response_ids)) for a, r in zip(advantages, part)])
         adv = (adv if keep is None else adv[keep]).to(device)
-        if cfg.advantage == "gae":  # per token, from the critic
+        if cfg.advantage == "gae":  # per token, from the batch
             adv = column(part, "token_advantages", keep).to(device)
         if w > 0 and cfg.distill == "sampled":
-            # The sampled token's reverse KL to the teacher, as an advantage.
+            # The sampled token's reverse KL to the reference, as an advantage.
             adv = (1 - w) * adv + w * (column(part, "teacher_logprobs", keep).to(device) - behaviour)
         sample = _sample_of(part, keep).to(device)
         out = policy_loss(logprobs, logprobs.detach(), behaviour, adv, self.loss_cfg, sample)
