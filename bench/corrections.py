@@ -72,10 +72,23 @@ def collapse_kept(mismatched: dict[str, dict]) -> bool:
                for name, c in curves.items() if name != DEFAULT)
 
 
+def task_overrides(parser: argparse.ArgumentParser, given: list[str], tasks: list[str]) -> dict[str, list[str]]:
+    """`--task-set TASK:KEY=VALUE`, each to the runs of that task only (a reasoning-gym dataset's options)."""
+    out: dict[str, list[str]] = {task: [] for task in tasks}
+    for item in given:
+        task, sep, override = item.partition(":")
+        if not sep or "=" not in override:
+            parser.error(f"--task-set {item!r}: expected TASK:KEY=VALUE")
+        if task not in out:
+            parser.error(f"--task-set {item!r}: {task!r} is not one of --tasks ({', '.join(tasks)})")
+        out[task].append(override)
+    return out
+
+
 def run_and_read(name: str, overrides: list[str], seed: int, task: str, args, folder: pathlib.Path) -> dict:
     if not (args.reuse and (folder / "heldout.jsonl").exists()):
-        learning.run_one("default", seed, args.steps, args.every, overrides, folder, args.timeout,
-                         task="" if task == "default" else task)
+        learning.run_one("default", seed, args.steps, args.every, [*overrides, *args.per_task.get(task, [])],
+                         folder, args.timeout, task="" if task == "default" else task)
         learning.evaluate_in_child(folder, args.timeout)
     run = learning.read_run(folder)
     metrics = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -93,6 +106,9 @@ def main() -> None:
     parser.add_argument("--corrections", default=",".join(CORRECTIONS), help=f"of {', '.join(CORRECTIONS)}")
     parser.add_argument("--tasks", default="default,spell_backward",
                         help="default, or reasoning-gym datasets (each with its built model: rlflow up --task)")
+    parser.add_argument("--task-set", action="append", default=[], metavar="TASK:KEY=VALUE",
+                        help="a config override for the runs of one task only, e.g. "
+                             "word_sequence_reversal:task.options.max_words=4 (repeatable)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--quick", action="store_true", help="one seed (0), the default task, 60 steps")
     parser.add_argument("--steps", type=int, default=120)
@@ -112,6 +128,7 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.quick:
         tasks, seeds, args.steps = ["default"], [0], 60
+    args.per_task = task_overrides(parser, args.task_set, tasks)
     if args.steps % args.every:
         parser.error(f"--steps {args.steps} is not a multiple of --every {args.every}")
     runs = RUNS / (args.tag or "default")
