@@ -344,12 +344,12 @@ def test_a_batch_without_the_critics_columns_is_refused_by_a_gae_trainer(model_p
     from rlflow.services.trainer.torch_engine import TorchEngine
 
     engine = TorchEngine(C.TorchTrainer(advantage="gae"), str(model_path))
-    with pytest.raises(ValueError, match="without the critic's advantages"):
+    with pytest.raises(ValueError, match="without the column token_advantages reached"):
         engine.prepare(_batch(), 1)
     batch = _batch()
     advantages = msgspec.structs.replace(batch,
                                          token_advantages=Tensor.from_numpy(np.zeros(batch.n_tokens, np.float32)))
-    with pytest.raises(ValueError, match="without the critic's returns"):
+    with pytest.raises(ValueError, match="without the column returns reached"):
         engine.prepare(advantages, 1)
 
 
