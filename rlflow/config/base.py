@@ -81,6 +81,9 @@ class RoleTable(Table, frozen=True):
     """Replicas; they share the stream."""
     #: Whether its engine, unless simulated, loads the policy's model or its tokenizer.
     uses_policy: ClassVar[bool] = False
+    #: Its keys given a new name, relative to the table (old -> (new, why)): a config with the old
+    #: one is refused, naming the new (`rlflow.config.loading`).
+    renamed: ClassVar[dict[str, tuple[str, str]]] = {}
 
     def check(self, config: Any) -> None:
         """Checks of this table against the rest of `config` (a `Config`) that the schema cannot make

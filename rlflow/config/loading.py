@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import pathlib
 import tomllib
+import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ import tomli_w
 from rlflow.config.checks import check
 from rlflow.config.errors import ConfigError
 from rlflow.config.explain import explain, walk
-from rlflow.config.schema import Config
+from rlflow.config.schema import Config, RolesConfig
 
 
 def default_config_path() -> pathlib.Path:
@@ -112,14 +113,18 @@ def _resolve(raw: dict[str, Any], overrides: Sequence[str]) -> Config:
     return from_dict(raw)
 
 
-#: Keys given a new name (old key -> new key): a config with the old one is refused with the new one named.
+def _renamed() -> dict[str, tuple[str, str]]:
+    """Every key given a new name, old -> (new, why), each role's from its table (`RoleTable.renamed`)."""
+    out = {}
+    for role, hint in typing.get_type_hints(RolesConfig).items():
+        for table in typing.get_args(hint) or (hint,):
+            for old, (new, why) in getattr(table, "renamed", {}).items():
+                out[f"roles.{role}.{old}"] = (f"roles.{role}.{new}", why)
+    return out
+
+
 #: Keys renamed: old -> (new, why). A config with the old name is refused, naming the new.
-RENAMED = {
-    "roles.critic.max_staleness": ("roles.critic.max_steps_owed",
-                                   "one name per meaning: run.max_staleness is the policy's bound"),
-    "roles.trainer.engine.tis_cap": ("roles.trainer.engine.correction_high",
-                                     "with correction = 'truncate' and decoupled = true; 0 was correction = 'none'"),
-}
+RENAMED = _renamed()
 
 
 def _refuse_renamed(raw: dict[str, Any]) -> None:

@@ -197,6 +197,8 @@ class TrainerRole(RoleTable, kw_only=True, frozen=True):
     """The role that trains the policy."""
 
     uses_policy = True
+    renamed = {"engine.tis_cap": ("engine.correction_high",
+                                  "with correction = 'truncate' and decoupled = true; 0 was correction = 'none'")}
 
     pool: str
     """Name of the pool its replicas run on."""

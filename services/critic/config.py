@@ -61,6 +61,7 @@ class CriticRole(RoleTable, kw_only=True, frozen=True):
     batch on, then trains itself on it, while the trainer takes its own step."""
 
     uses_policy = True
+    renamed = {"max_staleness": ("max_steps_owed", "one name per meaning: run.max_staleness is the policy's bound")}
 
     pool: str
     """Name of the pool its replicas run on."""
