@@ -257,6 +257,15 @@ def mean_at(runs: list[dict], step: int) -> float | None:
     return statistics.fmean(points) if points and None not in points else None
 
 
+def reward_at(runs: list[dict], step: int, width: int) -> float | None:
+    """The training reward of steps `step - width + 1` to `step` (the samples each step trained on), mean over
+    the seeds; None where a run has not made those steps."""
+    windows = [r["reward"][step - width:step] for r in runs]
+    if any(len(w) < width or None in w for w in windows):
+        return None
+    return statistics.fmean(v for w in windows for v in w)
+
+
 def summarise(results: dict[str, dict[int, dict]], args) -> dict:
     # Every mark of the whole run: each pair compared where both have evaluated (the peer stops at its budget).
     last = max((p["step"] for by_seed in results.values() for r in by_seed.values() for p in r["curve"]), default=0)
@@ -273,6 +282,7 @@ def summarise(results: dict[str, dict[int, dict]], args) -> dict:
         out["systems"][system] = {
             "seeds": sorted(by_seed), "mean": mean, "at_steps": {m: mean_at(runs, m) for m in marks},
             "at_time": by_time,
+            "reward_at": {m: reward_at(runs, m, args.mark_every) for m in marks},
             "samples_per_s": statistics.fmean(r["samples_per_s"] for r in runs),
             "seconds_per_step": statistics.fmean(r["time_s"] / r["steps"] for r in runs),
             "grad_norm": statistics.fmean(r["grad_norm"] for r in runs),
@@ -290,6 +300,18 @@ def summarise(results: dict[str, dict[int, dict]], args) -> dict:
     out["A_sync"] = gap("sync", "peer")
     out["A"] = gap("lockstep", "peer") if "lockstep" in systems else out["A_sync"]
     out["D"] = gap("default", "sync")
+
+    def reward_gap(a: str, b: str) -> float | None:
+        if a not in systems or b not in systems:
+            return None
+        pairs = [(systems[a]["reward_at"][m], systems[b]["reward_at"][m]) for m in marks]
+        gaps = [x - y for x, y in pairs if x is not None and y is not None]
+        return 100 * min(gaps) if gaps else None
+
+    # A and D again over the training reward: every trainer draws the same prompts in the same order, so
+    # a window compares the policies on the same problems (a held-out reading adds its own noise).
+    out["A_reward"] = reward_gap("lockstep" if "lockstep" in systems else "sync", "peer")
+    out["D_reward"] = reward_gap("default", "sync")
     out["R"] = out["target"] = out["time_to_target_s"] = None
     if "peer" in systems and "default" in systems:
         target = systems["peer"]["at_time"][args.peer_time]["accuracy"]
@@ -340,6 +362,15 @@ def table(summary: dict) -> str:
               "", "| seconds | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
     for t in summary["time_marks"]:
         lines.append(f"| {t} | " + " | ".join(cell(s["at_time"][t]) for s in systems.values()) + " |")
+    width = summary["marks"][0] if summary["marks"] else 0
+    lines += ["", f"Training reward (%) of the {width} steps to each mark (the samples each trained on, drawn from the "
+              "same prompts in the same order), mean over seeds:", "",
+              "| steps | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    for m in summary["marks"]:
+        values = [s["reward_at"][m] for s in systems.values()]
+        if any(v is not None for v in values):
+            lines.append(f"| {m - width + 1}-{m} | " + " | ".join("" if v is None else f"{100 * v:.1f}"
+                                                                  for v in values) + " |")
 
     def fmt(x, spec=".1f"):
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
@@ -489,6 +520,11 @@ def run_task(task: str, seeds: list[int], systems: list[str], args) -> str:
     print(text)
     if summary["A_sync"] is not None and "lockstep" in summary["systems"]:
         print(f"sync (its schedule over the default's steps) minus the peer, worst: {summary['A_sync']:.1f} points")
+    for key, label in (("A_reward", "lockstep" if "lockstep" in summary["systems"] else "sync"),
+                       ("D_reward", "default")):
+        if summary[key] is not None:
+            against = "the peer" if key == "A_reward" else "sync"
+            print(f"training reward, {label} minus {against}, worst window: {summary[key]:.1f} points")
     if summary["target"] is not None:
         reached = summary["time_to_target_s"]
         print(f"the peer's accuracy at {args.peer_time} s: {100 * summary['target']:.1f}%; the default reaches it "
