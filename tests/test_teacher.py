@@ -208,11 +208,13 @@ def test_a_kl_penalty_in_the_loss_or_the_reward_keeps_the_policy_near_the_refere
 def test_a_batch_without_the_teachers_column_is_refused_by_a_trainer_that_reads_it(teacher_path):
     from rlflow.services.trainer.torch_engine import TorchEngine
 
-    engine = TorchEngine(C.TorchTrainer(distill_coef=0.5), str(teacher_path))
+    engine = TorchEngine(C.TorchTrainer(distill_coef=0.5, distill="topk"), str(teacher_path))
     scored = teacher_batch(engine.model, load_teacher(str(teacher_path)))
-    with pytest.raises(ValueError, match="without the column teacher_logprobs reached"):
-        engine.prepare(msgspec.structs.replace(scored, teacher_logprobs=None), 1)
-    stats, _ = engine.prepare(scored, 1)  # the same batch with the column passes
+    for left_out, column, key in ((("teacher_logprobs",), "teacher_logprobs", "distill_coef = 0.5"),
+                                  (("teacher_topk_ids", "teacher_topk_logprobs"), "teacher_topk_ids", "distill = 'topk'")):
+        with pytest.raises(ValueError, match=f"a batch without the column {column} reached a trainer with {key}$"):
+            engine.prepare(msgspec.structs.replace(scored, **dict.fromkeys(left_out)), 1)
+    stats, _ = engine.prepare(scored, 1)  # the same batch with its columns passes
     assert stats["kl_teacher"] == pytest.approx(0.0, abs=1e-4)
 
 

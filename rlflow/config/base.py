@@ -11,6 +11,7 @@ as some roles' own); `schema` puts them together into
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 import msgspec
@@ -83,7 +84,7 @@ class RoleTable(Table, frozen=True):
     uses_policy: ClassVar[bool] = False
     #: Its keys given a new name, relative to the table (old -> (new, why)): a config with the old
     #: one is refused, naming the new (`rlflow.config.loading`).
-    renamed: ClassVar[dict[str, tuple[str, str]]] = {}
+    renamed: ClassVar[Mapping[str, tuple[str, str]]] = {}
 
     def check(self, config: Any) -> None:
         """Checks of this table against the rest of `config` (a `Config`) that the schema cannot make

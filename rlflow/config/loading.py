@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import pathlib
 import tomllib
-import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,7 +22,7 @@ import tomli_w
 from rlflow.config.checks import check
 from rlflow.config.errors import ConfigError
 from rlflow.config.explain import explain, walk
-from rlflow.config.schema import Config, RolesConfig
+from rlflow.config.schema import Config, RolesConfig, struct_classes
 
 
 def default_config_path() -> pathlib.Path:
@@ -116,10 +115,12 @@ def _resolve(raw: dict[str, Any], overrides: Sequence[str]) -> Config:
 def _renamed() -> dict[str, tuple[str, str]]:
     """Every key given a new name, old -> (new, why), each role's from its table (`RoleTable.renamed`)."""
     out = {}
-    for role, hint in typing.get_type_hints(RolesConfig).items():
-        for table in typing.get_args(hint) or (hint,):
+    roles = msgspec.inspect.type_info(RolesConfig)
+    assert isinstance(roles, msgspec.inspect.StructType)
+    for field in roles.fields:
+        for table in struct_classes(field.type):
             for old, (new, why) in getattr(table, "renamed", {}).items():
-                out[f"roles.{role}.{old}"] = (f"roles.{role}.{new}", why)
+                out[f"roles.{field.encode_name}.{old}"] = (f"roles.{field.encode_name}.{new}", why)
     return out
 
 

@@ -189,6 +189,24 @@ class TorchTrainer(Table, tag_field="kind", tag="torch", frozen=True):
     does: a well-fitted critic's residuals, noise, are blown up to unit size and the policy follows them);
     none: as the critic made them."""
 
+    def reads(self, base_reference: bool = False) -> list[tuple[str, Any, str]]:
+        """(key, value, column): the columns of `SampleBatch` that its settings read, each with the setting
+        that reads it (GAE the per-token advantages; a KL penalty, but to the base of a LoRA adapter
+        (`base_reference`), and distillation a reference model's log-probabilities; distillation over the
+        top k their top k). The config is checked against them (`TrainerRole.check`), and each batch."""
+        out: list[tuple[str, Any, str]] = []
+        if self.advantage == "gae":
+            out.append(("advantage", "gae", "token_advantages"))
+        if self.advantage == "gae" and self.advantage_norm == "returns":
+            out.append(("advantage_norm", "returns", "returns"))
+        if self.kl_coef > 0 and not base_reference:
+            out.append(("kl_coef", self.kl_coef, "teacher_logprobs"))
+        if self.distill_coef > 0:
+            out.append(("distill_coef", self.distill_coef, "teacher_logprobs"))
+        if self.distill_coef > 0 and self.distill == "topk":
+            out += [("distill", "topk", "teacher_topk_ids"), ("distill", "topk", "teacher_topk_logprobs")]
+        return out
+
 
 TrainerEngine = Union[SimTrainer, TorchTrainer]
 
@@ -230,21 +248,8 @@ class TrainerRole(RoleTable, kw_only=True, frozen=True):
                                   "unless its engine is simulated and makes them up)")
 
     def reads(self, config: Any) -> list[tuple[str, Any, str]]:
-        """(key, value, column): the columns of `SampleBatch` that its settings read, each with the setting
-        that reads it (GAE the per-token advantages; a KL penalty, but to the base of a LoRA adapter, and
-        distillation a reference model's log-probabilities; distillation over the top k their top k)."""
+        """(key, value, column): the columns of `SampleBatch` that its engine's settings read
+        (`TorchTrainer.reads`, a LoRA adapter's KL penalty to its base read by the trainer itself)."""
         engine = self.engine
         assert isinstance(engine, TorchTrainer)
-        out: list[tuple[str, Any, str]] = []
-        if engine.advantage == "gae":
-            out.append(("advantage", "gae", "token_advantages"))
-        if engine.advantage == "gae" and engine.advantage_norm == "returns":
-            out.append(("advantage_norm", "returns", "returns"))
-        base_reference = config.lora is not None and config.lora.reference == "base"
-        if engine.kl_coef > 0 and not base_reference:
-            out.append(("kl_coef", engine.kl_coef, "teacher_logprobs"))
-        if engine.distill_coef > 0:
-            out.append(("distill_coef", engine.distill_coef, "teacher_logprobs"))
-        if engine.distill_coef > 0 and engine.distill == "topk":
-            out += [("distill", "topk", "teacher_topk_ids"), ("distill", "topk", "teacher_topk_logprobs")]
-        return out
+        return engine.reads(base_reference=config.lora is not None and config.lora.reference == "base")

@@ -148,11 +148,12 @@ class TorchEngine:
         """What needs the whole batch: the batch's statistics, and the samples to
         train on (each with its advantage) dealt into `ranks` shares by tokens."""
         cfg = self.cfg
+        for key, value, column in cfg.reads(self.base_reference):
+            if getattr(batch, column) is None:
+                raise ValueError(f"a batch without the column {column} reached a trainer with {key} = {value!r}")
         rows = list(samples(batch))
         w = cfg.distill_coef
         reference_terms = w > 0 or (cfg.kl_coef > 0 and not self.base_reference)
-        if reference_terms and any(r.teacher_logprobs is None for r in rows):
-            raise ValueError("a sample without the column teacher_logprobs reached a trainer that reads it")
         rewards = torch.tensor([r.reward if r.reward is not None else math.nan for r in rows], dtype=torch.float32)
         if torch.isnan(rewards).any() and w < 1:
             raise ValueError("a sample without a reward reached the trainer")
@@ -227,10 +228,7 @@ class TorchEngine:
         """advantage = "gae": the per-token advantages the batch carries, scaled over the
         step's tokens if asked; every sample with a response is trained on (one
         sample per prompt has no group to compare within)."""
-        if batch.token_advantages is None:
-            raise ValueError("a batch without the column token_advantages reached a trainer with advantage = 'gae'")
-        if batch.returns is None and self.cfg.advantage_norm == "returns":
-            raise ValueError("a batch without the column returns reached a trainer with advantage_norm = 'returns'")
+        assert batch.token_advantages is not None  # `prepare` refused a batch without the columns it reads
         chosen = [i for i in range(len(rows)) if len(rows[i].response_ids) > 0]
         trained = take(batch, chosen)
         tokens = trained.token_advantages.numpy().astype(np.float64)
