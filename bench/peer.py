@@ -61,6 +61,11 @@ mean over seeds reaches it), over `--peer-time`; H: the upper end of R's
 90% bootstrap interval over seeds (`ratio_high`; "na" where a draw never
 reaches it); P, S: the peer's and the default's samples per second.
 Targets: A >= -1.5, D >= -1.5, H <= 0.5.
+
+Before it, A and D read again over the training reward (printed, not in the RESULT line): the mean
+reward of the samples each trainer drew over the `--mark-every` steps to each mark, drawn by the
+policies after the steps before them (the default's one version older, and taken in the order they
+finished), from the same prompts in the same order (`reward_at`).
 """
 
 from __future__ import annotations
@@ -258,10 +263,11 @@ def mean_at(runs: list[dict], step: int) -> float | None:
 
 
 def reward_at(runs: list[dict], step: int, width: int) -> float | None:
-    """The training reward of steps `step - width + 1` to `step` (the samples each step trained on), mean over
-    the seeds; None where a run has not made those steps."""
+    """The training reward of steps `step - width + 1` to `step` (the samples those steps trained on, drawn
+    by the policies after steps `step - width` to `step - 1`), mean over the seeds; None where a run has not
+    made those steps or logged no reward in one."""
     windows = [r["reward"][step - width:step] for r in runs]
-    if any(len(w) < width or None in w for w in windows):
+    if any(len(w) < width or any(v is None or math.isnan(v) for v in w) for w in windows):
         return None
     return statistics.fmean(v for w in windows for v in w)
 
@@ -290,28 +296,23 @@ def summarise(results: dict[str, dict[int, dict]], args) -> dict:
         }
     systems = out["systems"]
 
-    def gap(a: str, b: str) -> float | None:
+    def gap(a: str, b: str, reading: str = "at_steps") -> float | None:
+        """The worst of `a`'s `reading` minus `b`'s over the marks both have, in points."""
         if a not in systems or b not in systems:
             return None
-        gaps = [systems[a]["at_steps"][m] - systems[b]["at_steps"][m] for m in marks
-                if systems[a]["at_steps"][m] is not None and systems[b]["at_steps"][m] is not None]
-        return 100 * min(gaps) if gaps else None
-
-    out["A_sync"] = gap("sync", "peer")
-    out["A"] = gap("lockstep", "peer") if "lockstep" in systems else out["A_sync"]
-    out["D"] = gap("default", "sync")
-
-    def reward_gap(a: str, b: str) -> float | None:
-        if a not in systems or b not in systems:
-            return None
-        pairs = [(systems[a]["reward_at"][m], systems[b]["reward_at"][m]) for m in marks]
+        pairs = [(systems[a][reading][m], systems[b][reading][m]) for m in marks]
         gaps = [x - y for x, y in pairs if x is not None and y is not None]
         return 100 * min(gaps) if gaps else None
 
-    # A and D again over the training reward: every trainer draws the same prompts in the same order, so
-    # a window compares the policies on the same problems (a held-out reading adds its own noise).
-    out["A_reward"] = reward_gap("lockstep" if "lockstep" in systems else "sync", "peer")
-    out["D_reward"] = reward_gap("default", "sync")
+    out["A_from"] = "lockstep" if "lockstep" in systems else "sync"
+    out["A_sync"] = gap("sync", "peer")
+    out["A"] = gap(out["A_from"], "peer")
+    out["D"] = gap("default", "sync")
+    # A and D again over the training reward: the trainers draw the same prompts in the same order, so a
+    # window compares the policies on the same problems (a held-out reading adds its own noise).
+    out["mark_every"] = args.mark_every
+    out["A_reward"] = gap(out["A_from"], "peer", "reward_at")
+    out["D_reward"] = gap("default", "sync", "reward_at")
     out["R"] = out["target"] = out["time_to_target_s"] = None
     if "peer" in systems and "default" in systems:
         target = systems["peer"]["at_time"][args.peer_time]["accuracy"]
@@ -362,9 +363,10 @@ def table(summary: dict) -> str:
               "", "| seconds | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
     for t in summary["time_marks"]:
         lines.append(f"| {t} | " + " | ".join(cell(s["at_time"][t]) for s in systems.values()) + " |")
-    width = summary["marks"][0] if summary["marks"] else 0
-    lines += ["", f"Training reward (%) of the {width} steps to each mark (the samples each trained on, drawn from the "
-              "same prompts in the same order), mean over seeds:", "",
+    width = summary["mark_every"]
+    lines += ["", f"Training reward (%) of the {width} steps to each mark: the samples those steps trained on, "
+              f"from the same prompts in the same order, drawn by the policies after the {width} steps before them "
+              "(the default's one version older), mean over seeds:", "",
               "| steps | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
     for m in summary["marks"]:
         values = [s["reward_at"][m] for s in systems.values()]
@@ -520,8 +522,7 @@ def run_task(task: str, seeds: list[int], systems: list[str], args) -> str:
     print(text)
     if summary["A_sync"] is not None and "lockstep" in summary["systems"]:
         print(f"sync (its schedule over the default's steps) minus the peer, worst: {summary['A_sync']:.1f} points")
-    for key, label in (("A_reward", "lockstep" if "lockstep" in summary["systems"] else "sync"),
-                       ("D_reward", "default")):
+    for key, label in (("A_reward", summary["A_from"]), ("D_reward", "default")):
         if summary[key] is not None:
             against = "the peer" if key == "A_reward" else "sync"
             print(f"training reward, {label} minus {against}, worst window: {summary[key]:.1f} points")
