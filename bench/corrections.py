@@ -72,16 +72,39 @@ def collapse_kept(mismatched: dict[str, dict]) -> bool:
                for name, c in curves.items() if name != DEFAULT)
 
 
-def task_overrides(parser: argparse.ArgumentParser, given: list[str], tasks: list[str]) -> dict[str, list[str]]:
-    """`--task-set TASK:KEY=VALUE`, each to the runs of that task only (a reasoning-gym dataset's options)."""
+#: Keys the bench sets itself (each correction's, the mismatched run's, a run's length and marks): not
+#: for `--task-set`, whose overrides would win over them.
+OWN_KEYS = ("run.seed", "run.steps", f"{ENGINE}.checkpoint_every", "eval.",
+            *(o.split("=")[0] for overrides in [*CORRECTIONS.values(), MISMATCH] for o in overrides))
+
+
+def task_overrides(parser: argparse.ArgumentParser, given: list[str], tasks: list[str],
+                   quick: bool) -> dict[str, list[str]]:
+    """`--task-set TASK:KEY=VALUE`, each to the runs of that task only (a reasoning-gym dataset's options),
+    each task's config loaded with them first, so that a key the schema refuses fails before any run."""
+    from rlflow import config as C
+    from rlflow.taskmodel import task_config
+
     out: dict[str, list[str]] = {task: [] for task in tasks}
     for item in given:
         task, sep, override = item.partition(":")
+        key = override.split("=")[0].strip()
         if not sep or "=" not in override:
             parser.error(f"--task-set {item!r}: expected TASK:KEY=VALUE")
         if task not in out:
-            parser.error(f"--task-set {item!r}: {task!r} is not one of --tasks ({', '.join(tasks)})")
+            parser.error(f"--task-set {item!r}: {task!r} is not one of the tasks run "
+                         f"({', '.join(tasks)}{', as --quick says' if quick else ''})")
+        if key.startswith(OWN_KEYS):
+            parser.error(f"--task-set {item!r}: the bench sets {key} itself")
         out[task].append(override)
+    for task, overrides in out.items():
+        try:
+            if task == "default":
+                C.load(C.default_config_path(), overrides)
+            else:
+                task_config(task, ['roles.rollout.model="task"', *overrides])
+        except C.ConfigError as exc:
+            parser.error(f"--task-set, {task}: {exc}")
     return out
 
 
@@ -108,7 +131,8 @@ def main() -> None:
                         help="default, or reasoning-gym datasets (each with its built model: rlflow up --task)")
     parser.add_argument("--task-set", action="append", default=[], metavar="TASK:KEY=VALUE",
                         help="a config override for the runs of one task only, e.g. "
-                             "word_sequence_reversal:task.options.max_words=4 (repeatable)")
+                             "word_sequence_reversal:task.options.max_words=4 (repeatable; --reuse finds runs by "
+                             "task, correction and seed alone: give another --tag when these change)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--quick", action="store_true", help="one seed (0), the default task, 60 steps")
     parser.add_argument("--steps", type=int, default=120)
@@ -128,7 +152,7 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.quick:
         tasks, seeds, args.steps = ["default"], [0], 60
-    args.per_task = task_overrides(parser, args.task_set, tasks)
+    args.per_task = task_overrides(parser, args.task_set, tasks, args.quick)
     if args.steps % args.every:
         parser.error(f"--steps {args.steps} is not a multiple of --every {args.every}")
     runs = RUNS / (args.tag or "default")
