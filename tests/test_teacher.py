@@ -210,8 +210,9 @@ def test_a_batch_without_the_teachers_column_is_refused_by_a_trainer_that_reads_
 
     engine = TorchEngine(C.TorchTrainer(distill_coef=0.5, distill="topk"), str(teacher_path))
     scored = teacher_batch(engine.model, load_teacher(str(teacher_path)))
+    topk = ("teacher_topk_ids", "teacher_topk_logprobs")  # the two come together (or neither)
     for left_out, column, key in ((("teacher_logprobs",), "teacher_logprobs", "distill_coef = 0.5"),
-                                  (("teacher_topk_ids", "teacher_topk_logprobs"), "teacher_topk_ids", "distill = 'topk'")):
+                                  (topk, "teacher_topk_ids", "distill = 'topk'")):
         with pytest.raises(ValueError, match=f"a batch without the column {column} reached a trainer with {key}$"):
             engine.prepare(msgspec.structs.replace(scored, **dict.fromkeys(left_out)), 1)
     stats, _ = engine.prepare(scored, 1)  # the same batch with its columns passes

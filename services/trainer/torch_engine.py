@@ -148,9 +148,9 @@ class TorchEngine:
         """What needs the whole batch: the batch's statistics, and the samples to
         train on (each with its advantage) dealt into `ranks` shares by tokens."""
         cfg = self.cfg
-        for key, value, column in cfg.reads(self.base_reference):
-            if getattr(batch, column) is None:
-                raise ValueError(f"a batch without the column {column} reached a trainer with {key} = {value!r}")
+        for key, value, name in cfg.reads(self.base_reference):
+            if getattr(batch, name) is None:
+                raise ValueError(f"a batch without the column {name} reached a trainer with {key} = {value!r}")
         rows = list(samples(batch))
         w = cfg.distill_coef
         reference_terms = w > 0 or (cfg.kl_coef > 0 and not self.base_reference)
