@@ -72,16 +72,23 @@ def collapse_kept(mismatched: dict[str, dict]) -> bool:
                for name, c in curves.items() if name != DEFAULT)
 
 
-#: Keys the bench sets itself (each correction's, the mismatched run's, a run's length and marks): not
-#: for `--task-set`, whose overrides would win over them.
-OWN_KEYS = ("run.seed", "run.steps", f"{ENGINE}.checkpoint_every", "eval.",
-            *(o.split("=")[0] for overrides in [*CORRECTIONS.values(), MISMATCH] for o in overrides))
+#: Keys the bench sets itself (a run's seed, length and marks, each correction's; on the default task the
+#: mismatched run's too): not for `--task-set`, whose overrides would win over them.
+OWN_KEYS = ("run.seed", "run.steps", f"{ENGINE}.checkpoint_every", "eval.before", "eval.after", "eval.every_steps",
+            *(o.split("=")[0] for overrides in CORRECTIONS.values() for o in overrides))
+MISMATCH_KEYS = tuple(o.split("=")[0] for o in MISMATCH)
+
+
+def sets_own_key(key: str, own: tuple[str, ...]) -> bool:
+    """Whether `key` is one of `own`, a table holding one (`run`), or a key inside one."""
+    return any(key == k or k.startswith(key + ".") or key.startswith(k + ".") for k in own)
 
 
 def task_overrides(parser: argparse.ArgumentParser, given: list[str], tasks: list[str],
                    quick: bool) -> dict[str, list[str]]:
     """`--task-set TASK:KEY=VALUE`, each to the runs of that task only (a reasoning-gym dataset's options),
-    each task's config loaded with them first, so that a key the schema refuses fails before any run."""
+    each task's config loaded with them first, so that a key the schema refuses fails before any run (a
+    reasoning-gym dataset's options are its own to check, when its first run starts)."""
     from rlflow import config as C
     from rlflow.taskmodel import task_config
 
@@ -94,7 +101,7 @@ def task_overrides(parser: argparse.ArgumentParser, given: list[str], tasks: lis
         if task not in out:
             parser.error(f"--task-set {item!r}: {task!r} is not one of the tasks run "
                          f"({', '.join(tasks)}{', as --quick says' if quick else ''})")
-        if key.startswith(OWN_KEYS):
+        if sets_own_key(key, OWN_KEYS + (MISMATCH_KEYS if task == "default" else ())):
             parser.error(f"--task-set {item!r}: the bench sets {key} itself")
         out[task].append(override)
     for task, overrides in out.items():

@@ -64,8 +64,8 @@ Targets: A >= -1.5, D >= -1.5, H <= 0.5.
 
 Before it, A and D read again over the training reward (printed, not in the RESULT line): the mean
 reward of the samples each trainer drew over the `--mark-every` steps to each mark, drawn by the
-policies after the steps before them (the default's one version older, and taken in the order they
-finished), from the same prompts in the same order (`reward_at`).
+policies after the steps before them (the default's up to one version older, and taken in the order
+they finished), from the same prompts in the same order (`reward_at`).
 """
 
 from __future__ import annotations
@@ -366,7 +366,7 @@ def table(summary: dict) -> str:
     width = summary["mark_every"]
     lines += ["", f"Training reward (%) of the {width} steps to each mark: the samples those steps trained on, "
               f"from the same prompts in the same order, drawn by the policies after the {width} steps before them "
-              "(the default's one version older), mean over seeds:", "",
+              "(the default's up to one version older), mean over seeds:", "",
               "| steps | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
     for m in summary["marks"]:
         values = [s["reward_at"][m] for s in systems.values()]

@@ -189,11 +189,12 @@ class TorchTrainer(Table, tag_field="kind", tag="torch", frozen=True):
     does: a well-fitted critic's residuals, noise, are blown up to unit size and the policy follows them);
     none: as the critic made them."""
 
-    def reads(self, base_reference: bool = False) -> list[tuple[str, Any, str]]:
+    def reads(self) -> list[tuple[str, Any, str]]:
         """(key, value, column): the columns of `SampleBatch` that its settings read, each with the setting
-        that reads it (GAE the per-token advantages; a KL penalty, but to the base of a LoRA adapter
-        (`base_reference`), and distillation a reference model's log-probabilities; distillation over the
-        top k their top k). The config is checked against them (`TrainerRole.check`), and each batch."""
+        that reads it (GAE the per-token advantages; a KL penalty, but to the base of a LoRA adapter, and
+        distillation a reference model's log-probabilities; distillation over the top k their top k). The
+        config is checked against them (`TrainerRole.check`), and each batch the trainer takes."""
+        base_reference = self.lora is not None and self.lora.reference == "base"
         out: list[tuple[str, Any, str]] = []
         if self.advantage == "gae":
             out.append(("advantage", "gae", "token_advantages"))
@@ -227,9 +228,9 @@ class TrainerRole(RoleTable, kw_only=True, frozen=True):
     """The training engine and its settings."""
 
     def check(self, config: Any) -> None:
-        """The terms of its loss have a role that attaches the columns they read (`reads`); neither GAE
-        nor distillation beside the signal filter, whose groups of equal rewards they would still learn
-        from."""
+        """The terms of its loss have a role that attaches the columns they read (`TorchTrainer.reads`);
+        neither GAE nor distillation beside the signal filter, whose groups of equal rewards they would
+        still learn from."""
         engine = self.engine
         if not isinstance(engine, TorchTrainer):
             return
@@ -240,16 +241,9 @@ class TrainerRole(RoleTable, kw_only=True, frozen=True):
             raise ConfigError("run.filter", config.run.filter, "with distillation (distill_coef > 0) a group with "
                               "equal rewards still learns from the teacher; use filter = 'none'")
         attached = frozenset().union(*(role.attaches() for _, role in config.role_items()))
-        for key, value, column in self.reads(config):
+        for key, value, column in engine.reads():
             if column not in attached:
                 by = spoken(tuple(f"[roles.{role.name}]" for role in ROLES if column in role.attaches))
                 raise ConfigError(f"roles.trainer.engine.{key}", value,
                                   f"reads the column {column}, which no role of this config attaches ({by} does, "
                                   "unless its engine is simulated and makes them up)")
-
-    def reads(self, config: Any) -> list[tuple[str, Any, str]]:
-        """(key, value, column): the columns of `SampleBatch` that its engine's settings read
-        (`TorchTrainer.reads`, a LoRA adapter's KL penalty to its base read by the trainer itself)."""
-        engine = self.engine
-        assert isinstance(engine, TorchTrainer)
-        return engine.reads(base_reference=config.lora is not None and config.lora.reference == "base")

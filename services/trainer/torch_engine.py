@@ -148,7 +148,7 @@ class TorchEngine:
         """What needs the whole batch: the batch's statistics, and the samples to
         train on (each with its advantage) dealt into `ranks` shares by tokens."""
         cfg = self.cfg
-        for key, value, name in cfg.reads(self.base_reference):
+        for key, value, name in cfg.reads():
             if getattr(batch, name) is None:
                 raise ValueError(f"a batch without the column {name} reached a trainer with {key} = {value!r}")
         rows = list(samples(batch))
