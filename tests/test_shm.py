@@ -66,18 +66,15 @@ def filled(version: int, size: int) -> Tensor:
 
 def segments_here(label: str) -> list[str]:
     """This process's descriptors and mappings of segments named with `label`."""
-    fds = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd") if _readable(fd)]
+    fds = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # closed since the listing: the listing's own descriptor, or another thread's
+            continue
     with open("/proc/self/maps") as f:
         maps = f.read().splitlines()
     return [x for x in fds + maps if f"rlflow-{label}" in x]
-
-
-def _readable(fd: str) -> bool:
-    try:
-        os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return False
-    return True
 
 
 def named_in_dev_shm(*needles: str) -> list[str]:
