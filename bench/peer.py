@@ -522,9 +522,8 @@ def run_task(task: str, seeds: list[int], systems: list[str], args) -> str:
     print(text)
     if summary["A_sync"] is not None and "lockstep" in summary["systems"]:
         print(f"sync (its schedule over the default's steps) minus the peer, worst: {summary['A_sync']:.1f} points")
-    for key, label in (("A_reward", summary["A_from"]), ("D_reward", "default")):
+    for key, label, against in (("A_reward", summary["A_from"], "the peer"), ("D_reward", "default", "sync")):
         if summary[key] is not None:
-            against = "the peer" if key == "A_reward" else "sync"
             print(f"training reward, {label} minus {against}, worst window: {summary[key]:.1f} points")
     if summary["target"] is not None:
         reached = summary["time_to_target_s"]

@@ -130,11 +130,6 @@ class TorchEngine:
         #: The layout of what leaves the trainer, and its size in bytes.
         self.specs, self.nbytes = self.weights.specs, self.weights.nbytes
 
-    @property
-    def base_reference(self) -> bool:
-        """Whether a KL penalty's reference is the base with the adapter off (LoRA, `reference = "base"`)."""
-        return self.weights.base_reference
-
     # -- one step ---------------------------------------------------------------
 
     def train(self, batch: SampleBatch) -> dict[str, float]:
@@ -148,12 +143,14 @@ class TorchEngine:
         """What needs the whole batch: the batch's statistics, and the samples to
         train on (each with its advantage) dealt into `ranks` shares by tokens."""
         cfg = self.cfg
-        for key, value, name in cfg.reads():
+        reads = cfg.reads()
+        for key, value, name in reads:
             if getattr(batch, name) is None:
                 raise ValueError(f"a batch without the column {name} reached a trainer with {key} = {value!r}")
         rows = list(samples(batch))
         w = cfg.distill_coef
-        reference_terms = w > 0 or (cfg.kl_coef > 0 and not self.base_reference)
+        # A KL penalty (but to a LoRA adapter's base, which the trainer scores itself) or distillation.
+        reference_terms = any(name == "teacher_logprobs" for _, _, name in reads)
         rewards = torch.tensor([r.reward if r.reward is not None else math.nan for r in rows], dtype=torch.float32)
         if torch.isnan(rewards).any() and w < 1:
             raise ValueError("a sample without a reward reached the trainer")
