@@ -373,6 +373,12 @@ def test_gae_needs_a_critic_and_a_critic_needs_gae():
     assert [name for name, _ in config.role_items()] == ["rollout", "reward", "critic", "trainer"]
     with pytest.raises(C.ConfigError, match="roles.critic.lam"):
         C.build(BASE, {"roles": {"critic": {"pool": "v", "lam": 1.5}}})
+    lora_base = {"roles": {"critic": {"pool": "v"}, "trainer": {"engine": {
+        "kl_coef": 0.1, "kl_in": "reward", "lora": {"reference": "base"}}}}}
+    with pytest.raises(C.ConfigError, match=r"roles.trainer.engine.kl_in = 'reward': with \[roles.critic\] a KL "
+                                            r"penalty in the reward is folded into the returns by the critic"):
+        C.build(BASE, lora_base)
+    C.build(BASE, lora_base, overrides=["roles.trainer.engine.kl_in=loss"])
 
 
 def test_the_planner_ranks_a_critic_pool_against_the_critic_on_the_trainers_devices():

@@ -92,11 +92,19 @@ class CriticRole(RoleTable, kw_only=True, frozen=True):
         return frozenset(BY_NAME["critic"].attaches)
 
     def check(self, config: Any) -> None:
-        """The trainer uses the advantages this role attaches, and a simulated critic is one rank."""
+        """The trainer uses the advantages this role attaches; a KL penalty in the reward, which the critic
+        folds into its returns, is to the teacher's model (the critic cannot score a LoRA adapter's base);
+        a simulated critic is one rank."""
         trainer = config.roles.trainer.engine
         if isinstance(trainer, TorchTrainer) and trainer.advantage != "gae":
             raise ConfigError("roles.trainer.engine.advantage", trainer.advantage,
                               "the trainer would ignore the critic's advantages: use 'gae' with [roles.critic]")
+        if (isinstance(trainer, TorchTrainer) and trainer.kl_coef > 0 and trainer.kl_in == "reward"
+                and trainer.lora is not None and trainer.lora.reference == "base"):
+            raise ConfigError("roles.trainer.engine.kl_in", trainer.kl_in,
+                              "with [roles.critic] a KL penalty in the reward is folded into the returns by the "
+                              "critic, which cannot score the base of the trainer's LoRA adapter "
+                              "(lora.reference = 'base'): use kl_in = 'loss'")
         if isinstance(self.engine, SimCritic) and self.replicas > 1:
             raise ConfigError("roles.critic.replicas", self.replicas,
                               "the simulated critic is one rank (lower its times per token to model more)")
