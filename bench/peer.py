@@ -71,6 +71,7 @@ they finished), from the same prompts in the same order (`reward_at`).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import pathlib
@@ -321,9 +322,35 @@ def summarise(results: dict[str, dict[int, dict]], args) -> dict:
         out["time_to_target_s"] = reached["time_s"] if reached else None
         out["R"] = reached["time_s"] / args.peer_time if reached else None
     out["H"] = ratio_high(results, args) if out["R"] is not None else None
+    # What the seeds' spread alone makes of the worst mark (A and D read the worst of many noisy marks).
+    out["A_noise"] = sign_flips(results, out["A_from"], "peer", marks)
+    out["D_noise"] = sign_flips(results, "default", "sync", marks)
     out["P"] = systems["peer"]["samples_per_s"] if "peer" in systems else None
     out["S"] = systems["default"]["samples_per_s"] if "default" in systems else None
     return out
+
+
+def sign_flips(results: dict[str, dict[int, dict]], a: str, b: str, marks: list[int]) -> dict | None:
+    """`a`'s held-out accuracy minus `b`'s, seed by seed (a seed's two runs saw the same prompts), at the marks
+    every such seed of both has: the worst mark's mean over seeds and the mean over the marks, in points, against
+    the same worst read with the seeds' difference curves' signs flipped, every way (a curve flipped whole, so
+    its marks keep their correlation). Were neither system ahead, each way would be as likely as the one
+    read: `null_worst` is their worst on the mean, `as_low` how many of the `ways` read a worst as low."""
+    if a not in results or b not in results:
+        return None
+    seeds = sorted(set(results[a]) & set(results[b]))
+    curves: list[list[float]] = []
+    for m in marks:
+        points = [(mean_at([results[a][s]], m), mean_at([results[b][s]], m)) for s in seeds]
+        if seeds and all(x is not None and y is not None for x, y in points):
+            curves.append([100 * (x - y) for x, y in points])
+    if not curves:
+        return None
+    worsts = [min(statistics.fmean(sign * d for sign, d in zip(signs, at_mark)) for at_mark in curves)
+              for signs in itertools.product((1, -1), repeat=len(seeds))]  # the reading itself first
+    return {"worst": worsts[0], "mean": statistics.fmean(statistics.fmean(at_mark) for at_mark in curves),
+            "marks": len(curves), "seeds": len(seeds), "null_worst": statistics.fmean(worsts),
+            "as_low": sum(w <= worsts[0] + 1e-9 for w in worsts), "ways": len(worsts)}
 
 
 def ratio_high(results: dict[str, dict[int, dict]], args, draws: int = 2000) -> float:
@@ -381,6 +408,15 @@ def table(summary: dict) -> str:
     for label, key, spec in (("samples/s", "samples_per_s", ".1f"), ("seconds a step", "seconds_per_step", ".2f"),
                              ("gradient norm, mean", "grad_norm", ".2f"), ("staleness, mean", "staleness_mean", ".2f")):
         lines.append(f"| {label} | " + " | ".join(fmt(s[key], spec) for s in systems.values()) + " |")
+    noise = [(f"{label} minus {against}", n) for key, label, against in (
+        ("A_noise", summary["A_from"], "the peer"), ("D_noise", "default", "sync")) if (n := summary[key])]
+    if noise:
+        lines += ["", "Held-out, the worst mark against what the seeds' spread alone gives (`sign_flips`): every "
+                  "way of flipping the signs of the seeds' difference curves, each as likely were neither ahead "
+                  "(points):", "", "| | marks | worst | mean over the marks | worst, flipped, on the mean "
+                  "| as low |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {label} | {n['marks']} | {n['worst']:.1f} | {n['mean']:.1f} | {n['null_worst']:.1f} "
+                  f"| {n['as_low']} of {n['ways']} |" for label, n in noise]
     return "\n".join(lines) + "\n"
 
 
@@ -525,6 +561,12 @@ def run_task(task: str, seeds: list[int], systems: list[str], args) -> str:
     for key, label, against in (("A_reward", summary["A_from"], "the peer"), ("D_reward", "default", "sync")):
         if summary[key] is not None:
             print(f"training reward, {label} minus {against}, worst window: {summary[key]:.1f} points")
+    for key, label, against in (("A_noise", summary["A_from"], "the peer"), ("D_noise", "default", "sync")):
+        if (n := summary[key]) is not None:
+            print(f"held-out, {label} minus {against}: worst {n['worst']:.1f} points of {n['marks']} marks, "
+                  f"{n['mean']:.1f} on their mean; with the {n['seeds']} seeds' curves' signs flipped ({n['ways']} "
+                  f"ways, each as likely were neither ahead) the worst reads {n['null_worst']:.1f} on the mean, "
+                  f"as low in {n['as_low']} of {n['ways']}")
     if summary["target"] is not None:
         reached = summary["time_to_target_s"]
         print(f"the peer's accuracy at {args.peer_time} s: {100 * summary['target']:.1f}%; the default reaches it "
