@@ -65,7 +65,9 @@ Targets: A >= -1.5, D >= -1.5, H <= 0.5.
 Before it, A and D read again over the training reward (printed, not in the RESULT line): the mean
 reward of the samples each trainer drew over the `--mark-every` steps to each mark, drawn by the
 policies after the steps before them (the default's up to one version older, and taken in the order
-they finished), from the same prompts in the same order (`reward_at`).
+they finished), from the same prompts in the same order (`reward_at`). And the held-out A and D against
+what the seeds' spread alone gives (`sign_flips`): the worst mark read again with the signs of the seeds'
+difference curves flipped, every way, each as likely as the reading were neither trainer ahead.
 """
 
 from __future__ import annotations
