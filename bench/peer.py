@@ -81,7 +81,7 @@ import shutil
 import statistics
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import learning  # bench/learning.py (bench/ is on the import path of a script run from it)
 
@@ -325,25 +325,32 @@ def summarise(results: dict[str, dict[int, dict]], args) -> dict:
         out["R"] = reached["time_s"] / args.peer_time if reached else None
     out["H"] = ratio_high(results, args) if out["R"] is not None else None
     # What the seeds' spread alone makes of the worst mark (A and D read the worst of many noisy marks).
+    def window(runs: list[dict], step: int) -> float | None:
+        return reward_at(runs, step, args.mark_every)
+
     out["A_noise"] = sign_flips(results, out["A_from"], "peer", marks)
     out["D_noise"] = sign_flips(results, "default", "sync", marks)
+    out["A_reward_noise"] = sign_flips(results, out["A_from"], "peer", marks, window)
+    out["D_reward_noise"] = sign_flips(results, "default", "sync", marks, window)
     out["P"] = systems["peer"]["samples_per_s"] if "peer" in systems else None
     out["S"] = systems["default"]["samples_per_s"] if "default" in systems else None
     return out
 
 
-def sign_flips(results: dict[str, dict[int, dict]], a: str, b: str, marks: list[int]) -> dict | None:
-    """`a`'s held-out accuracy minus `b`'s, seed by seed (a seed's two runs saw the same prompts), at the marks
-    every such seed of both has: the worst mark's mean over seeds and the mean over the marks, in points, against
-    the same worst read with the seeds' difference curves' signs flipped, every way (a curve flipped whole, so
-    its marks keep their correlation). Were neither system ahead, each way would be as likely as the one
-    read: `null_worst` is their worst on the mean, `as_low` how many of the `ways` read a worst as low."""
+def sign_flips(results: dict[str, dict[int, dict]], a: str, b: str, marks: list[int],
+               at: Callable[[list[dict], int], float | None] = mean_at) -> dict | None:
+    """`a`'s reading `at` (held-out accuracy; or the training reward of a window) minus `b`'s, seed by seed
+    (a seed's two runs saw the same prompts), at the marks every such seed of both has: the worst mark's mean
+    over seeds and the mean over the marks, in points, against the same worst read with the seeds' difference
+    curves' signs flipped, every way (a curve flipped whole, so its marks keep their correlation). Were
+    neither system ahead, each way would be as likely as the one read: `null_worst` is their worst on the
+    mean, `as_low` how many of the `ways` read a worst as low."""
     if a not in results or b not in results:
         return None
     seeds = sorted(set(results[a]) & set(results[b]))
     curves: list[list[float]] = []
     for m in marks:
-        points = [(mean_at([results[a][s]], m), mean_at([results[b][s]], m)) for s in seeds]
+        points = [(at([results[a][s]], m), at([results[b][s]], m)) for s in seeds]
         if seeds and all(x is not None and y is not None for x, y in points):
             curves.append([100 * (x - y) for x, y in points])
     if not curves:
@@ -373,6 +380,16 @@ def ratio_high(results: dict[str, dict[int, dict]], args, draws: int = 2000) -> 
         ratios.append(math.inf if reached is None else reached["time_s"] / args.peer_time)
     ratios.sort()
     return ratios[min(len(ratios) - 1, math.ceil(0.95 * len(ratios)) - 1)]
+
+
+def flip_readings(summary: dict) -> list[tuple[str, dict]]:
+    """(label, `sign_flips`) of A and D, held-out then over the training reward, where read."""
+    out = []
+    for reading, suffix in (("held-out", "noise"), ("training reward", "reward_noise")):
+        for key, label, against in (("A", summary["A_from"], "the peer"), ("D", "default", "sync")):
+            if (n := summary[f"{key}_{suffix}"]) is not None:
+                out.append((f"{reading}, {label} minus {against}", n))
+    return out
 
 
 def table(summary: dict) -> str:
@@ -410,13 +427,12 @@ def table(summary: dict) -> str:
     for label, key, spec in (("samples/s", "samples_per_s", ".1f"), ("seconds a step", "seconds_per_step", ".2f"),
                              ("gradient norm, mean", "grad_norm", ".2f"), ("staleness, mean", "staleness_mean", ".2f")):
         lines.append(f"| {label} | " + " | ".join(fmt(s[key], spec) for s in systems.values()) + " |")
-    noise = [(f"{label} minus {against}", n) for key, label, against in (
-        ("A_noise", summary["A_from"], "the peer"), ("D_noise", "default", "sync")) if (n := summary[key])]
-    if noise:
-        lines += ["", "Held-out, the worst mark against what the seeds' spread alone gives (`sign_flips`): every "
-                  "way of flipping the signs of the seeds' difference curves, each as likely were neither ahead "
-                  "(points):", "", "| | marks | worst | mean over the marks | worst, flipped, on the mean "
-                  "| as low |", "|---|---:|---:|---:|---:|---:|"]
+    if noise := flip_readings(summary):
+        lines += ["", "The worst mark against what the seeds' spread alone gives (`sign_flips`): every way of "
+                  "flipping the signs of the seeds' difference curves, each as likely were neither ahead (points; "
+                  "the training reward's marks are its windows):", "",
+                  "| | marks | worst | mean over the marks | worst, flipped, on the mean | as low |",
+                  "|---|---:|---:|---:|---:|---:|"]
         lines += [f"| {label} | {n['marks']} | {n['worst']:.1f} | {n['mean']:.1f} | {n['null_worst']:.1f} "
                   f"| {n['as_low']} of {n['ways']} |" for label, n in noise]
     return "\n".join(lines) + "\n"
@@ -560,15 +576,10 @@ def run_task(task: str, seeds: list[int], systems: list[str], args) -> str:
     print(text)
     if summary["A_sync"] is not None and "lockstep" in summary["systems"]:
         print(f"sync (its schedule over the default's steps) minus the peer, worst: {summary['A_sync']:.1f} points")
-    for key, label, against in (("A_reward", summary["A_from"], "the peer"), ("D_reward", "default", "sync")):
-        if summary[key] is not None:
-            print(f"training reward, {label} minus {against}, worst window: {summary[key]:.1f} points")
-    for key, label, against in (("A_noise", summary["A_from"], "the peer"), ("D_noise", "default", "sync")):
-        if (n := summary[key]) is not None:
-            print(f"held-out, {label} minus {against}: worst {n['worst']:.1f} points of {n['marks']} marks, "
-                  f"{n['mean']:.1f} on their mean; with the {n['seeds']} seeds' curves' signs flipped ({n['ways']} "
-                  f"ways, each as likely were neither ahead) the worst reads {n['null_worst']:.1f} on the mean, "
-                  f"as low in {n['as_low']} of {n['ways']}")
+    for label, n in flip_readings(summary):
+        print(f"{label}: worst {n['worst']:.1f} points of {n['marks']} marks, {n['mean']:.1f} on their mean; "
+              f"with the {n['seeds']} seeds' curves' signs flipped ({n['ways']} ways, each as likely were neither "
+              f"ahead) the worst reads {n['null_worst']:.1f} on the mean, as low in {n['as_low']} of {n['ways']}")
     if summary["target"] is not None:
         reached = summary["time_to_target_s"]
         print(f"the peer's accuracy at {args.peer_time} s: {100 * summary['target']:.1f}%; the default reaches it "
