@@ -65,9 +65,9 @@ Targets: A >= -1.5, D >= -1.5, H <= 0.5.
 Before it, A and D read again over the training reward (printed, not in the RESULT line): the mean
 reward of the samples each trainer drew over the `--mark-every` steps to each mark, drawn by the
 policies after the steps before them (the default's up to one version older, and taken in the order
-they finished), from the same prompts in the same order (`reward_at`). And the held-out A and D against
-what the seeds' spread alone gives (`sign_flips`): the worst mark read again with the signs of the seeds'
-difference curves flipped, every way, each as likely as the reading were neither trainer ahead.
+they finished), from the same prompts in the same order (`reward_at`). And both readings of A and D
+against what the seeds' spread alone gives (`sign_flips`): the worst mark read again with the signs of the
+seeds' difference curves flipped, every way, each as likely as the reading were neither trainer ahead.
 """
 
 from __future__ import annotations
@@ -324,10 +324,10 @@ def summarise(results: dict[str, dict[int, dict]], args) -> dict:
         out["time_to_target_s"] = reached["time_s"] if reached else None
         out["R"] = reached["time_s"] / args.peer_time if reached else None
     out["H"] = ratio_high(results, args) if out["R"] is not None else None
-    # What the seeds' spread alone makes of the worst mark (A and D read the worst of many noisy marks).
     def window(runs: list[dict], step: int) -> float | None:
         return reward_at(runs, step, args.mark_every)
 
+    # What the seeds' spread alone makes of the worst mark (A and D read the worst of many noisy marks).
     out["A_noise"] = sign_flips(results, out["A_from"], "peer", marks)
     out["D_noise"] = sign_flips(results, "default", "sync", marks)
     out["A_reward_noise"] = sign_flips(results, out["A_from"], "peer", marks, window)
