@@ -73,6 +73,7 @@ seeds' difference curves flipped, every way, each as likely as the reading were 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -299,11 +300,11 @@ def summarise(results: dict[str, dict[int, dict]], args) -> dict:
         }
     systems = out["systems"]
 
-    def gap(a: str, b: str, reading: str = "at_steps") -> float | None:
-        """The worst of `a`'s `reading` minus `b`'s over the marks both have, in points."""
+    def gap(a: str, b: str) -> float | None:
+        """The worst of `a`'s held-out accuracy minus `b`'s over the marks both have, in points."""
         if a not in systems or b not in systems:
             return None
-        pairs = [(systems[a][reading][m], systems[b][reading][m]) for m in marks]
+        pairs = [(systems[a]["at_steps"][m], systems[b]["at_steps"][m]) for m in marks]
         gaps = [x - y for x, y in pairs if x is not None and y is not None]
         return 100 * min(gaps) if gaps else None
 
@@ -311,11 +312,7 @@ def summarise(results: dict[str, dict[int, dict]], args) -> dict:
     out["A_sync"] = gap("sync", "peer")
     out["A"] = gap(out["A_from"], "peer")
     out["D"] = gap("default", "sync")
-    # A and D again over the training reward: the trainers draw the same prompts in the same order, so a
-    # window compares the policies on the same problems (a held-out reading adds its own noise).
     out["mark_every"] = args.mark_every
-    out["A_reward"] = gap(out["A_from"], "peer", "reward_at")
-    out["D_reward"] = gap("default", "sync", "reward_at")
     out["R"] = out["target"] = out["time_to_target_s"] = None
     if "peer" in systems and "default" in systems:
         target = systems["peer"]["at_time"][args.peer_time]["accuracy"]
@@ -324,10 +321,10 @@ def summarise(results: dict[str, dict[int, dict]], args) -> dict:
         out["time_to_target_s"] = reached["time_s"] if reached else None
         out["R"] = reached["time_s"] / args.peer_time if reached else None
     out["H"] = ratio_high(results, args) if out["R"] is not None else None
-    def window(runs: list[dict], step: int) -> float | None:
-        return reward_at(runs, step, args.mark_every)
-
-    # What the seeds' spread alone makes of the worst mark (A and D read the worst of many noisy marks).
+    # What the seeds' spread alone makes of the worst mark (A and D read the worst of many noisy marks);
+    # and A and D again over the training reward: the trainers draw the same prompts in the same order, so a
+    # window compares the policies on the same problems (a held-out reading adds its own noise).
+    window = functools.partial(reward_at, width=args.mark_every)
     out["A_noise"] = sign_flips(results, out["A_from"], "peer", marks)
     out["D_noise"] = sign_flips(results, "default", "sync", marks)
     out["A_reward_noise"] = sign_flips(results, out["A_from"], "peer", marks, window)
